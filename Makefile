@@ -1,0 +1,45 @@
+# Two commands set everything up on a fresh machine: `make test` and `make demo`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+MODEL_DIR ?= models/smollm2-135m
+STAMP  := $(VENV)/.installed
+
+.PHONY: install model test demo bench lock schemas clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: the CPU build lies on local disk; an unpinned
+	# resolve would download a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(MODEL_DIR)/config.json: | $(STAMP)
+	$(PY) -m qworker.model.fetch $(MODEL_DIR)
+
+model: $(MODEL_DIR)/config.json
+
+test: install model
+	QWORKER_TEST_MODEL=$(MODEL_DIR) $(PY) -m pytest -q -p no:cacheprovider
+
+demo: install model
+	$(PY) -m qworker.demo --model $(MODEL_DIR)
+
+bench: install model
+	$(PY) bench/throughput.py --model $(MODEL_DIR)
+
+schemas: install
+	$(PY) -m qworker.schemas_gen
+
+# Pins for the Docker image (a pip constraint file). torch/triton are left out: the CPU and CUDA
+# images pin different builds.
+lock: install
+	$(PIP) freeze --exclude-editable | grep -v -i -E '^(torch|triton|nvidia-|qworker)([=<> @]|$$)' > requirements.lock
+
+clean:
+	rm -rf $(VENV) build *.egg-info

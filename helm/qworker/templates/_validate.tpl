@@ -1,0 +1,103 @@
+{{/*
+Rules that span several values, which values.schema.json cannot express.
+Every template includes this, so a bad combination fails `helm install` and
+`helm template` before anything reaches the cluster. Messages name the keys.
+*/}}
+{{- define "qworker.validate" -}}
+{{- $v := .Values -}}
+{{- $k := $v.kafka -}}
+{{- $a := $v.autoscaling -}}
+{{- $partitions := int $k.jobsPartitions -}}
+
+{{- if not (trim (toString (default "" $k.bootstrapServers))) -}}
+{{- fail "qworker: kafka.bootstrapServers is required (comma-separated host:port list of your Kafka brokers)" -}}
+{{- end -}}
+
+{{- if lt (int $v.replicaCount) 0 -}}
+{{- fail (printf "qworker: replicaCount must be >= 0, got %d" (int $v.replicaCount)) -}}
+{{- end -}}
+
+{{- if $a.enabled -}}
+  {{- $min := int $a.minReplicas -}}
+  {{- $max := int $a.maxReplicas -}}
+  {{- if lt $min 0 -}}
+  {{- fail (printf "qworker: autoscaling.minReplicas must be >= 0, got %d" $min) -}}
+  {{- end -}}
+  {{- if gt $min $max -}}
+  {{- fail (printf "qworker: autoscaling.minReplicas (%d) must not exceed autoscaling.maxReplicas (%d)" $min $max) -}}
+  {{- end -}}
+  {{- if gt $max $partitions -}}
+  {{- fail (printf "qworker: autoscaling.maxReplicas (%d) must not exceed kafka.jobsPartitions (%d): a consumer group gives each partition to one pod, so extra pods would sit idle. Create the jobs topic with more partitions or lower maxReplicas" $max $partitions) -}}
+  {{- end -}}
+  {{- if $a.keda.enabled -}}
+    {{- $fb := int (include "qworker.keda.fallbackReplicas" .) -}}
+    {{- if and $a.keda.fallback.enabled (gt $fb $max) -}}
+    {{- fail (printf "qworker: autoscaling.keda.fallback.replicas (%d) must not exceed autoscaling.maxReplicas (%d)" $fb $max) -}}
+    {{- end -}}
+    {{- if lt (int (include "qworker.keda.lagThreshold" .)) 1 -}}
+    {{- fail "qworker: autoscaling.keda.lagThreshold must be >= 1" -}}
+    {{- end -}}
+  {{- else -}}
+    {{- if lt $min 1 -}}
+    {{- fail "qworker: autoscaling.minReplicas must be >= 1 with the plain HPA (autoscaling.keda.enabled=false); scale to zero needs KEDA" -}}
+    {{- end -}}
+    {{- if and (eq $a.hpa.metric "cpu") (not (dig "requests" "cpu" "" ($v.resources | default dict))) -}}
+    {{- fail "qworker: the CPU-based HPA needs resources.requests.cpu (utilisation is measured against the request)" -}}
+    {{- end -}}
+  {{- end -}}
+{{- else -}}
+  {{- if gt (int $v.replicaCount) $partitions -}}
+  {{- fail (printf "qworker: replicaCount (%d) must not exceed kafka.jobsPartitions (%d): extra consumers in the group would sit idle" (int $v.replicaCount) $partitions) -}}
+  {{- end -}}
+{{- end -}}
+
+{{- $grace := int (include "qworker.gracePeriod" .) -}}
+{{- $drain := int $v.worker.drainTimeoutSeconds -}}
+{{- if le $grace $drain -}}
+{{- fail (printf "qworker: terminationGracePeriodSeconds (%d) must be greater than worker.drainTimeoutSeconds (%d), or the kubelet kills the worker mid-drain and its jobs run twice; leave it empty for drain + 30" $grace $drain) -}}
+{{- end -}}
+
+{{- if $k.sasl.enabled -}}
+  {{- if not $k.sasl.existingSecret -}}
+    {{- if or (not $k.sasl.username) (not $k.sasl.password) -}}
+    {{- fail "qworker: kafka.sasl.enabled needs kafka.sasl.existingSecret, or both kafka.sasl.username and kafka.sasl.password" -}}
+    {{- end -}}
+  {{- end -}}
+{{- end -}}
+
+{{- if $k.tls.enabled -}}
+  {{- if not $k.tls.existingSecret -}}
+    {{- if not $k.tls.ca -}}
+    {{- fail "qworker: kafka.tls.enabled needs kafka.tls.existingSecret, or the broker CA as PEM in kafka.tls.ca" -}}
+    {{- end -}}
+    {{- if and $k.tls.clientAuth (or (not $k.tls.cert) (not $k.tls.key)) -}}
+    {{- fail "qworker: kafka.tls.clientAuth needs kafka.tls.cert and kafka.tls.key (or kafka.tls.existingSecret)" -}}
+    {{- end -}}
+  {{- end -}}
+{{- end -}}
+
+{{- if include "qworker.model.volumeSource" . -}}
+  {{- if not $v.model.mountPath -}}
+  {{- fail "qworker: the model has a volume (model.existingClaim or model.volume), so model.mountPath is required" -}}
+  {{- end -}}
+  {{- $mp := trimSuffix "/" $v.model.mountPath -}}
+  {{- if not (or (eq $v.model.path $mp) (hasPrefix (printf "%s/" $mp) $v.model.path)) -}}
+  {{- fail (printf "qworker: model.path (%s) must lie inside model.mountPath (%s), where the model volume is mounted" $v.model.path $mp) -}}
+  {{- end -}}
+{{- end -}}
+
+{{- if $v.podDisruptionBudget.enabled -}}
+  {{- $pdb := $v.podDisruptionBudget -}}
+  {{- if and (kindIs "invalid" $pdb.maxUnavailable) (kindIs "invalid" $pdb.minAvailable) -}}
+  {{- fail "qworker: podDisruptionBudget.enabled needs maxUnavailable or minAvailable" -}}
+  {{- end -}}
+  {{- if and (not (kindIs "invalid" $pdb.maxUnavailable)) (eq (toString $pdb.maxUnavailable) "0" "0%") -}}
+  {{- fail "qworker: podDisruptionBudget.maxUnavailable 0 would block every node drain; use 1 or disable the PDB" -}}
+  {{- end -}}
+{{- end -}}
+
+{{- $startupBudget := mul (int $v.probes.startup.periodSeconds) (int $v.probes.startup.failureThreshold) -}}
+{{- if lt $startupBudget 60 -}}
+{{- fail (printf "qworker: the startup probe allows only %d s (periodSeconds x failureThreshold) for model load; give it at least 60 s" $startupBudget) -}}
+{{- end -}}
+{{- end -}}

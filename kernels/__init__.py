@@ -1,0 +1,125 @@
+"""Paged-KV attention kernels (Triton) and their plain-torch references.
+
+This package imports torch (and triton, lazily) only; never ``qworker``.
+
+Every kernel ``f`` has a reference ``f_ref`` with the same signature in
+:mod:`kernels.reference`; the engine runs the references on CPU and the
+Triton versions on CUDA. The layout they share (cache shape, what a slot is,
+block tables, GQA head mapping) is documented in :mod:`kernels.reference`.
+
+The Triton versions here are thin wrappers that import their module on first
+call, for two reasons: ``import kernels`` works without triton installed (the
+CPU engine needs only the references), and ``TRITON_INTERPRET`` is read when
+a ``@triton.jit`` function is *defined*, so deferring the import lets a test
+harness set it after ``kernels`` was imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .reference import (
+    paged_attention_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    rms_norm_ref,
+    store_kv_ref,
+)
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+__all__ = [
+    "HAS_TRITON",
+    "store_kv",
+    "store_kv_ref",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "paged_attention",
+    "paged_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+]
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into their slots; negative slot = skip. In place."""
+    from .kv_store import store_kv as impl
+
+    impl(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """Flash-decoding over paged KV: ``q [B, Hq, D]`` -> ``[B, Hq, D]``. See :mod:`kernels.decode_attention`."""
+    from .decode_attention import paged_decode_attention as impl
+
+    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, **kwargs)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    **kwargs,
+) -> torch.Tensor:
+    """Varlen causal attention of new query chunks over paged KV. See :mod:`kernels.prefill_attention`."""
+    from .prefill_attention import paged_prefill_attention as impl
+
+    return impl(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, **kwargs)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One step's attention: all ``q_len == 1`` (``max_query_len == 1``) goes to the
+    decode kernel (``q`` rows are then the sequences), anything else to the
+    prefill kernel, which handles decode rows of a mixed batch too."""
+    if max_query_len == 1:
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+    return paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, out=out
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``(x + residual)`` and RMSNorm: returns ``(out, new_residual)``."""
+    from .rmsnorm import rms_norm as impl
+
+    return impl(x, weight, eps, residual)

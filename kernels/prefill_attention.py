@@ -1,0 +1,139 @@
+"""Triton paged prefill / extend attention: varlen, causal, KV read in place.
+
+Shapes and layout are those of :mod:`kernels.reference`. Sequence ``b`` owns
+query rows ``[query_start_loc[b], query_start_loc[b+1])``; they are the last
+``q_len`` positions of its ``seq_len`` tokens, so query row ``i`` sits at
+position ``prefix + i`` with ``prefix = seq_len - q_len`` (tokens from the
+prefix cache or earlier chunks). All ``seq_len`` tokens' K/V are already in
+the cache. Row ``i`` attends positions ``0 .. prefix + i``.
+
+One program per ``(query tile of BLOCK_M rows, query head, sequence)``; it
+walks the key positions ``[0, min(seq_len, prefix + last row + 1))`` in tiles
+of ``BLOCK_N``, looking each position's page up in the block table. Tiles of
+a sequence past its ``q_len`` run no loop and store nothing (the grid is sized
+by ``max_query_len`` for the whole batch). The first key tile holds position 0,
+which every row may attend, so the running max is finite from then on.
+Query heads of a GQA group each re-read their kv head's K/V (through L2);
+prefill is compute-bound, so packing the group is left for later.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_btb,
+    stride_ot, stride_oh,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    mt = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    kh = h // G
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    rows = mt * BLOCK_M + offs_m
+    row_mask = rows < q_len
+    d_mask = offs_d < D
+    q_pos = prefix + rows
+    # Causal bound of this tile's last row; 0 (no loop) for a tile past q_len.
+    kv_end = tl.where(mt * BLOCK_M < q_len, tl.minimum(seq_len, prefix + (mt + 1) * BLOCK_M), 0)
+
+    q_rows = (q_start + rows).to(tl.int64) * stride_qt + h * stride_qh
+    md_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=md_mask, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < kv_end
+        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_row = page * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kh * stride_ch
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        keep = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(keep, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_rows = (q_start + rows).to(tl.int64) * stride_ot + h * stride_oh
+    tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=md_mask)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Triton version of :func:`kernels.reference.paged_prefill_attention_ref`.
+
+    ``max_query_len`` (a host int) sizes the grid, so there is no device sync.
+    ``out`` (``[T, Hq, D]``) may be given to write in place.
+    """
+    T, Hq, D = q.shape
+    _, block_size, Hkv, Dc = k_cache.shape
+    assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    B = query_start_loc.shape[0] - 1
+    if out is None:
+        out = torch.empty_like(q)
+    if T == 0 or B == 0 or max_query_len == 0:
+        return out
+    if max_query_len <= 16:  # decode-heavy or small chunks: don't waste a 64-row tile
+        block_m = min(block_m, 16)
+    grid = (triton.cdiv(max_query_len, block_m), Hq, B)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=Hq // Hkv, D=D, D_PAD=triton.next_power_of_2(D),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+__all__ = ["paged_prefill_attention"]

@@ -1,0 +1,21 @@
+"""The paged, continuous-batching inference engine."""
+
+from qworker.engine.async_engine import AsyncEngine
+from qworker.engine.config import EngineConfig
+from qworker.engine.llm import LLM
+from qworker.engine.llm_engine import Capacity, LLMEngine
+from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
+
+__all__ = [
+    "AsyncEngine",
+    "Capacity",
+    "CompletionOutput",
+    "EngineConfig",
+    "InvalidRequestError",
+    "LLM",
+    "LLMEngine",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]

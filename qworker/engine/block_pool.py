@@ -1,0 +1,143 @@
+"""The device block pool: ref counts, the prefix map, and the free list that is also the LRU.
+
+Invariants (checked by the stateful tests in tests/engine/test_block_pool_stateful.py):
+- A block is *held* while ``ref_count > 0``; its holders are the block tables that list it.
+  ``ref_count`` equals the number of block-table entries (over all sequences) naming it.
+- A block is *free* exactly when ``ref_count == 0``; every free block sits in exactly one of the
+  two free queues: ``_free_unhashed`` (no content worth keeping) or ``_free_cached`` (a full block
+  whose hash is still in the prefix map, "lazily evicted": it stays hit-able until reclaimed).
+- ``block_hash`` is set once a block is full and registered; hashed blocks are immutable.
+  The prefix map holds at most one block per hash.
+- Allocation takes unhashed blocks first, then reclaims cached ones in LRU order (the least
+  recently freed first). Reclaiming drops the block's hash from the map: that is an eviction.
+- ``allocate`` either returns all the blocks asked for or raises and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+NONE_HASH = 0x51F0_0D0F  # the parent hash of a sequence's first block
+
+
+def hash_block(parent_hash: int, token_ids: Iterable[int]) -> int:
+    """Chained hash of one full block: its tokens and the hash of everything before it.
+
+    Chaining makes a block's hash identify the whole prefix up to it, so the map of hashes is a
+    prefix tree with the parent pointer folded into the key.
+    """
+    return hash((parent_hash, tuple(token_ids)))
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # kept with the hash to rule out hash collisions
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, on_evict: Callable[[Block], None] | None = None):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # dicts used as ordered sets: O(1) removal when a cached-free block is hit again
+        self._free_unhashed: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[int, int] = {}
+        self._on_evict = on_evict
+        self.num_evicted = 0
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now (unhashed plus reclaimable cached ones)."""
+        return len(self._free_unhashed) + len(self._free_cached)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._free_cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+        block_id = self._by_hash.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.token_ids == token_ids else None
+
+    # -- mutations -----------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[Block]:
+        if n > self.num_free:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free_unhashed:
+                block_id, _ = self._free_unhashed.popitem(last=False)
+                block = self.blocks[block_id]
+            else:
+                block_id, _ = self._free_cached.popitem(last=False)
+                block = self.blocks[block_id]
+                self._evict(block)
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def touch(self, block: Block) -> None:
+        """Take one more reference (a prefix hit or a fork); revives a cached-free block."""
+        if block.ref_count == 0:
+            del self._free_cached[block.block_id]
+        block.ref_count += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block. Callers pass a sequence's blocks tail first, so the
+        tail of a prompt (least likely to be shared) is reclaimed before its head."""
+        for block in blocks:
+            assert block.ref_count > 0, f"double free of block {block.block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self._free_unhashed[block.block_id] = None
+                else:
+                    self._free_cached[block.block_id] = None
+
+    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> Block:
+        """Record ``block`` as the cached copy of ``block_hash``; returns the block the map holds
+        (an identical block registered earlier wins, and ``block`` stays unhashed)."""
+        if block.block_hash is not None:
+            return block
+        existing = self._by_hash.get(block_hash)
+        if existing is not None and existing != block.block_id:
+            return self.blocks[existing]
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self._by_hash[block_hash] = block.block_id
+        return block
+
+    def _evict(self, block: Block) -> None:
+        if self._on_evict is not None:
+            self._on_evict(block)
+        if self._by_hash.get(block.block_hash) == block.block_id:
+            del self._by_hash[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        self.num_evicted += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached-free block (e.g. after weights change)."""
+        while self._free_cached:
+            block_id, _ = self._free_cached.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            self._free_unhashed[block_id] = None

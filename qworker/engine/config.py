@@ -1,0 +1,50 @@
+"""Engine configuration: one dataclass, every field with a default a user can override."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    device: str = "auto"  # "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
+    dtype: str = "auto"  # "float32", "bfloat16", "float16", or "auto" (fp32 on CPU, bf16 on CUDA)
+    block_size: int = 16
+    # KV pool size: ``kv_cache_memory`` bytes if set, else ``gpu_memory_utilization`` of the
+    # device's free memory after loading weights (CUDA), else ``cpu_kv_cache_memory`` (CPU).
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_memory: int = 512 * MiB
+    swap_space: int = 1 * GiB  # bytes of CPU memory for swapped-out KV; 0 disables swapping
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # defaults to the model's context length
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "priority"  # "priority" (lower value first, then FCFS) or "fcfs"
+    seed: int = 0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in ("priority", "fcfs"):
+            raise ValueError(f"scheduling_policy must be 'priority' or 'fcfs', got {self.scheduling_policy!r}")
+        if self.swap_space < 0:
+            raise ValueError("swap_space must be >= 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        return cls(model=model, **kwargs)

@@ -1,0 +1,309 @@
+"""The synchronous engine: requests in, one ``step()`` at a time, updated requests out.
+
+A step: schedule -> build the batch -> run the model -> fork n>1 requests whose prompt just
+finished -> sample -> ``_update`` (the only place that mutates request state after a step).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from qworker.engine.config import EngineConfig
+from qworker.engine.detokenizer import IncrementalDetokenizer
+from qworker.engine.kv_cache_manager import KVCacheManager
+from qworker.engine.outputs import ABORT, LENGTH, STOP, RequestMetrics
+from qworker.engine.sampler import sample
+from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
+from qworker.engine.scheduler import ScheduledSeq, Scheduler
+from qworker.engine.sequence import Request, SeqStatus, Sequence
+from qworker.model.batch import Batch, SeqChunk
+from qworker.model.runner import ModelRunner
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass(slots=True)
+class Capacity:
+    """What admission control needs: KV token slots not spoken for, and queue sizes."""
+
+    free_tokens: int
+    total_tokens: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.model_name = config.model.rstrip("/").split("/")[-1]
+        self.eos_token_ids = self._eos_ids()
+        self.vocab_size = self.runner.model.vocab_size
+
+        block_bytes = self.runner.block_bytes(config.block_size)
+        budget = self.runner.device_kv_budget(config.kv_cache_memory, config.gpu_memory_utilization, config.cpu_kv_cache_memory)
+        num_blocks = budget // block_bytes
+        if num_blocks < 2:
+            raise ValueError(f"KV budget of {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
+        num_cpu_blocks = config.swap_space // block_bytes
+        self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        # a lone sequence must always fit in the pool, or it could never finish
+        self.max_model_len = min(self.runner.max_model_len, num_blocks * config.block_size)
+
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._generator = torch.Generator(device="cpu" if self.runner.device.type == "cpu" else self.runner.device)
+        self._generator.manual_seed(config.seed)
+        self.counters = {
+            "prompt_tokens_computed": 0,
+            "prompt_tokens_cached": 0,
+            "generation_tokens": 0,
+            "steps": 0,
+            "requests_finished": 0,
+            "requests_aborted": 0,
+        }
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        try:
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(self.config.model).eos_token_id
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except OSError:
+            pass
+        return ids
+
+    # -- requests ------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: a string, token ids, or chat messages (the chat template)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("empty_prompt", "the prompt is empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError("empty_prompt" if isinstance(prompt, list) else "invalid_prompt", "the prompt must be a non-empty string, token id list or message list")
+        if all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise InvalidRequestError("invalid_prompt", "each chat message needs string 'role' and 'content'")
+            try:
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+            except Exception as e:  # a template may reject role orders etc.
+                raise InvalidRequestError("invalid_prompt", f"chat template failed: {e}") from e
+            return list(ids)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError("invalid_prompt", f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+            return list(prompt)
+        raise InvalidRequestError("invalid_prompt", "the prompt must be a string, a list of token ids or a list of chat messages")
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("empty_prompt", "the prompt is empty")
+        if len(prompt_token_ids) + 1 > self.max_model_len:
+            raise InvalidRequestError(
+                "prompt_too_long",
+                f"the prompt has {len(prompt_token_ids)} tokens; at most {self.max_model_len - 1} fit (context {self.max_model_len})",
+            )
+        params.validate()
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("invalid_sampling", "params must be a SamplingParams")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError("invalid_priority", "priority must be an integer")
+        ids = self.encode(prompt)
+        self.check(ids, params)
+        order = next(self._arrivals)
+        req = Request(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=ids,
+            params=params,
+            priority=priority,
+            arrival_order=order,
+            metrics=RequestMetrics(arrival_time=time.time()),
+            sort_key=(priority if self.config.scheduling_policy == "priority" else 0, order),
+        )
+        req.seqs.append(self._new_seq(req, 0))
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        return req
+
+    def _new_seq(self, req: Request, index: int) -> Sequence:
+        p = req.params
+        seq = Sequence(request=req, index=index, token_ids=list(req.prompt_token_ids), num_prompt_tokens=len(req.prompt_token_ids))
+        if p.seed is not None:
+            seq.generator = torch.Generator(device=self._generator.device)
+            seq.generator.manual_seed(p.seed + index)
+        seq.logprobs = [] if p.logprobs is not None else None
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens)
+        return seq
+
+    def abort(self, request_id: str, error: str | None = None) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.error = error
+        for seq in req.seqs:
+            if not seq.finished:
+                self._finish(seq, ABORT)
+        self.counters["requests_aborted"] += 1
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Runs one step; returns the requests whose state changed (finished ones are removed from
+        ``self.requests`` and returned one last time)."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        now = time.time()
+        # decodes first: attention runs them as one batched call
+        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        for s in order:
+            m = s.seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        batch = Batch(
+            chunks=[self._chunk(s) for s in order],
+            swap_out=sched.copies.swap_out,
+            swap_in=sched.copies.swap_in,
+            copy=sched.copies.copy,
+        )
+        logits = self.runner.execute(batch)
+        self.counters["steps"] += 1
+        return self._update(order, logits)
+
+    def _chunk(self, s: ScheduledSeq) -> SeqChunk:
+        seq = s.seq
+        start = seq.num_computed_tokens
+        return SeqChunk(
+            token_ids=seq.token_ids[start : start + s.num_new_tokens],
+            start_pos=start,
+            block_ids=[b.block_id for b in seq.block_table],
+            needs_logits=s.samples,
+        )
+
+    def _update(self, order: list[ScheduledSeq], logits: torch.Tensor) -> list[Request]:
+        sampling: list[Sequence] = []
+        rows: list[int] = []
+        for s in order:
+            seq = s.seq
+            samples = s.samples  # before the computed count moves
+            if seq.num_output_tokens == 0:
+                self.counters["prompt_tokens_computed"] += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens
+            if samples:
+                sampling.append(seq)
+                rows.append(len(rows))
+                req = seq.request
+                if req.params.n > 1 and not req.forked:
+                    req.forked = True
+                    for i in range(1, req.params.n):
+                        child = self._new_seq(req, i)
+                        self.kv.fork(seq, child)
+                        req.seqs.append(child)
+                        sampling.append(child)
+                        rows.append(rows[-1])
+        if not sampling:
+            return []
+        row_index = torch.tensor(rows, device=logits.device)
+        tokens, logprobs = sample(logits[row_index], sampling, self.eos_token_ids, self._generator)
+        now = time.time()
+        changed: dict[str, Request] = {}
+        for seq, token, lp in zip(sampling, tokens, logprobs):
+            req = seq.request
+            if seq.index > 0 and seq.status is SeqStatus.WAITING:
+                self.scheduler.add_running(seq)
+            seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            self.counters["generation_tokens"] += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                self.counters["prompt_tokens_cached"] += req.num_cached_tokens
+            stop_str = seq.detokenizer.append(token)
+            reason = self._stop_reason(seq, token, stop_str)
+            if reason is not None:
+                self._finish(seq, *reason)
+            changed[req.request_id] = req
+        for req in changed.values():
+            if req.finished and self.requests.pop(req.request_id, None) is not None:
+                req.metrics.finished_time = now
+                self.counters["requests_finished"] += 1
+        return list(changed.values())
+
+    def _stop_reason(self, seq: Sequence, token: int, stop_str: str | None) -> tuple[str, str | int | None] | None:
+        p = seq.request.params
+        if stop_str is not None:
+            return STOP, stop_str
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return STOP, token
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return STOP, None
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return LENGTH, None
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    # -- introspection -------------------------------------------------------------------------
+    def capacity(self) -> Capacity:
+        pool = self.kv.pool
+        bs = self.kv.block_size
+        pending = sum(len(s.token_ids) for s in self.scheduler.waiting) + sum(
+            len(s.token_ids) - s.num_computed_tokens for s in self.scheduler.running
+        )
+        free = pool.num_free * bs - pending
+        return Capacity(max(free, 0), pool.num_blocks * bs, bs, len(self.scheduler.running), len(self.scheduler.waiting) + len(self.scheduler.swapped))
+
+    def stats(self) -> dict:
+        pool = self.kv.pool
+        used_tokens = sum(s.num_computed_tokens for s in self.scheduler.running)
+        used_slots = sum(len(s.block_table) for s in self.scheduler.running) * self.kv.block_size
+        return {
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_cached_free": pool.num_cached_free,
+            "kv_blocks_free": pool.num_free,
+            "kv_usage": pool.num_used / pool.num_blocks,
+            "kv_slot_utilization": used_tokens / used_slots if used_slots else 1.0,
+            "cpu_swap_blocks_total": self.kv.cpu_pool.num_blocks,
+            "cpu_swap_blocks_used": self.kv.cpu_pool.num_blocks - self.kv.cpu_pool.num_free,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "preemptions_swap": self.scheduler.num_preemptions["swap"],
+            "preemptions_recompute": self.scheduler.num_preemptions["recompute"],
+            "blocks_swapped_out": self.kv.blocks_swapped_out,
+            "blocks_swapped_in": self.kv.blocks_swapped_in,
+            "blocks_evicted": pool.num_evicted,
+            "cow_copies": self.kv.cow_copies,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            **self.counters,
+        }

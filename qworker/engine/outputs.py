@@ -1,0 +1,57 @@
+"""What the engine hands back: vLLM-shaped ``RequestOutput`` / ``CompletionOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# finish reasons
+STOP = "stop"  # EOS, a stop token id or a stop string
+LENGTH = "length"  # max_tokens or the model's context
+ABORT = "abort"  # aborted by the caller (cancel, shutdown, rebalance)
+
+# One generated token's logprobs: {token_id: logprob}, the sampled token always included.
+TokenLogprobs = dict[int, float]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) of one request's life; None until reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's output.
+
+    From ``LLM.generate`` it is cumulative and final. From ``AsyncEngine.generate`` each yield is a
+    delta: ``outputs`` holds only the choices that changed, with only their new text/tokens;
+    ``finished`` is True on the last yield, when every choice has a finish reason.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the engine failed the request (finish_reason "abort")

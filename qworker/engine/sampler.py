@@ -1,0 +1,114 @@
+"""Turns next-token logits into tokens, one row per sequence, each with its own parameters.
+
+Per-request seeds: a seeded sequence draws from its own ``torch.Generator`` with a fixed number
+of draws per token (one exponential per vocabulary entry, the "exponential race": argmax of
+p / E with E ~ Exp(1) is a sample from p), so its tokens do not depend on the rest of the batch.
+Logprobs are those of the raw model distribution (before penalties and temperature), as vLLM
+returns by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qworker.engine.outputs import TokenLogprobs
+from qworker.engine.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], generator: torch.Generator) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: fp32 ``[len(seqs), vocab]``; returns the sampled ids and per-row logprobs."""
+    raw = logits
+    logits = logits.clone() if _needs_processing(seqs) else logits
+    for row, seq in enumerate(seqs):
+        p = seq.request.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            _apply_penalties(logits[row], seq)
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            if banned:
+                logits[row, banned] = float("-inf")
+
+    tokens = torch.empty(len(seqs), dtype=torch.long)
+    greedy = [i for i, s in enumerate(seqs) if s.request.params.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
+    rand = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
+    if rand:
+        probs = _filtered_probs(logits[rand], [seqs[i] for i in rand])
+        tokens[rand] = _draw(probs, [seqs[i].generator for i in rand], generator).cpu()
+
+    ids = tokens.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+    want = [i for i, s in enumerate(seqs) if s.request.params.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(raw[want], dim=-1)
+        for j, i in enumerate(want):
+            k = seqs[i].request.params.logprobs
+            entry: TokenLogprobs = {}
+            if k:
+                top = torch.topk(lp[j], k)
+                entry.update(zip(top.indices.tolist(), top.values.tolist()))
+            entry[ids[i]] = lp[j, ids[i]].item()
+            logprobs[i] = entry
+    return ids, logprobs
+
+
+def _needs_processing(seqs: list[Sequence]) -> bool:
+    for s in seqs:
+        p = s.request.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or s.num_output_tokens < p.min_tokens:
+            return True
+    return False
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+    p = seq.request.params
+    vocab = row.shape[0]
+    if p.repetition_penalty != 1.0:
+        # HF/CTRL semantics over prompt and output tokens: shrink positive logits, grow negative ones
+        seen = torch.tensor(sorted(set(t for t in seq.token_ids if t < vocab)), dtype=torch.long, device=row.device)
+        if seen.numel():
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        out = seq.output_token_ids
+        if out:
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(row.device, row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    dev = logits.device
+    temps = torch.tensor([s.request.params.temperature for s in seqs], device=dev, dtype=logits.dtype)
+    x = logits / temps.unsqueeze(1)
+    top_ks = [s.request.params.top_k for s in seqs]
+    if any(top_ks):
+        vocab = x.shape[1]
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=dev)
+        kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        x = x.masked_fill(x < kth, float("-inf"))
+    top_ps = [s.request.params.top_p for s in seqs]
+    if any(tp < 1.0 for tp in top_ps):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = sorted_x.softmax(dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (keeps at least one)
+        before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop = before >= torch.tensor(top_ps, device=dev, dtype=x.dtype).unsqueeze(1)
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    probs = x.softmax(dim=-1)
+    min_ps = [s.request.params.min_p for s in seqs]
+    if any(min_ps):
+        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps, device=dev, dtype=probs.dtype).unsqueeze(1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator) -> torch.Tensor:
+    noise = torch.empty_like(probs, device="cpu" if probs.device.type == "cpu" else probs.device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=noise.device).exponential_(generator=shared)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,95 @@
+"""Sampling parameters, validated once at the engine's door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine can never run (bad parameters or prompt); ``code`` is stable for clients."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What to sample and when to stop; names and meanings follow vLLM's ``SamplingParams``.
+
+    ``temperature == 0`` is greedy. ``seed`` makes a request's samples independent of the rest
+    of the batch: the sampler draws from a per-request generator. ``n > 1`` forks the prompt into
+    ``n`` sequences that share its KV blocks (copy-on-write); sample ``i`` uses seed ``seed + i``.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError("invalid_sampling", msg)
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise bad(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {v!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
+            raise bad("stop must be at most 16 non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

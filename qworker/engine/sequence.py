@@ -1,0 +1,102 @@
+"""Requests and their sequences: the state the scheduler and the output processor share.
+
+A request holds ``n`` sequences (choices). It starts with one; ``n > 1`` forks it into ``n`` right
+after the prompt is computed, the children sharing every KV block (copy-on-write).
+``num_computed_tokens`` trails ``len(token_ids)``; each step the scheduler lets it catch up, which
+covers prefill, chunked prefill, decode, prefix hits and resumption after preemption alike.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from qworker.engine.block_pool import NONE_HASH, Block, hash_block
+from qworker.engine.outputs import RequestMetrics, TokenLogprobs
+from qworker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from qworker.engine.detokenizer import IncrementalDetokenizer
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not started, or preempted by recomputation
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted; its KV lives in the CPU swap pool
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request: Request
+    index: int  # the choice index within its request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[Block] = field(default_factory=list)
+    cpu_block_ids: list[int] = field(default_factory=list)  # while SWAPPED
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full token blocks
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    num_emitted_tokens: int = 0  # output tokens already handed to the caller
+    num_emitted_chars: int = 0
+    num_emitted_logprobs: int = 0
+    finish_reported: bool = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple:
+        return (*self.request.sort_key, self.index)
+
+    def full_block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+        """Hashes of the first ``num_blocks`` full blocks, extended lazily (tokens of a full
+        block never change, so a hash once computed stays right)."""
+        hashes = self.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else NONE_HASH
+            hashes.append(hash_block(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+        return hashes[:num_blocks]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_order: int
+    metrics: RequestMetrics
+    sort_key: tuple = ()
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)

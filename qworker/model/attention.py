@@ -1,0 +1,66 @@
+"""One attention interface over the paged KV cache: the Triton kernels on CUDA, their torch
+references on CPU (both from the top-level ``kernels`` package, same signatures)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step inputs shared by every layer. Sequences are ordered decodes first: the first
+    ``num_decodes`` sequences have one query token each (rows ``[0, num_decodes)``)."""
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]
+    max_query_len: int
+    num_decodes: int
+    # host copies, to slice without syncing the device
+    query_start_loc_host: list[int]
+
+
+class PagedAttention:
+    def __init__(self, device: torch.device, scale: float):
+        self.scale = scale
+        on_gpu = device.type == "cuda"
+        self._store = kernels.store_kv if on_gpu else kernels.store_kv_ref
+        self._decode = kernels.paged_decode_attention if on_gpu else kernels.paged_decode_attention_ref
+        self._prefill = kernels.paged_prefill_attention if on_gpu else kernels.paged_prefill_attention_ref
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        num_seqs = meta.seq_lens.shape[0]
+        if nd == num_seqs:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+        if nd == 0:
+            return self._prefill(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale, meta.max_query_len
+            )
+        out = torch.empty_like(q)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale)
+        out[nd:] = self._prefill(
+            q[nd:],
+            k_cache,
+            v_cache,
+            meta.block_tables[nd:],
+            meta.query_start_loc[nd:] - nd,
+            meta.seq_lens[nd:],
+            self.scale,
+            meta.max_query_len,
+        )
+        return out

@@ -1,0 +1,62 @@
+"""The KV tensors: a device pool of blocks per layer and a CPU swap pool of the same block shape.
+
+Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V; one block
+id names the same block in every layer. The CPU pool is pinned when the device is CUDA, so swaps
+can overlap with compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.layers = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)) for _ in range(num_layers)]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        self.cpu_layers = [
+            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(num_layers if num_cpu_blocks else 0)
+        ]
+        self.device = device
+
+    def apply(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], copy: list[tuple[int, int]]) -> None:
+        """Block moves the scheduler recorded, in its order: swap out, swap in, copy-on-write."""
+        if swap_out:
+            dev, cpu = self._index(swap_out)
+            for (k, v), (ck, cv) in zip(self.layers, self.cpu_layers):
+                ck[cpu] = k[dev.to(k.device)].to("cpu")
+                cv[cpu] = v[dev.to(v.device)].to("cpu")
+        if swap_in:
+            cpu, dev = self._index(swap_in)
+            dev = dev.to(self.device)
+            for (k, v), (ck, cv) in zip(self.layers, self.cpu_layers):
+                k[dev] = ck[cpu].to(self.device, non_blocking=True)
+                v[dev] = cv[cpu].to(self.device, non_blocking=True)
+        if copy:
+            src, dst = self._index(copy)
+            src, dst = src.to(self.device), dst.to(self.device)
+            for k, v in self.layers:
+                k[dst] = k[src]
+                v[dst] = v[src]
+
+    @staticmethod
+    def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.tensor(pairs, dtype=torch.long)
+        return t[:, 0], t[:, 1]

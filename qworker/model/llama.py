@@ -1,0 +1,100 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Weights are plain tensors; q/k/v and gate/up projections are fused into one matmul each, because
+on every device a few large matmuls beat many small ones. Only the rows that need logits go
+through the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from qworker.model.attention import AttentionMetadata, PagedAttention
+from qworker.model.rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, max_positions: int):
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_layers = config.num_hidden_layers
+        self.eps = config.rms_norm_eps
+        self.vocab_size = config.vocab_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+        self.embed = weights.pop("model.embed_tokens.weight")
+        self.norm = weights.pop("model.norm.weight")
+        lm_head = weights.pop("lm_head.weight", None)
+        self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
+        self.layers = [self._take_layer(weights, i) for i in range(self.num_layers)]
+        self.rope = RotaryEmbedding(config, self.head_dim, max_positions, device, dtype)
+        self.attn = PagedAttention(device, scale=self.head_dim**-0.5)
+
+    @staticmethod
+    def _take_layer(w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        q, k, v = (w.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
+        biases = [w.pop(f"{p}self_attn.{n}_proj.bias", None) for n in "qkv"]
+        return LayerWeights(
+            input_norm=w.pop(f"{p}input_layernorm.weight"),
+            qkv=torch.cat([q, k, v]).contiguous(),
+            qkv_bias=torch.cat(biases) if biases[0] is not None else None,
+            o=w.pop(f"{p}self_attn.o_proj.weight"),
+            post_norm=w.pop(f"{p}post_attention_layernorm.weight"),
+            gate_up=torch.cat([w.pop(f"{p}mlp.gate_proj.weight"), w.pop(f"{p}mlp.up_proj.weight")]).contiguous(),
+            down=w.pop(f"{p}mlp.down_proj.weight"),
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # rows whose next-token logits are wanted
+    ) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)
+        T = h.shape[0]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = rms_norm(h, layer.input_norm, self.eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.reshape(T, self.num_kv_heads, self.head_dim)
+            q, k = self.rope(positions, q, k)
+            attn = self.attn(q, k, v, k_cache, v_cache, meta)
+            h = h + F.linear(attn.reshape(T, self.q_size), layer.o)
+            x = rms_norm(h, layer.post_norm, self.eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h[logits_indices], self.norm, self.eps)
+        return F.linear(h, self.lm_head).float()

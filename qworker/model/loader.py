@@ -1,0 +1,46 @@
+"""Load a Llama-family checkpoint (Llama, Mistral, Qwen2) from safetensors + transformers' config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+SUPPORTED = {"llama", "mistral", "qwen2"}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # fp32 on CPU: bf16 matmuls are extremely slow on these CPUs
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {name!r}") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_config(model_dir: str | Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in SUPPORTED:
+        raise ValueError(f"unsupported model type {config.model_type!r}; supported: {sorted(SUPPORTED)}")
+    return config
+
+
+def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name).to(dtype)
+    return weights

@@ -1,0 +1,48 @@
+"""Rotary position embeddings, as a cos/sin table indexed by position (rotate-half convention)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    if params["rope_type"] == "default":
+        # float32 like the reference implementation, so greedy outputs match it bit for bit
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+    return inv_freq.float(), scale
+
+
+class RotaryEmbedding:
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype):
+        inv_freq, scale = inverse_frequencies(config, head_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D]; returns rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin

@@ -1,0 +1,1 @@
+"""Deployment artefacts: Dockerfile, Helm chart and their docs."""

@@ -1,0 +1,72 @@
+"""Greedy token ids equal HF transformers' generate on the same fp32 weights, for a batch of
+mixed-length prompts run concurrently: plain, with prefix caching hits, with chunked prefill, and
+with a KV pool so small that preemption happens by swap and by recompute."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from qworker import LLM, SamplingParams
+from tests.engine.hf_reference import assert_greedy_matches, hf_greedy
+
+MAX_NEW = 20
+TEXT = (
+    "The committee met on Tuesday to review the proposal for a new library in the town centre. "
+    "Several members raised concerns about the cost, while others argued that a modern library "
+    "would serve students, families and older residents alike. After a long discussion, "
+)
+
+
+def make_prompts(tokenizer, seed: int) -> list[list[int]]:
+    """Mixed lengths (a handful to ~150 tokens), some sharing a long common prefix."""
+    rng = random.Random(seed)
+    base = tokenizer.encode(TEXT * 2)
+    prompts = []
+    for _ in range(5):
+        start = rng.randrange(0, 40)
+        prompts.append(base[start : start + rng.randrange(3, 150)])
+    shared = base[:70]
+    prompts += [shared + tokenizer.encode(q) for q in (" What did they decide?", " Who objected?")]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = make_prompts(tok, seed=random.randrange(1 << 30))
+    return prompts, [hf_greedy(model_dir, p, MAX_NEW) for p in prompts]
+
+
+CONFIGS = {
+    "plain": dict(enable_prefix_caching=False),
+    "prefix_cache": dict(enable_prefix_caching=True),
+    "chunked_prefill": dict(max_num_batched_tokens=24, enable_prefix_caching=False),
+    # 16 blocks of 16 tokens for ~7 sequences of up to ~170 tokens: preemption is certain
+    "preempt_swap": dict(kv_cache_memory=16 * 16 * 46080, swap_space=64 << 20),
+    "preempt_recompute": dict(kv_cache_memory=16 * 16 * 46080, swap_space=0),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_matches_hf(model_dir, references, name):
+    prompts, refs = references
+    llm = LLM(str(model_dir), **CONFIGS[name])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    if name == "prefix_cache":
+        llm.generate(prompts[-2:], params)  # warm the cache so the batch below hits it
+    outs = llm.generate(prompts, params)
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert_greedy_matches(out.outputs[0].token_ids, ref, f"{name} prompt {i} (len {len(prompts[i])})")
+    stats = llm.stats()
+    if name == "prefix_cache":
+        assert stats["prefix_cache_hits"] >= 64, stats
+        assert max(o.num_cached_tokens for o in outs) >= 64
+    if name == "preempt_swap":
+        assert stats["preemptions_swap"] > 0 and stats["blocks_swapped_in"] > 0, stats
+    if name == "preempt_recompute":
+        assert stats["preemptions_recompute"] > 0 and stats["preemptions_swap"] == 0, stats
+    assert stats["kv_blocks_used"] == 0, "blocks leaked after every request finished"
