@@ -185,7 +185,7 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if B == 0:
         return out
-    max_ctx = block_tables.shape[1] * block_size
+    max_ctx = max(1, block_tables.shape[1] * block_size)
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, max_ctx, block_n, q.device)
     # Equal split sizes, rounded up to whole tiles; drop splits that no sequence can reach.

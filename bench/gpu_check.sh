@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One GPU run, under 8 minutes, installing nothing: the kernel tests natively on
+# CUDA, the card's copy bandwidth, every kernel timed against its torch
+# reference and that bandwidth, then the engine's throughput benchmark.
+# Prints a short table last; full figures go to $OUT (if set) or bench/results/.
+#
+#   bash bench/gpu_check.sh            # on the CUDA machine, from anywhere
+#
+# Each step has its own time limit and a failing step does not stop the next
+# one: the exit status is non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RES=${OUT:-bench/results}
+mkdir -p "$RES"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+# The repo itself on the path instead of `pip install -e .`: the GPU image has
+# torch/triton but cannot reach a registry to resolve the other dependencies.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG="$RES/gpu_check.log"
+: >"$LOG"
+status=()
+run_step() {  # name, seconds, command...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name (limit ${secs}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$secs" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  status+=("$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+  return "$rc"
+}
+
+run_step env 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv; \
+  $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.cuda.get_device_name())'"
+run_step kernel-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/kernels --junitxml="$RES/kernel_tests.xml"
+run_step kernel-bench 210 "$PY" bench/kernel_bench.py --json "$RES/kernel_bench.json"
+
+MODEL=models/smollm2-135m
+if [[ ! -f bench/throughput.py ]]; then
+  msg="SKIPPED engine throughput: bench/throughput.py is not in this tree (the lead's script)"
+  echo "$msg" | tee -a "$LOG"; status+=("$msg")
+else
+  extra=()
+  help=$("$PY" bench/throughput.py --help 2>/dev/null || true)
+  [[ $help == *--out* ]] && extra+=(--out "$RES")
+  if [[ ! -f $MODEL/model.safetensors ]]; then
+    # The weights (538 MB) exceed what travels to a lent GPU machine; the
+    # speed of a step does not depend on the weights' values.
+    if [[ $help == *--random-weights* ]]; then
+      extra+=(--random-weights)
+      echo "NOTE: $MODEL/model.safetensors absent: throughput with random weights" | tee -a "$LOG"
+    else
+      echo "NOTE: $MODEL/model.safetensors absent and throughput.py has no --random-weights: expect a failure" | tee -a "$LOG"
+    fi
+  fi
+  run_step throughput 150 "$PY" bench/throughput.py --device cuda --dtype bfloat16 --model "$MODEL" ${extra[@]+"${extra[@]}"}
+fi
+
+echo
+echo "================ gpu_check summary ================"
+for s in "${status[@]}"; do echo "$s"; done
+grep -E "(passed|failed|error).* in [0-9.]+s" "$LOG" | tail -1
+if [[ -f $RES/kernel_bench.json ]]; then
+  "$PY" bench/kernel_bench.py --summary "$RES/kernel_bench.json"
+fi
+echo "full figures and log: $RES/"
+for s in "${status[@]}"; do [[ $s == *rc=0* || $s == SKIPPED* ]] || exit 1; done
+exit 0

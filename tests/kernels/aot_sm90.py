@@ -1,0 +1,70 @@
+"""Compile the kernels for Hopper (sm_90) without a GPU and report what came out.
+
+Run as a script in a fresh interpreter with TRITON_INTERPRET unset (compiled
+and interpreted Triton do not mix in one process); prints one JSON object:
+``{name: {"ops": [...PTX instruction kinds...], "shared": bytes}}``.
+``--full`` adds fp32/fp16 variants and the store_kv/rms_norm kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import decode_attention, kv_store, prefill_attention, rmsnorm  # noqa: E402
+
+OPS = r"(ld\.global\.b16|cp\.async\.cg\.shared\.global|wgmma\.mma_async|mma\.sync)"
+
+
+def compile_sm90(fn, types: dict[str, str], consts: dict, num_warps: int = 4, num_stages: int = 2) -> dict:
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    # What the JIT launcher would specialize on: 16-byte aligned pointers, strides divisible by 16.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n == "split_size")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    return {"ops": sorted(set(re.findall(OPS, k.asm["ptx"]))), "shared": k.metadata.shared}
+
+
+def paged_types(dt: str) -> dict[str, str]:
+    return {"k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+            "q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "qk_scale": "fp32", "qsl_ptr": "*i32",
+            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+
+
+def main(full: bool) -> dict:
+    res = {}
+    for dt in ["bf16"] + (["fp16", "fp32"] if full else []):
+        prec = "ieee" if dt == "fp32" else "tf32"
+        t = paged_types(dt)
+        res[f"decode_split_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
+            HQ=32, NUM_SPLITS=4, G=4, G_PAD=16, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, DIRECT=False,
+            DOT_PREC=prec))
+        res[f"decode_reduce_{dt}"] = compile_sm90(decode_attention._decode_reduce_kernel, t, dict(
+            HQ=32, NUM_SPLITS=5, S_PAD=8, D=128, D_PAD=128))
+        res[f"prefill_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
+            G=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec))
+        if full:
+            res[f"decode_direct_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
+                HQ=24, NUM_SPLITS=1, G=3, G_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=32, BLOCK_N=64, DIRECT=True,
+                DOT_PREC=prec))
+            res[f"store_kv_{dt}"] = compile_sm90(kv_store._store_kv_kernel, {
+                **{n: f"*{dt}" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}, "slot_ptr": "*i64"},
+                dict(BLOCK_SIZE=16, HKV=8, D=128, HD_PAD=1024))
+            res[f"rms_norm_{dt}"] = compile_sm90(rmsnorm._rms_norm_kernel, {
+                **{n: f"*{dt}" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "new_res_ptr")}, "eps": "fp32"},
+                dict(N_PAD=1024, HAS_RES=True))
+    return res
+
+
+if __name__ == "__main__":
+    print(json.dumps(main("--full" in sys.argv)))
