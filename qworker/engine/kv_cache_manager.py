@@ -177,7 +177,9 @@ class KVCacheManager:
         self.blocks_swapped_out += len(cpu_ids)
 
     def swap_in_cost(self, seq: Sequence) -> int:
-        return len(seq.cpu_block_ids) - len(self._resident_prefix(seq))
+        """Free device blocks a swap-in takes: fresh ones, plus resident cached-free ones it revives."""
+        resident = self._resident_prefix(seq)
+        return len(seq.cpu_block_ids) - len(resident) + sum(1 for b in resident if b.ref_count == 0)
 
     def _resident_prefix(self, seq: Sequence) -> list[Block]:
         """Full blocks of ``seq`` still cached on the device: swap-in reuses them, no copy."""
@@ -194,11 +196,10 @@ class KVCacheManager:
         return resident
 
     def swap_in(self, seq: Sequence) -> bool:
+        if self.swap_in_cost(seq) > self.pool.num_free:
+            return False
         resident = self._resident_prefix(seq)
         need = len(seq.cpu_block_ids) - len(resident)
-        revived = sum(1 for b in resident if b.ref_count == 0)
-        if need > self.pool.num_free - revived:
-            return False
         for block in resident:
             self.pool.touch(block)
         fresh = self.pool.allocate(need)

@@ -205,7 +205,8 @@ class LLMEngine:
 
     def _update(self, order: list[ScheduledSeq], logits: torch.Tensor) -> list[Request]:
         sampling: list[Sequence] = []
-        rows: list[int] = []
+        rows: list[int] = []  # the logits row of each sampling sequence (forks share their parent's)
+        num_logit_rows = 0
         for s in order:
             seq = s.seq
             samples = s.samples  # before the computed count moves
@@ -214,7 +215,8 @@ class LLMEngine:
             seq.num_computed_tokens += s.num_new_tokens
             if samples:
                 sampling.append(seq)
-                rows.append(len(rows))
+                rows.append(num_logit_rows)
+                num_logit_rows += 1
                 req = seq.request
                 if req.params.n > 1 and not req.forked:
                     req.forked = True

@@ -162,7 +162,9 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             num_new = len(seq.token_ids) - seq.num_computed_tokens  # 1: the token sampled last
-            if self.kv.swap_in_cost(seq) + 1 > self.kv.pool.num_free - self._watermark_blocks:
+            # room for the blocks it brings back plus the one its next token may open
+            headroom = self._watermark_blocks if self.running else 0
+            if self.kv.swap_in_cost(seq) + 1 > self.kv.pool.num_free - headroom:
                 break
             if not self.kv.swap_in(seq):
                 break

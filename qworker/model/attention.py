@@ -21,8 +21,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [B]
     max_query_len: int
     num_decodes: int
-    # host copies, to slice without syncing the device
-    query_start_loc_host: list[int]
 
 
 class PagedAttention:
@@ -52,8 +50,8 @@ class PagedAttention:
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale, meta.max_query_len
             )
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale)
-        out[nd:] = self._prefill(
+        self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out=out[:nd])
+        self._prefill(
             q[nd:],
             k_cache,
             v_cache,
@@ -62,5 +60,6 @@ class PagedAttention:
             meta.seq_lens[nd:],
             self.scale,
             meta.max_query_len,
+            out=out[nd:],
         )
         return out

@@ -13,15 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+import kernels
 from qworker.model.attention import AttentionMetadata, PagedAttention
 from qworker.model.rope import RotaryEmbedding
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
 
 
 @dataclass(slots=True)
@@ -56,6 +50,8 @@ class LlamaModel:
         self.layers = [self._take_layer(weights, i) for i in range(self.num_layers)]
         self.rope = RotaryEmbedding(config, self.head_dim, max_positions, device, dtype)
         self.attn = PagedAttention(device, scale=self.head_dim**-0.5)
+        # fused residual-add + RMSNorm: the Triton kernel on CUDA, its torch reference on CPU
+        self.norm_fn = kernels.rms_norm if device.type == "cuda" else kernels.rms_norm_ref
 
     @staticmethod
     def _take_layer(w: dict[str, torch.Tensor], i: int) -> LayerWeights:
@@ -81,10 +77,12 @@ class LlamaModel:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # rows whose next-token logits are wanted
     ) -> torch.Tensor:
+        norm = self.norm_fn
         h = F.embedding(input_ids, self.embed)
         T = h.shape[0]
+        residual = None  # the running sum of the residual stream; h is the latest branch output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer.input_norm, self.eps)
+            x, residual = norm(h, layer.input_norm, self.eps, residual)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, self.num_heads, self.head_dim)
@@ -92,9 +90,9 @@ class LlamaModel:
             v = v.reshape(T, self.num_kv_heads, self.head_dim)
             q, k = self.rope(positions, q, k)
             attn = self.attn(q, k, v, k_cache, v_cache, meta)
-            h = h + F.linear(attn.reshape(T, self.q_size), layer.o)
-            x = rms_norm(h, layer.post_norm, self.eps)
+            h = F.linear(attn.reshape(T, self.q_size), layer.o)
+            x, residual = norm(h, layer.post_norm, self.eps, residual)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
-        h = rms_norm(h[logits_indices], self.norm, self.eps)
-        return F.linear(h, self.lm_head).float()
+            h = F.linear(F.silu(gate) * up, layer.down)
+        x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
+        return F.linear(x, self.lm_head).float()

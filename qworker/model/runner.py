@@ -88,7 +88,6 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             max_query_len=max(len(c.token_ids) for c in chunks),
             num_decodes=num_decodes,
-            query_start_loc_host=query_start,
         )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=dev),

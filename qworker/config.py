@@ -1,0 +1,159 @@
+"""Worker settings: defaults < ``QWORKER_*`` environment variables < command-line flags.
+
+Every field ``foo_bar`` is read from ``QWORKER_FOO_BAR``. Defaults suit real Kafka in
+production (idempotent producer, acks=all, 45 s sessions); tests and the demo override the
+timing knobs for the bundled Tansu broker (see DESIGN.md for its quirks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ENV_PREFIX = "QWORKER_"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(value: str | int | None) -> int | None:
+    """``"512MiB"`` / ``"2G"`` / ``"1048576"`` -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"not a size: {value!r}")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class WorkerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- Kafka ---
+    bootstrap_servers: str = "localhost:9092"
+    group_id: str = "qworker"
+    client_id: str = Field(default_factory=lambda: f"qworker-{socket.gethostname()}-{os.getpid()}")
+    jobs_topic: str = "qworker.jobs"
+    tokens_topic: str = "qworker.tokens"
+    completions_topic: str = "qworker.completions"
+    dlq_topic: str = "qworker.dlq"
+    cancel_topic: str = "qworker.cancel"
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: str | None = None  # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = None
+    kafka_ssl_cafile: str | None = None
+    kafka_ssl_certfile: str | None = None
+    kafka_ssl_keyfile: str | None = None
+    # Idempotence needs InitProducerId v1+; real Kafka has it, Tansu does not (tests set false).
+    enable_idempotence: bool = True
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = "zstd"
+    linger_ms: int = 5
+    session_timeout_ms: int = 45_000
+    heartbeat_interval_ms: int = 3_000
+    # Only a safety net: the poll loop never blocks on generation, so this is never reached
+    # by long jobs (aiokafka issue 848).
+    max_poll_interval_ms: int = 300_000
+    fetch_max_wait_ms: int = 100
+    request_timeout_ms: int = 30_000
+    commit_interval_ms: int = 500
+    stream_interval_ms: int = 50
+    cancel_ttl_s: float = 600.0
+
+    # --- engine ---
+    model: str | None = None  # model directory
+    model_name: str | None = None  # the name jobs' "model" must match; default: the engine's
+    kv_cache_memory: int | None = None  # bytes; accepts 512MiB, 2G, ...
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    swap_space: int | None = None  # bytes
+    enable_prefix_caching: bool | None = None
+    device: str | None = None
+    dtype: str | None = None
+
+    # --- admission, shutdown, ops ---
+    max_waiting_jobs: int = Field(16, ge=1)
+    admission_reserve_tokens: int = Field(256, ge=0)
+    drain_timeout_s: float = 120.0
+    http_host: str = "0.0.0.0"
+    http_port: int = 8080  # 0: any free port; -1: no HTTP server
+    log_level: str = "INFO"
+
+    @field_validator("kv_cache_memory", "swap_space", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        return parse_size(v) if isinstance(v, str) else v
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and v.strip() == "" else v
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
+        """Settings from ``QWORKER_*`` variables, then ``overrides`` (flags; None means unset)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            key = ENV_PREFIX + name.upper()
+            if key in env:
+                values[name] = env[key]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)
+
+    def engine_config(self) -> dict[str, Any]:
+        """Keyword arguments for ``AsyncEngine.from_model`` (only what was set)."""
+        keys = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size", "swap_space", "enable_prefix_caching", "device", "dtype")
+        cfg = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        cfg["scheduling_policy"] = "priority"  # jobs carry a priority; lower runs first
+        return cfg
+
+    def kafka_common(self) -> dict[str, Any]:
+        """Connection and security options shared by consumers, producers and the admin client."""
+        opts: dict[str, Any] = {"bootstrap_servers": self.bootstrap_servers, "security_protocol": self.kafka_security_protocol}
+        if self.kafka_security_protocol in ("SSL", "SASL_SSL"):
+            from aiokafka.helpers import create_ssl_context
+
+            opts["ssl_context"] = create_ssl_context(
+                cafile=self.kafka_ssl_cafile, certfile=self.kafka_ssl_certfile, keyfile=self.kafka_ssl_keyfile
+            )
+        if self.kafka_security_protocol.startswith("SASL"):
+            opts["sasl_mechanism"] = self.kafka_sasl_mechanism or "PLAIN"
+            opts["sasl_plain_username"] = self.kafka_sasl_username
+            opts["sasl_plain_password"] = self.kafka_sasl_password
+        return opts
+
+    def producer_options(self) -> dict[str, Any]:
+        # acks=all: a result counts as delivered only when every in-sync replica has it, because
+        # the job's offset is committed right after.
+        return {
+            **self.kafka_common(),
+            "client_id": self.client_id,
+            "acks": "all",
+            "enable_idempotence": self.enable_idempotence,
+            "compression_type": self.compression_type,
+            "linger_ms": self.linger_ms,
+            "request_timeout_ms": self.request_timeout_ms,
+            "max_request_size": 8 * 2**20,
+        }
+
+    def consumer_options(self) -> dict[str, Any]:
+        return {
+            **self.kafka_common(),
+            "client_id": self.client_id,
+            "group_id": self.group_id,
+            "enable_auto_commit": False,  # offsets move only when results are delivered
+            "auto_offset_reset": "earliest",  # a new group must not skip queued jobs
+            "session_timeout_ms": self.session_timeout_ms,
+            "heartbeat_interval_ms": self.heartbeat_interval_ms,
+            "max_poll_interval_ms": self.max_poll_interval_ms,
+            "rebalance_timeout_ms": max(self.session_timeout_ms, 10_000),
+            "fetch_max_wait_ms": self.fetch_max_wait_ms,
+            "request_timeout_ms": max(self.request_timeout_ms, self.session_timeout_ms + 5_000),
+        }

@@ -1,0 +1,243 @@
+"""The wire contract: pydantic v2 models for every message qworker reads or writes.
+
+These models are the source of truth; ``schemas/*.json`` is generated from them by
+``python -m qworker.schemas_gen`` and a test fails when the two disagree. All messages are
+JSON (orjson) and keyed by the job id, so every event of one job lands on one partition in
+order. ``SCHEMA_VERSION`` bumps on any incompatible change; it is part of each schema's file
+name and ``$id``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+
+SCHEMA_VERSION = 1
+
+# Bounds keep a hostile or buggy producer from asking for absurd work; the engine validates
+# again (SamplingParams) and its verdict wins.
+MAX_ID_LEN = 256
+MAX_STOP = 16
+MAX_N = 16
+MAX_LOGPROBS = 20
+INT64_MAX = 2**63 - 1
+
+JobId = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, description="Job id: the idempotency key and the Kafka key of every message about the job.")]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not an int and 1 is not a bool; extra fields are rejected so a typo such
+    # as "max_token" fails loudly instead of silently using the default.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class Sampling(_Strict):
+    """Sampling parameters; names and meanings follow the engine's (vLLM's) ``SamplingParams``."""
+
+    max_tokens: StrictInt = Field(16, ge=1, le=1_000_000)
+    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: StrictInt = Field(0, ge=-1, le=1_000_000, description="0 or -1: off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    seed: StrictInt | None = Field(None, ge=0, le=INT64_MAX)
+    stop: list[Annotated[str, Field(min_length=1, max_length=1000)]] = Field(default_factory=list, max_length=MAX_STOP)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1000)
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0, le=1_000_000)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top-N logprobs per generated token.")
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``qworker.engine.SamplingParams``."""
+        return self.model_dump()
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=1_000_000)
+
+
+class Job(_Strict):
+    """A generation job on the jobs topic (key = ``id``).
+
+    Exactly one of ``prompt``, ``messages`` (rendered with the tokenizer's chat template) or
+    ``prompt_token_ids`` is set. A job whose JSON parses and has a string ``id`` but breaks this
+    schema gets an ``error`` message (code ``invalid_job``); bytes that are not a JSON object
+    with a string ``id`` cannot be answered and go to the DLQ topic.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    id: JobId
+    model: str | None = Field(None, max_length=512, description="When set, must name the model this worker serves; else error 'wrong_model'.")
+    prompt: str | None = Field(None, max_length=4_000_000)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=10_000)
+    prompt_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=1_000_000)
+    sampling: Sampling = Field(default_factory=Sampling)
+    stream: StrictBool = Field(False, description="Publish token deltas to the tokens topic.")
+    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1, description="Lower runs first.")
+    deadline: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Unix time in seconds after which the job is not worth starting; error 'deadline_exceeded'.",
+    )
+    metadata: dict[str, Any] | None = Field(None, description="Echoed back on the completion or error.")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> Job:
+        given = [k for k in ("prompt", "messages", "prompt_token_ids") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of prompt, messages, prompt_token_ids is required, got {given or 'none'}")
+        return self
+
+    def prompt_input(self) -> str | list[int] | list[dict[str, str]]:
+        if self.prompt is not None:
+            return self.prompt
+        if self.messages is not None:
+            return [m.model_dump() for m in self.messages]
+        assert self.prompt_token_ids is not None
+        return list(self.prompt_token_ids)
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    job_id: str
+    attempt: int = Field(
+        0,
+        description="Which run produced this: the worker's consumer-group generation when the run "
+        "started. A rerun (after a crash or rebalance) has a higher attempt; drop events of lower ones.",
+    )
+    run_id: str = Field("", description="Unique per run; a completion's run_id names the stream events that belong to it.")
+
+
+class Delta(_Out):
+    """Streamed tokens of one choice (tokens topic, key = job id), coalesced over a short interval.
+
+    ``seq`` starts at 0 and increases by one per event of a run; readers order by ``seq`` and
+    concatenate ``text`` of the events whose ``run_id`` matches the completion's.
+    """
+
+    type: Literal["delta"] = "delta"
+    index: int = 0
+    seq: int
+    text: str
+    token_ids: list[int]
+
+
+class Choice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length", "cancelled"]
+    logprobs: list[dict[str, float]] | None = Field(None, description="Per token: {token_id: logprob}, sampled token included.")
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = Field(0, description="Prompt tokens served from the prefix cache.")
+
+
+class Timings(BaseModel):
+    """Seconds, measured from the job record's Kafka timestamp (when it was produced)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queue_s: float | None = Field(None, description="Produced -> first scheduled on the engine.")
+    ttft_s: float | None = Field(None, description="Produced -> first token.")
+    total_s: float = Field(description="Produced -> finished.")
+    num_preemptions: int = 0
+
+
+class Completion(_Out):
+    """The final result of a job (completions topic, key = job id).
+
+    ``status`` is ``cancelled`` when a cancel request aborted the job; its choices then carry
+    ``finish_reason`` ``cancelled`` and whatever text was generated before the abort.
+    """
+
+    type: Literal["completion"] = "completion"
+    status: Literal["ok", "cancelled"] = "ok"
+    model: str = ""
+    choices: list[Choice]
+    usage: Usage
+    timings: Timings
+    metadata: dict[str, Any] | None = None
+
+
+class ErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    code: str = Field(
+        description="invalid_job | invalid_prompt | invalid_sampling | prompt_too_long | deadline_exceeded | "
+        "wrong_model | engine_error (or another engine InvalidRequestError code)"
+    )
+    message: str
+    retryable: bool = Field(description="True when resubmitting the same job may succeed.")
+
+
+class JobError(_Out):
+    """A job that failed (completions topic, key = job id): never silence."""
+
+    type: Literal["error"] = "error"
+    error: ErrorInfo
+    metadata: dict[str, Any] | None = None
+
+
+class Cancel(_Strict):
+    """A cancel request (cancel topic): aborts the job on whichever pod holds it."""
+
+    job_id: JobId
+    reason: str | None = Field(None, max_length=1000)
+
+
+# DLQ records keep the original key and value bytes; these headers say why and where from.
+DLQ_HEADER_ERROR = "qworker.dlq.error"  # machine code: not_json | not_object | no_id
+DLQ_HEADER_MESSAGE = "qworker.dlq.message"
+DLQ_HEADER_TOPIC = "qworker.source.topic"
+DLQ_HEADER_PARTITION = "qworker.source.partition"
+DLQ_HEADER_OFFSET = "qworker.source.offset"
+DLQ_HEADER_TIMESTAMP = "qworker.source.timestamp"
+
+# One schema per message type (file name ``<name>.v<version>.json``).
+MESSAGE_TYPES: dict[str, type[BaseModel]] = {
+    "job": Job,
+    "delta": Delta,
+    "completion": Completion,
+    "error": JobError,
+    "cancel": Cancel,
+}
+
+
+def dumps(msg: BaseModel) -> bytes:
+    """Serialise a message for the wire (compact JSON, None fields kept so readers see them).
+
+    Echoed ``metadata`` may hold what orjson refuses (integers beyond 64 bits, lone surrogates);
+    the stdlib encoder writes those as valid JSON instead of failing the job.
+    """
+    data = msg.model_dump(mode="json")
+    try:
+        return orjson.dumps(data)
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def loads(raw: bytes) -> Any:
+    """Parse JSON; falls back to the stdlib for valid JSON orjson rejects (integers beyond 64 bits)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)

@@ -1,0 +1,130 @@
+"""Generate ``schemas/``: one versioned JSON Schema per message type plus example messages.
+
+``python -m qworker.schemas_gen [--check] [DIR]`` writes ``DIR/<type>.v<N>.json`` and
+``DIR/examples/<name>.json``; ``--check`` writes nothing and exits 1 when the files differ from
+what the models produce (the test suite runs the same comparison).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from qworker.messages import (
+    MESSAGE_TYPES,
+    SCHEMA_VERSION,
+    Cancel,
+    ChatMessage,
+    Choice,
+    Completion,
+    Delta,
+    ErrorInfo,
+    Job,
+    JobError,
+    Sampling,
+    Timings,
+    Usage,
+)
+
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "schemas"
+ID_BASE = "https://qworker.dev/schemas"
+
+
+def schema_for(name: str) -> dict[str, Any]:
+    model = MESSAGE_TYPES[name]
+    schema = model.model_json_schema(mode="validation" if name in ("job", "cancel") else "serialization")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"{ID_BASE}/{name}.v{SCHEMA_VERSION}.json",
+        **schema,
+    }
+
+
+def examples() -> dict[str, Any]:
+    """Example messages; each is validated against its model so they cannot drift."""
+    meta = {"tenant": "acme", "trace": "abc123"}
+    ex = {
+        "job.prompt": Job(id="job-1", prompt="Write a haiku about queues.", sampling=Sampling(max_tokens=32, temperature=0.0), stream=True, metadata=meta),
+        "job.chat": Job(
+            id="job-2",
+            messages=[ChatMessage(role="system", content="You are terse."), ChatMessage(role="user", content="What is Kafka?")],
+            sampling=Sampling(max_tokens=64, temperature=0.7, top_p=0.9, seed=42, stop=["\n\n"]),
+            priority=-1,
+            deadline=1893456000.0,
+        ),
+        "job.token_ids": Job(id="job-3", prompt_token_ids=[1, 9690, 198], sampling=Sampling(max_tokens=8, n=2, temperature=0.8, seed=7)),
+        "delta": Delta(job_id="job-1", attempt=3, run_id="7f3a9c21", index=0, seq=0, text="Messages wait", token_ids=[40335, 3875]),
+        "completion": Completion(
+            job_id="job-1",
+            attempt=3,
+            run_id="7f3a9c21",
+            model="smollm2-135m",
+            choices=[Choice(index=0, text="Messages wait in line", token_ids=[40335, 3875, 281, 1627], finish_reason="length")],
+            usage=Usage(prompt_tokens=12, completion_tokens=4, cached_tokens=0),
+            timings=Timings(queue_s=0.012, ttft_s=0.081, total_s=0.31),
+            metadata=meta,
+        ),
+        "completion.cancelled": Completion(
+            job_id="job-4",
+            attempt=3,
+            run_id="0c1d2e3f",
+            status="cancelled",
+            model="smollm2-135m",
+            choices=[Choice(index=0, text="Once upon", token_ids=[11142, 2033], finish_reason="cancelled")],
+            usage=Usage(prompt_tokens=9, completion_tokens=2),
+            timings=Timings(queue_s=0.01, ttft_s=0.09, total_s=0.4),
+        ),
+        "error": JobError(job_id="job-5", attempt=3, run_id="", error=ErrorInfo(code="prompt_too_long", message="prompt has 9000 tokens; the model's context is 8192", retryable=False)),
+        "cancel": Cancel(job_id="job-4", reason="user closed the tab"),
+    }
+    return {k: v.model_dump(mode="json", exclude_defaults=k.startswith("job") or k == "cancel") for k, v in ex.items()}
+
+
+def render() -> dict[str, bytes]:
+    """Relative path -> file bytes for everything under ``schemas/``."""
+    opts = orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE
+    files = {f"{name}.v{SCHEMA_VERSION}.json": orjson.dumps(schema_for(name), option=opts) for name in MESSAGE_TYPES}
+    for name, data in examples().items():
+        files[f"examples/{name}.json"] = orjson.dumps(data, option=opts)
+    return files
+
+
+def write(directory: Path = DEFAULT_DIR) -> list[Path]:
+    written = []
+    for rel, data in render().items():
+        path = directory / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        written.append(path)
+    return written
+
+
+def diff(directory: Path = DEFAULT_DIR) -> list[str]:
+    """Files that are missing or differ from the models (extra stale schema files count too)."""
+    want = render()
+    bad = [rel for rel, data in want.items() if not (directory / rel).exists() or (directory / rel).read_bytes() != data]
+    have = {str(p.relative_to(directory)) for p in directory.rglob("*.json")} if directory.exists() else set()
+    bad += sorted(have - set(want))
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    check = "--check" in args
+    args = [a for a in args if a != "--check"]
+    directory = Path(args[0]) if args else DEFAULT_DIR
+    if check:
+        bad = diff(directory)
+        for rel in bad:
+            print(f"out of date: {directory / rel}")
+        return 1 if bad else 0
+    for path in write(directory):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

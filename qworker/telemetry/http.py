@@ -1,0 +1,137 @@
+"""One small HTTP/1.1 server for probes and metrics: ``/healthz``, ``/readyz``, ``/metrics``.
+
+Raw asyncio streams, one request per connection. It must never stall the worker's event loop:
+reads are bounded in size and time, probe checks are plain callables that must be cheap (they
+run on the loop), and the metrics exposition (which calls the engine's ``stats()`` and formats
+every series) runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from qworker.telemetry.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+Check = Callable[[], bool]
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request", 500: "Internal Server Error", 503: "Service Unavailable"}
+_MAX_HEADER_LINES = 100
+_READ_TIMEOUT_S = 5.0
+
+
+class EngineLiveness:
+    """Liveness of the engine loop: its thread stamps ``last_step_time`` (monotonic) after every
+    step and every idle tick (0.5 s), so a stamp older than ``threshold_s`` means the loop is
+    stuck (a step hung, or the thread died). The threshold must exceed the longest step."""
+
+    def __init__(self, engine: Any, threshold_s: float = 60.0):
+        self.engine = engine
+        self.threshold_s = threshold_s
+
+    def age(self) -> float:
+        return time.monotonic() - self.engine.last_step_time
+
+    def __call__(self) -> bool:
+        return self.age() < self.threshold_s
+
+
+def _run_checks(checks: Mapping[str, Check]) -> tuple[bool, dict[str, bool]]:
+    results: dict[str, bool] = {}
+    for name, check in checks.items():
+        try:
+            results[name] = bool(check())
+        except Exception:  # noqa: BLE001 - a raising check is a failing check
+            log.debug("check %s raised", name, exc_info=True)
+            results[name] = False
+    return all(results.values()), results
+
+
+class TelemetryServer:
+    """Serves ``/healthz`` (all ``liveness`` checks), ``/readyz`` (all ``readiness`` checks,
+    e.g. model loaded, warm-up done, consumer in its group) and ``/metrics``.
+
+    Each probe answers 200 or 503 with a JSON body naming every check, so an operator can see
+    which one failed. ``port=0`` picks a free port (read ``.port`` after ``start``).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        metrics: WorkerMetrics | None = None,
+        liveness: Mapping[str, Check] | None = None,
+        readiness: Mapping[str, Check] | None = None,
+    ):
+        self.host, self.port = host, port
+        self.metrics = metrics
+        self.liveness = dict(liveness or {})
+        self.readiness = dict(readiness or {})
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=16 * 1024)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("telemetry http on %s:%d", self.host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
+        line = (await asyncio.wait_for(reader.readline(), _READ_TIMEOUT_S)).decode("latin-1")
+        headers: dict[str, str] = {}
+        for _ in range(_MAX_HEADER_LINES):
+            raw = await asyncio.wait_for(reader.readline(), _READ_TIMEOUT_S)
+            if raw in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = raw.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        parts = line.split()
+        if len(parts) < 2:
+            return "", "", headers
+        return parts[0], parts[1].split("?", 1)[0], headers
+
+    async def _respond(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
+        if not method:
+            return 400, "text/plain", b"bad request\n"
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain", b"method not allowed\n"
+        if path == "/healthz":
+            return self._probe(self.liveness)
+        if path == "/readyz":
+            return self._probe(self.readiness)
+        if path == "/metrics" and self.metrics is not None:
+            body, ctype = await asyncio.to_thread(self.metrics.render, headers.get("accept"))
+            return 200, ctype, body
+        return 404, "text/plain", b"not found\n"
+
+    @staticmethod
+    def _probe(checks: Mapping[str, Check]) -> tuple[int, str, bytes]:
+        ok, results = _run_checks(checks)
+        body = json.dumps({"status": "ok" if ok else "fail", "checks": results}).encode() + b"\n"
+        return (200 if ok else 503), "application/json", body
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            method, path, headers = await self._read_head(reader)
+            try:
+                status, ctype, body = await self._respond(method, path, headers)
+            except Exception:  # noqa: BLE001 - report, keep serving
+                log.exception("telemetry http handler failed for %s", path)
+                status, ctype, body = 500, "text/plain", b"internal error\n"
+            head = f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
+            await asyncio.wait_for(writer.drain(), _READ_TIMEOUT_S)
+        except (asyncio.TimeoutError, ConnectionError, asyncio.LimitOverrunError, ValueError):
+            pass  # slow, broken or oversized client: drop it
+        finally:
+            writer.close()

@@ -1,0 +1,157 @@
+"""The worker's one handle on telemetry: per-job spans, metrics and the outcome log line.
+
+The worker calls, for each job record:
+``job = telemetry.job(...)`` when fetched -> ``job.queued()`` / ``job.admitted()`` around the
+admission wait -> ``job.generating(...)``, ``job.on_output(out)`` per delta, ``job.generated(...)``
+-> ``with job.publish(topic) as headers`` around the result -> ``job.outcome(...)`` exactly once.
+Each step tolerates the ones before it being skipped (a job rejected at once is never queued or
+generated), so error paths need no special cases.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry.trace import INVALID_SPAN, Span
+
+from qworker.telemetry.genai import GenerationTrace, operation_name
+from qworker.telemetry.logging import log_job_outcome
+from qworker.telemetry.metrics import RequestTimer, WorkerMetrics
+from qworker.telemetry.spans import JobTrace, JobTracer
+from qworker.telemetry.tracing import Tracing, disabled
+from qworker.telemetry.watcher import StateWatcher
+
+log = logging.getLogger("qworker.jobs")
+
+Headers = Iterable[tuple[str, bytes | None]] | None
+_ENDED = INVALID_SPAN  # an admission span that was already ended (ending it is a no-op)
+
+
+class Telemetry:
+    """Built once per worker. ``lookup(request_id)`` returns the engine's live request (for
+    swap events); without it the generate span still gets preemption events from the deltas."""
+
+    def __init__(self, tracing: Tracing | None, metrics: WorkerMetrics, *, group_id: str, model: str, lookup: Any = None):
+        self.tracing = tracing or disabled()
+        self.metrics = metrics
+        self.tracer = JobTracer(self.tracing, group_id=group_id, model=model)
+        self.watcher = StateWatcher(lookup) if lookup is not None and self.tracing.enabled else None
+
+    def start(self) -> None:
+        if self.watcher is not None:
+            self.watcher.start()
+
+    async def stop(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+        self.tracing.shutdown()
+
+    def job(self, job_id: str, topic: str, partition: int, offset: int, key: bytes | str | None, headers: Headers, received_at: float | None = None) -> JobTelemetry:
+        return JobTelemetry(self, job_id, self.tracer.start_job(topic, partition, offset, key, headers, start_time=received_at), received_at)
+
+    def dead_letter(self, topic: str, partition: int, offset: int, key: bytes | str | None, headers: Headers, code: str) -> None:
+        """A record that cannot be answered went to the DLQ: its own short trace and one count."""
+        j = self.job("", topic, partition, offset, key, headers)
+        j.outcome("dlq", code, partition=partition, offset=offset)
+
+
+class JobTelemetry:
+    __slots__ = ("owner", "job_id", "trace", "received_at", "_admission", "_gen", "_timer", "_request_id", "_done")
+
+    def __init__(self, owner: Telemetry, job_id: str, trace: JobTrace, received_at: float | None):
+        self.owner = owner
+        self.job_id = job_id
+        self.trace = trace
+        self.received_at = received_at
+        self._admission: Span | None = None
+        self._gen: GenerationTrace | None = None
+        self._timer: RequestTimer | None = None
+        self._request_id: str | None = None
+        self._done = False
+
+    # -- admission -----------------------------------------------------------------------------
+    def queued(self) -> None:
+        if self._admission is None:  # once: a requeued job keeps its first admission span
+            self._admission = self.trace.admission(self.received_at)
+
+    def admitted(self) -> None:
+        if self._admission is not None:
+            self._admission.end()
+            self._admission = _ENDED
+
+    # -- generation ----------------------------------------------------------------------------
+    def generating(self, request_id: str, prompt: Any, sampling: Any, *, stream: bool | None = None) -> None:
+        """The run starts on the engine. ``prompt`` decides chat vs text_completion."""
+        self.admitted()
+        self._request_id = request_id
+        self._gen = self.trace.generation(operation_name(prompt), sampling, stream=stream)
+        self._timer = self.owner.metrics.request_timer()
+        if self.owner.watcher is not None:
+            self.owner.watcher.track(request_id, self._gen)
+
+    def on_output(self, out: Any) -> None:
+        """Each streamed ``RequestOutput`` delta."""
+        if self._timer is not None:
+            self._timer.on_output(sum(len(c.token_ids) for c in out.outputs))
+        if self._gen is not None:
+            self._gen.on_output(out)
+
+    def generated(self, last: Any | None, *, finish_reasons: Iterable[str], input_tokens: int, output_tokens: int, cached_tokens: int = 0, aborted: str | None = None) -> None:
+        """The run is over (``last``: the final delta, None if none came). Ends the generate
+        span and observes the latency histograms."""
+        self._untrack()
+        m = getattr(last, "metrics", None)
+        if m is not None:
+            self.owner.metrics.observe_request(m, output_tokens, num_prompt_tokens=input_tokens, start_time=self.received_at)
+        if self._gen is not None:
+            if aborted:
+                self._gen.abort(aborted)
+            self._gen.finish(
+                last,
+                finish_reasons=finish_reasons,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                cached_tokens=cached_tokens,
+                response_model=self.owner.tracer.model,
+                response_id=self.job_id or None,
+            )
+
+    def failed(self, error: BaseException | str) -> None:
+        """The run raised or was abandoned: the generate span ends as an error."""
+        self._untrack()
+        if self._gen is not None:
+            self._gen.fail(error)
+
+    def _untrack(self) -> None:
+        if self._request_id is not None and self.owner.watcher is not None:
+            self.owner.watcher.untrack(self._request_id)
+
+    # -- results -------------------------------------------------------------------------------
+    @contextmanager
+    def publish(self, topic: str, headers: list[tuple[str, bytes]] | None = None) -> Iterator[list[tuple[str, bytes]]]:
+        """Wraps producing the result; yields headers carrying the ``traceparent``."""
+        with self.trace.publish(topic, headers) as h:
+            yield h
+
+    def stream_headers(self) -> list[tuple[str, bytes]]:
+        """Headers for streamed delta events (the job span's context)."""
+        return self.trace.headers()
+
+    def outcome(self, outcome: str, code: str | None = None, **fields: Any) -> None:
+        """Exactly once per job: the jobs counter, the process span's end, the log line."""
+        if self._done:
+            return
+        self._done = True
+        self.admitted()
+        if outcome in ("error", "abandoned"):
+            self.failed(code or outcome)  # no-op when the generate span already ended
+        self.owner.metrics.job_outcome(outcome, code)
+        if self.received_at is not None:
+            fields.setdefault("seconds", round(time.time() - self.received_at, 4))
+        with self.trace.activate():
+            log_job_outcome(log, self.job_id, outcome, code=code, **fields)
+        self.trace.end(outcome, code)

@@ -1,0 +1,121 @@
+"""Tracer setup from the standard ``OTEL_*`` environment variables.
+
+Tracing is *off* unless an operator asks for it: ``OTEL_TRACES_EXPORTER`` names an exporter, or an
+OTLP endpoint (``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is set.
+(The SDK's own default exporter is ``otlp``; we deliberately do not export to localhost:4318 by
+default, since a pod with no collector would then log export failures forever.)
+
+When off, the tracer is the API's no-op tracer: ``start_span`` hands back the parent's
+``NonRecordingSpan`` (no allocation, no ids generated, no processor), so a producer's
+``traceparent`` still passes through to our result messages untouched. Callers check
+``span.is_recording()`` before building attribute dicts, which keeps the off path near free.
+
+Everything else is the SDK's business and read from the environment by it: the resource
+(``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``), the sampler (``OTEL_TRACES_SAMPLER``,
+``OTEL_TRACES_SAMPLER_ARG``), the batch processor (``OTEL_BSP_*``) and the exporter's endpoint,
+headers, timeout and compression (``OTEL_EXPORTER_OTLP_*``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+log = logging.getLogger(__name__)
+
+INSTRUMENTATION_NAME = "qworker"
+DEFAULT_SERVICE_NAME = "qworker"
+
+
+@dataclass(slots=True)
+class Tracing:
+    """A configured tracer and the provider behind it (``None`` when tracing is off)."""
+
+    tracer: trace.Tracer
+    provider: TracerProvider | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.provider is not None
+
+    def shutdown(self) -> None:
+        """Flushes queued spans (bounded by ``OTEL_BSP_EXPORT_TIMEOUT``) and stops the exporter."""
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+def disabled() -> Tracing:
+    return Tracing(trace.NoOpTracer())
+
+
+def from_provider(provider: TracerProvider) -> Tracing:
+    """Wraps a provider built by the caller (tests: one with an in-memory exporter)."""
+    return Tracing(provider.get_tracer(INSTRUMENTATION_NAME), provider)
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() == "true"
+
+
+def exporter_names(env: Mapping[str, str]) -> list[str]:
+    """The exporters the environment asks for; empty means tracing stays off."""
+    if _truthy(env.get("OTEL_SDK_DISABLED")):
+        return []
+    raw = env.get("OTEL_TRACES_EXPORTER")
+    if raw is None or not raw.strip():
+        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        return ["otlp"] if endpoint else []
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    return [] if "none" in names else names
+
+
+def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
+    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
+    if protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        except ImportError as e:  # not a dependency of qworker: fail at start, not at the first export
+            raise RuntimeError("OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc installed") from e
+        return GrpcExporter()
+    if protocol != "http/protobuf":
+        raise RuntimeError(f"unsupported OTLP protocol {protocol!r} (use http/protobuf or grpc)")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
+    if name == "otlp":
+        return _otlp_exporter(env)
+    if name == "console":
+        return ConsoleSpanExporter()
+    raise RuntimeError(f"unsupported OTEL_TRACES_EXPORTER {name!r} (use otlp, console or none)")
+
+
+def configure_tracing(env: Mapping[str, str] | None = None, *, install_global: bool = True) -> Tracing:
+    """Builds the tracer the environment asks for; the no-op tracer when it asks for none.
+
+    ``install_global`` makes it the process-wide provider too (so third-party instrumentation
+    joins the same traces); the API allows that once per process, so tests pass False.
+    Raises ``RuntimeError`` for a misconfiguration, so a pod fails at start rather than
+    silently dropping every span.
+    """
+    env = os.environ if env is None else env
+    names = exporter_names(env)
+    if not names:
+        return disabled()
+    attrs = {} if env.get("OTEL_SERVICE_NAME") or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", "") else {SERVICE_NAME: DEFAULT_SERVICE_NAME}
+    provider = TracerProvider(resource=Resource.create(attrs))
+    for name in names:
+        provider.add_span_processor(BatchSpanProcessor(_exporter(name, env)))
+    if install_global:
+        trace.set_tracer_provider(provider)
+    log.info("tracing on: exporters=%s", ",".join(names))
+    return from_provider(provider)

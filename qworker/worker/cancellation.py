@@ -1,0 +1,124 @@
+"""Cancellation: every pod reads the whole cancel topic and aborts the jobs it holds.
+
+The cancel consumer has no group (manual assignment of all partitions), so each pod sees each
+cancel. It starts ``ttl`` seconds back in time (``offsets_for_times``), and cancels are
+remembered for ``ttl``: a cancel that arrives before its job, or a job rerun after a crash, is
+still honoured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from qworker.messages import Cancel, loads
+
+log = logging.getLogger(__name__)
+
+
+class CancelRegistry:
+    """Recently cancelled job ids, bounded in size and age."""
+
+    def __init__(self, ttl_s: float, max_size: int = 100_000):
+        self.ttl_s, self.max_size = ttl_s, max_size
+        self._ids: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, job_id: str, now: float | None = None) -> None:
+        self._ids[job_id] = time.monotonic() if now is None else now
+        self._ids.move_to_end(job_id)
+        while len(self._ids) > self.max_size:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, job_id: str) -> bool:
+        t = self._ids.get(job_id)
+        if t is None:
+            return False
+        if time.monotonic() - t > self.ttl_s:
+            del self._ids[job_id]
+            return False
+        return True
+
+
+def parse_cancel(key: bytes | None, value: bytes | None) -> str | None:
+    """A cancel is ``{"job_id": ...}``; a bare key with an empty or unparseable value also counts."""
+    if value:
+        try:
+            return Cancel.model_validate(loads(value)).job_id
+        except Exception:  # noqa: BLE001 - fall back to the key; a bad cancel must not stop the reader
+            pass
+    if key:
+        try:
+            return key.decode("utf-8") or None
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+class CancelWatcher:
+    def __init__(self, topic: str, consumer_options: dict[str, Any], on_cancel: Callable[[str], Awaitable[None]], ttl_s: float):
+        opts = {k: v for k, v in consumer_options.items() if k not in ("group_id", "session_timeout_ms", "heartbeat_interval_ms", "max_poll_interval_ms", "rebalance_timeout_ms")}
+        self.consumer = AIOKafkaConsumer(group_id=None, enable_auto_commit=False, **{k: v for k, v in opts.items() if k != "enable_auto_commit"})
+        self.topic, self.on_cancel, self.ttl_s = topic, on_cancel, ttl_s
+        self._task: asyncio.Task | None = None
+        self.seen = 0
+
+    async def start(self) -> None:
+        await self.consumer.start()
+        self._task = asyncio.create_task(self._run(), name="cancel-watcher")
+
+    async def _assign(self) -> bool:
+        topics = await self.consumer.topics()
+        if self.topic not in topics:
+            return False
+        parts = self.consumer.partitions_for_topic(self.topic) or set()
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        if not tps:
+            return False
+        self.consumer.assign(tps)
+        since = int((time.time() - self.ttl_s) * 1000)
+        found = await self.consumer.offsets_for_times({tp: since for tp in tps})
+        for tp in tps:
+            ot = found.get(tp)
+            if ot is not None:
+                self.consumer.seek(tp, ot.offset)
+            else:
+                await self.consumer.seek_to_end(tp)
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if await self._assign():
+                    break
+            except KafkaError as e:
+                log.warning("cancel topic %s not readable yet: %r", self.topic, e)
+            await asyncio.sleep(1.0)
+        while True:
+            try:
+                batches = await self.consumer.getmany(timeout_ms=200, max_records=1000)
+            except KafkaError as e:
+                log.warning("cancel reader: %r", e)
+                await asyncio.sleep(0.5)
+                continue
+            for records in batches.values():
+                for rec in records:
+                    job_id = parse_cancel(rec.key, rec.value)
+                    if job_id:
+                        self.seen += 1
+                        try:
+                            await self.on_cancel(job_id)
+                        except Exception:  # noqa: BLE001
+                            log.exception("cancel of %s failed", job_id)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.consumer.stop()

@@ -1,0 +1,202 @@
+"""One job's run on the engine: stream its tokens, build its completion or error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from qworker.messages import Choice, Completion, ErrorInfo, Job, JobError, Timings, Usage, dumps
+from qworker.worker.publisher import Publisher
+from qworker.worker.stream import StreamCoalescer
+
+
+@dataclass(eq=False)
+class JobState:
+    """A fetched job. ``waiters`` are other records (offsets) carrying the same job id while it
+    is in flight: they are answered by this run and committed with it, never run twice."""
+
+    job: Job
+    tp: Any  # TopicPartition
+    offset: int
+    produced_at: float  # the record's timestamp, seconds
+    received_at: float
+    waiters: list[tuple[Any, int]] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    params: Any = None  # engine SamplingParams
+    attempt: int = 0
+    run_id: str = ""
+    request_id: str = ""
+    task: asyncio.Task | None = None
+    cancel_requested: bool = False
+    generated: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.job.sampling.n * self.job.sampling.max_tokens
+
+    @property
+    def admitted(self) -> bool:
+        return self.task is not None
+
+    def offsets(self) -> list[tuple[Any, int]]:
+        return [(self.tp, self.offset), *self.waiters]
+
+    def new_run(self, attempt: int) -> None:
+        self.attempt = attempt
+        self.run_id = uuid.uuid4().hex[:16]
+        # Unique per run: an aborted run of the same job may still be unwinding in the engine.
+        self.request_id = f"{self.job.id}#{self.run_id}"
+
+
+def error_message(state_or_id: JobState | str, code: str, message: str, retryable: bool, metadata: dict | None = None, attempt: int = 0, run_id: str = "") -> JobError:
+    if isinstance(state_or_id, JobState):
+        s = state_or_id
+        return JobError(job_id=s.job.id, attempt=s.attempt, run_id=s.run_id, error=ErrorInfo(code=code, message=message, retryable=retryable), metadata=s.job.metadata)
+    return JobError(job_id=state_or_id, attempt=attempt, run_id=run_id, error=ErrorInfo(code=code, message=message, retryable=retryable), metadata=metadata)
+
+
+def cancelled_completion(state: JobState, model: str, now: float | None = None) -> Completion:
+    """A job cancelled before it reached the engine."""
+    now = time.time() if now is None else now
+    n = state.job.sampling.n
+    return Completion(
+        job_id=state.job.id,
+        attempt=state.attempt,
+        run_id=state.run_id,
+        status="cancelled",
+        model=model,
+        choices=[Choice(index=i, text="", token_ids=[], finish_reason="cancelled") for i in range(n)],
+        usage=Usage(prompt_tokens=state.prompt_len, completion_tokens=0),
+        timings=Timings(total_s=max(0.0, now - state.produced_at)),
+        metadata=state.job.metadata,
+    )
+
+
+@dataclass(slots=True)
+class _Acc:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[dict[str, float]] | None = None
+
+
+class JobRunner:
+    """Runs a job on the engine. Returns the final message, or raises CancelledError when the
+    run is abandoned (revoke, drain timeout): then nothing is published and nothing committed."""
+
+    def __init__(self, engine: Any, publisher: Publisher, tokens_topic: str, stream_interval_s: float, model_name: str):
+        self.engine, self.publisher = engine, publisher
+        self.tokens_topic, self.interval_s, self.model_name = tokens_topic, stream_interval_s, model_name
+
+    async def run(self, state: JobState) -> Completion | JobError:
+        job = state.job
+        accs = {i: _Acc() for i in range(job.sampling.n)}
+        want_logprobs = job.sampling.logprobs is not None
+        coalescer = StreamCoalescer(job.id, state.attempt, state.run_id, self.interval_s) if job.stream else None
+        sent: list[tuple[bytes, asyncio.Future]] = []
+        lock = asyncio.Lock()
+
+        async def flush() -> None:
+            async with lock:  # one flush at a time keeps events in seq order on the wire
+                if coalescer is None:
+                    return
+                for ev in coalescer.take():
+                    data = dumps(ev)
+                    sent.append((data, await self.publisher.send(self.tokens_topic, job.id, data)))
+
+        async def ticker() -> None:
+            # flushes the tail of a burst when no further token arrives for a while
+            while True:
+                await asyncio.sleep(self.interval_s)
+                if coalescer is not None and coalescer.due():
+                    await flush()
+
+        tick = asyncio.create_task(ticker()) if coalescer is not None else None
+        last = None
+        cached = 0
+        try:
+            try:
+                async for out in self.engine.generate(state.request_id, state.prompt_ids, state.params, priority=job.priority):
+                    last = out
+                    cached = max(cached, out.num_cached_tokens or 0)
+                    for c in out.outputs:
+                        acc = accs.setdefault(c.index, _Acc())
+                        acc.text.append(c.text)
+                        acc.token_ids.extend(c.token_ids)
+                        state.generated += len(c.token_ids)
+                        if c.finish_reason is not None:
+                            acc.finish_reason = c.finish_reason
+                        if want_logprobs and c.logprobs:
+                            acc.logprobs = (acc.logprobs or []) + [{str(k): float(v) for k, v in lp.items()} for lp in c.logprobs]
+                        if coalescer is not None:
+                            coalescer.add(c.index, c.text, list(c.token_ids))
+                    if coalescer is not None and coalescer.due():
+                        await flush()
+                    if out.finished:
+                        break
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failed request must get an error, not silence
+                code = getattr(e, "code", None)
+                if code:  # InvalidRequestError raised lazily by the engine
+                    return error_message(state, code, str(e), retryable=False)
+                return error_message(state, "engine_error", f"{type(e).__name__}: {e}", retryable=True)
+        finally:
+            if tick is not None:
+                tick.cancel()
+        await flush()
+        # The stream must be complete before the completion is acknowledged and the offset moves.
+        await self.publisher.settle(self.tokens_topic, job.id, sent)
+
+        reasons = {a.finish_reason for a in accs.values()}
+        if state.cancel_requested:
+            status = "cancelled"
+        elif "abort" in reasons or None in reasons:
+            err = getattr(last, "error", None) if last is not None else None
+            return error_message(state, "engine_error", err or "the engine aborted the request", retryable=True)
+        else:
+            status = "ok"
+        choices = [
+            Choice(
+                index=i,
+                text="".join(a.text),
+                token_ids=a.token_ids,
+                finish_reason="cancelled" if status == "cancelled" and a.finish_reason in (None, "abort") else a.finish_reason,  # type: ignore[arg-type]
+                logprobs=a.logprobs,
+            )
+            for i, a in sorted(accs.items())
+        ]
+        return Completion(
+            job_id=job.id,
+            attempt=state.attempt,
+            run_id=state.run_id,
+            status=status,
+            model=self.model_name,
+            choices=choices,
+            usage=Usage(prompt_tokens=state.prompt_len, completion_tokens=sum(len(c.token_ids) for c in choices), cached_tokens=cached),
+            timings=timings(state, getattr(last, "metrics", None)),
+            metadata=job.metadata,
+        )
+
+
+def timings(state: JobState, metrics: Any) -> Timings:
+    t0 = state.produced_at
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else max(0.0, t - t0)
+
+    if metrics is None:
+        return Timings(total_s=max(0.0, time.time() - t0))
+    return Timings(
+        queue_s=since(metrics.first_scheduled_time),
+        ttft_s=since(metrics.first_token_time),
+        total_s=since(metrics.finished_time) or max(0.0, time.time() - t0),
+        num_preemptions=metrics.num_preemptions,
+    )

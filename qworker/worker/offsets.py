@@ -1,0 +1,90 @@
+"""Which offsets may be committed, per partition.
+
+A committed offset ``c`` for a partition means: every job record below ``c`` is finished — its
+completion, error or DLQ entry was published and acknowledged by the broker — so a new owner
+of the partition may start reading at ``c`` without losing a job. Records at or above ``c``
+may already be finished too; they are rerun after a crash (at-least-once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, Hashable, TypeVar
+
+TP = TypeVar("TP", bound=Hashable)
+
+
+@dataclass(slots=True)
+class _Partition:
+    high: int  # one past the highest offset seen; every offset below it was seen by us
+    pending: set[int] = field(default_factory=set)
+    committed: int | None = None  # last offset we committed (or learned was committed)
+
+
+class OffsetTracker(Generic[TP]):
+    """Tracks seen and unfinished offsets; ``committable`` is the lowest unfinished one.
+
+    Fetches are sequential per partition, so "seen" is simply ``offset < high``. After a
+    rebalance the consumer rewinds to the committed offset and refetches records we already
+    hold; ``add`` returns False for those so they are not started twice.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[TP, _Partition] = {}
+
+    def add(self, tp: TP, offset: int) -> bool:
+        """Record a fetched offset as unfinished; False when it was already seen."""
+        p = self._parts.get(tp)
+        if p is None:
+            self._parts[tp] = _Partition(high=offset + 1, pending={offset})
+            return True
+        if offset < p.high:
+            return False
+        # Offsets may skip (compaction, transaction markers): the gap holds no job.
+        p.high = offset + 1
+        p.pending.add(offset)
+        return True
+
+    def done(self, tp: TP, offset: int) -> None:
+        """Mark a record finished (its result is acknowledged). Unknown partitions are ignored:
+        the partition was revoked meanwhile and its new owner decides."""
+        p = self._parts.get(tp)
+        if p is not None:
+            p.pending.discard(offset)
+
+    def committable(self, tp: TP) -> int | None:
+        """The offset to commit: the first unfinished one, or one past everything seen."""
+        p = self._parts.get(tp)
+        if p is None:
+            return None
+        return min(p.pending) if p.pending else p.high
+
+    def to_commit(self, tps: list[TP] | None = None) -> dict[TP, int]:
+        """Partitions whose committable offset moved past the last commit."""
+        out: dict[TP, int] = {}
+        for tp in self._parts if tps is None else tps:
+            c = self.committable(tp)
+            p = self._parts.get(tp)
+            if c is not None and p is not None and (p.committed is None or c > p.committed):
+                out[tp] = c
+        return out
+
+    def mark_committed(self, offsets: dict[TP, int]) -> None:
+        for tp, off in offsets.items():
+            p = self._parts.get(tp)
+            if p is not None and (p.committed is None or off > p.committed):
+                p.committed = off
+
+    def pending(self, tp: TP) -> set[int]:
+        p = self._parts.get(tp)
+        return set(p.pending) if p else set()
+
+    def num_pending(self) -> int:
+        return sum(len(p.pending) for p in self._parts.values())
+
+    def drop(self, tp: TP) -> None:
+        """Forget a partition we no longer own; its unfinished records are the new owner's."""
+        self._parts.pop(tp, None)
+
+    def partitions(self) -> list[TP]:
+        return list(self._parts)
