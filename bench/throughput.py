@@ -85,7 +85,12 @@ def main() -> None:
     ap.add_argument("--decode-batches", default="32,64,128")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--random-weights", action="store_true", help="time with random weights when the model folder has none")
     args = ap.parse_args()
+    if args.random_weights and not any(Path(args.model).glob("*.safetensors")):
+        from bench.random_model import random_weight_copy
+
+        args.model = random_weight_copy(args.model)
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_memory_mib * MiB, max_num_seqs=256))
     tok = engine.tokenizer

@@ -35,6 +35,10 @@ class AsyncEngine:
         self.last_step_time = time.monotonic()
         self.ready = False
         self.step_error: BaseException | None = None
+        # snapshots written by the engine thread, read by the loop: the loop never walks the
+        # scheduler's queues while the engine thread changes them
+        self._capacity = engine.capacity()
+        self._stats = engine.stats()
 
     @classmethod
     def from_model(cls, model_dir: str, **engine_config) -> AsyncEngine:
@@ -60,10 +64,16 @@ class AsyncEngine:
         self.engine.check(prompt_token_ids, params)
 
     def capacity(self) -> Capacity:
-        return self.engine.capacity()
+        """As of the last step (or the last command the engine thread took)."""
+        return self._capacity
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """As of the last step; a copy the caller may keep."""
+        return dict(self._stats)
+
+    def _snapshot(self) -> None:
+        self._capacity = self.engine.capacity()
+        self._stats = self.engine.stats()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,8 +161,10 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             if not self._drain_commands():
+                self._snapshot()
                 return
             if not self.engine.has_unfinished():
+                self._snapshot()
                 self.last_step_time = time.monotonic()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -168,6 +180,7 @@ class AsyncEngine:
                         self._emit(rid, final_output(req))
                 continue
             self.last_step_time = time.monotonic()
+            self._snapshot()
             for req in changed:
                 out = delta_output(req)
                 if out is not None:
