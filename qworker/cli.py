@@ -1,4 +1,4 @@
-"""``qworker``: run the worker, submit jobs, tail results, create topics, fetch the model."""
+"""qworker: run the worker, submit jobs, tail results, create topics, fetch the model."""
 
 from __future__ import annotations
 

@@ -172,8 +172,11 @@ class Worker:
         assert self.consumer is not None and self.pauser is not None and self._wake is not None
         while not self._closed:
             want_pause = self.draining or self.admission.should_pause(len(self.pending), self.pauser.paused)
-            if self.pauser.apply(want_pause):
-                self.stats.pause_events += 1
+            try:
+                if self.pauser.apply(want_pause):
+                    self.stats.pause_events += 1
+            except (KafkaError, AssertionError) as e:  # assignment changing under us: next round
+                log.debug("pause/resume skipped: %r", e)
             room = max(1, self.settings.max_waiting_jobs - len(self.pending))
             try:
                 # Polling continues while paused: it keeps this member alive in the group
@@ -248,7 +251,7 @@ class Worker:
             return error_message(st, e.code, str(e), retryable=False)
         except Exception as e:  # noqa: BLE001 - e.g. the tokenizer choking on odd input
             return error_message(st, "invalid_prompt", f"{type(e).__name__}: {e}"[:2000], retryable=False)
-        total = getattr(self.engine.capacity(), "total_tokens", None)
+        total = getattr(self._capacity(), "total_tokens", None)
         if total is not None and st.prompt_len + 1 > total:
             return error_message(st, "prompt_too_long", f"prompt has {st.prompt_len} tokens; the KV cache holds {total}", retryable=False)
         return None
@@ -263,7 +266,10 @@ class Worker:
                     await self._wake.wait()
             self._wake.clear()
             if not self.draining:
-                self._admit()
+                try:
+                    self._admit()
+                except Exception:  # noqa: BLE001 - the admission loop must outlive any one job
+                    log.exception("admission pass failed")
 
     def _admit(self) -> None:
         while len(self.pending):
@@ -275,11 +281,21 @@ class Worker:
                 self._finish_now(st, error_message(st, "deadline_exceeded", f"deadline {st.job.deadline} passed while queued", retryable=False))
                 continue
             running = [j for j in self.jobs.values() if j.admitted]
-            if not self.admission.can_admit(st, self.engine.capacity(), running):
+            if not self.admission.can_admit(st, self._capacity(), running):
                 break
             self.pending.pop()
             st.new_run(self.generation)
             st.task = asyncio.create_task(self._run(st), name=f"job:{st.job.id}")
+
+    def _capacity(self) -> Any:
+        """The engine's capacity. Its step thread may be mutating the queues this reads, so a
+        torn read ("deque mutated during iteration") is retried."""
+        for _ in range(5):
+            try:
+                return self.engine.capacity()
+            except RuntimeError:
+                continue
+        return self.engine.capacity()
 
     async def _run(self, st: JobState) -> None:
         try:
@@ -437,7 +453,7 @@ class Worker:
                     lag += max(0, hw - c)
             g["lag"] = lag
         if self.engine is not None and self.ready:
-            cap = self.engine.capacity()
+            cap = self._capacity()
             g.update(kv_free_tokens=cap.free_tokens, kv_total_tokens=cap.total_tokens, engine_running=cap.num_running, engine_waiting=cap.num_waiting)
         return g
 

@@ -1,0 +1,155 @@
+"""Pure units: offsets, admission, decoding, coalescing, config, schemas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+import pytest
+
+from qworker import schemas_gen
+from qworker.config import WorkerSettings, parse_size
+from qworker.messages import MESSAGE_TYPES, Job
+from qworker.worker.admission import Admission, PendingQueue
+from qworker.worker.cancellation import CancelRegistry, parse_cancel
+from qworker.worker.decode import Invalid, Unparseable, Valid, decode
+from qworker.worker.offsets import OffsetTracker
+from qworker.worker.stream import StreamCoalescer
+
+
+def test_offsets_commit_first_unfinished() -> None:
+    t: OffsetTracker[str] = OffsetTracker()
+    assert t.committable("p") is None
+    for o in (5, 6, 7, 9):  # 8 missing: a gap (compaction / txn marker)
+        assert t.add("p", o)
+    assert t.committable("p") == 5
+    t.done("p", 6)
+    t.done("p", 7)
+    assert t.committable("p") == 5  # 5 still running: nothing past it may be committed
+    t.done("p", 5)
+    assert t.committable("p") == 9
+    t.done("p", 9)
+    assert t.committable("p") == 10
+    assert t.to_commit() == {"p": 10}
+    t.mark_committed({"p": 10})
+    assert t.to_commit() == {}
+    assert not t.add("p", 7)  # refetched after a rebalance: not started twice
+    t.done("q", 3)  # unknown partition: ignored
+    t.drop("p")
+    assert t.committable("p") is None
+
+
+def test_offsets_many_partitions_independent() -> None:
+    t: OffsetTracker[int] = OffsetTracker()
+    t.add(0, 0)
+    t.add(1, 0)
+    t.done(1, 0)
+    assert t.to_commit() == {0: 0, 1: 1}
+
+
+@dataclass
+class J:
+    prompt_len: int
+    max_new_tokens: int
+    generated: int = 0
+
+
+@dataclass
+class Cap:
+    free_tokens: int
+    num_running: int = 0
+    num_waiting: int = 0
+    total_tokens: int = 1000
+
+
+def test_admission_capacity_and_bounds() -> None:
+    a = Admission(max_waiting=4, reserve_tokens=100)
+    assert a.can_admit(J(5000, 10), Cap(0), [])  # idle engine: always one
+    assert a.can_admit(J(100, 50), Cap(500), [J(100, 100, generated=1)])  # 500 - 99 >= 150
+    assert not a.can_admit(J(100, 50), Cap(250), [J(100, 1000, generated=1), J(10, 300, 50)])  # 250 - (99 + 50) < 150
+    assert not a.can_admit(J(1, 1), Cap(10**6, num_waiting=4), [J(1, 1, 1)])
+    assert not a.can_admit(J(1, 1), Cap(10**6), [J(1, 1)] * 4)  # 4 admitted, none started yet
+    assert not a.can_admit(J(100, 10), Cap(300), [J(1, 1, 1), J(250, 10, 0)])  # unseen prompt charged
+    assert a.should_pause(4, paused=False) and not a.should_pause(3, paused=False)
+    assert a.should_pause(3, paused=True) and not a.should_pause(2, paused=True)
+
+
+def test_pending_queue_priority_fifo_remove() -> None:
+    q: PendingQueue[str] = PendingQueue()
+    for prio, name in [(0, "a"), (-1, "b"), (0, "c"), (5, "d")]:
+        q.push(prio, name)
+    assert q.remove("c") and not q.remove("zz")
+    assert len(q) == 3
+    assert [q.pop() for _ in range(3)] == ["b", "a", "d"]
+    assert q.peek() is None and len(q) == 0
+
+
+def test_decode_verdicts() -> None:
+    assert isinstance(decode(b'{"id":"x","prompt":"hi"}'), Valid)
+    for raw, code in [(b"", "empty"), (b"{nope", "not_json"), (b"[1,2]", "not_object"), (b'{"prompt":"hi"}', "no_id"), (b'{"id":5}', "no_id"), (b'{"id":"\\ud800"}', "no_id")]:
+        d = decode(raw)
+        assert isinstance(d, Unparseable) and d.code == code, (raw, d)
+    for raw in [
+        b'{"id":"x"}',
+        b'{"id":"x","prompt":"a","messages":[{"role":"user","content":"b"}]}',
+        b'{"id":"x","prompt":"a","sampling":{"max_tokens":"5"}}',
+        b'{"id":"x","prompt":"a","sampling":{"max_tokens":0}}',
+        b'{"id":"x","prompt":"a","extra":1}',
+        b'{"id":"x","prompt":"a","priority":1e400}',
+        b'{"id":"x","prompt":"a","sampling":{"seed":123456789012345678901234567890}}',
+        b'{"id":"x","prompt":"a","stream":1}',
+    ]:
+        d = decode(raw)
+        assert isinstance(d, Invalid) and d.job_id == "x" and d.message, raw
+
+
+def test_coalescer_seq_and_interval() -> None:
+    c = StreamCoalescer("j", 3, "r", interval_s=1.0)
+    c.add(0, "he", [1, 2])
+    assert c.due(now=100.0)
+    evs = c.take(now=100.0)
+    assert [(e.seq, e.text, e.attempt) for e in evs] == [(0, "he", 3)]
+    c.add(0, "l", [3])
+    c.add(1, "x", [9])
+    c.add(0, "lo", [4])
+    assert not c.due(now=100.5) and c.due(now=101.0)
+    evs = c.take(now=101.0)
+    assert [(e.index, e.seq, e.text, e.token_ids) for e in evs] == [(0, 1, "llo", [3, 4]), (1, 2, "x", [9])]
+    assert c.take() == []
+
+
+def test_cancel_registry_and_parse() -> None:
+    r = CancelRegistry(ttl_s=60, max_size=2)
+    r.add("a")
+    r.add("b")
+    r.add("c")
+    assert "a" not in r and "b" in r and "c" in r
+    assert parse_cancel(None, b'{"job_id":"z"}') == "z"
+    assert parse_cancel(b"k", b"garbage") == "k"
+    assert parse_cancel(None, b"garbage") is None
+
+
+def test_config_env_and_overrides() -> None:
+    env = {"QWORKER_BOOTSTRAP_SERVERS": "k:9092", "QWORKER_ENABLE_IDEMPOTENCE": "false", "QWORKER_KV_CACHE_MEMORY": "1GiB", "QWORKER_DRAIN_TIMEOUT_S": "7", "QWORKER_JOBS_TOPIC": "j"}
+    s = WorkerSettings.from_env(env, drain_timeout_s=9)
+    assert (s.bootstrap_servers, s.enable_idempotence, s.kv_cache_memory, s.drain_timeout_s, s.jobs_topic) == ("k:9092", False, 2**30, 9.0, "j")
+    d = WorkerSettings.from_env({})
+    assert (d.group_id, d.jobs_topic, d.tokens_topic, d.completions_topic, d.dlq_topic, d.cancel_topic, d.drain_timeout_s, d.http_port, d.enable_idempotence) == (
+        "qworker", "qworker.jobs", "qworker.tokens", "qworker.completions", "qworker.dlq", "qworker.cancel", 120.0, 8080, True)
+    assert d.producer_options()["acks"] == "all" and d.consumer_options()["enable_auto_commit"] is False
+    sasl = WorkerSettings.from_env({"QWORKER_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "QWORKER_KAFKA_SASL_MECHANISM": "SCRAM-SHA-256", "QWORKER_KAFKA_SASL_USERNAME": "u", "QWORKER_KAFKA_SASL_PASSWORD": "p"})
+    k = sasl.kafka_common()
+    assert (k["security_protocol"], k["sasl_mechanism"], k["sasl_plain_username"]) == ("SASL_PLAINTEXT", "SCRAM-SHA-256", "u")
+    assert parse_size("512MiB") == 512 * 2**20 and parse_size("2G") == 2 * 10**9
+    with pytest.raises(ValueError):
+        WorkerSettings.from_env({"QWORKER_KAFKA_SECURITY_PROTOCOL": "BOGUS"})
+
+
+def test_schemas_match_models() -> None:
+    assert schemas_gen.diff() == [], "schemas/ is stale: run `make schemas` (python -m qworker.schemas_gen)"
+
+
+def test_examples_validate() -> None:
+    for name, data in schemas_gen.examples().items():
+        MESSAGE_TYPES[name.split(".")[0]].model_validate_json(orjson.dumps(data))
+    assert Job.model_validate_json(orjson.dumps(schemas_gen.examples()["job.chat"])).messages
