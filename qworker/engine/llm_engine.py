@@ -113,10 +113,13 @@ class LLMEngine:
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("empty_prompt", "the prompt is empty")
-        if len(prompt_token_ids) + 1 > self.max_model_len:
+        limit = self.max_model_len - 1
+        if not self.config.enable_chunked_prefill:  # the whole prompt must fit in one step
+            limit = min(limit, self.config.max_num_batched_tokens)
+        if len(prompt_token_ids) > limit:
             raise InvalidRequestError(
                 "prompt_too_long",
-                f"the prompt has {len(prompt_token_ids)} tokens; at most {self.max_model_len - 1} fit (context {self.max_model_len})",
+                f"the prompt has {len(prompt_token_ids)} tokens; at most {limit} fit (context {self.max_model_len})",
             )
         params.validate()
 

@@ -30,8 +30,10 @@ class KVCache:
         self.layers = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)) for _ in range(num_layers)]
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = device.type == "cuda"
+        # empty, not zeros: a swap block is only read after a swap-out wrote it, and untouched
+        # pages of a large swap space then cost no resident memory
         self.cpu_layers = [
-            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+            (torch.empty(cpu_shape, dtype=dtype, pin_memory=pin), torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
             for _ in range(num_layers if num_cpu_blocks else 0)
         ]
         self.device = device

@@ -143,7 +143,7 @@ def test_lock_pins_every_runtime_dependency():
     """requirements.lock is the pip constraint file the image installs from."""
     lock = REPO / "requirements.lock"
     if not lock.exists():
-        pytest.skip("requirements.lock is not generated yet (see docs/deploy.md, `make lock`)")
+        pytest.skip("requirements.lock is not generated yet (see the README, `make lock`)")
     pins = {}
     for line in lock.read_text().splitlines():
         line = line.split("#", 1)[0].strip()

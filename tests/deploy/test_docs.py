@@ -1,5 +1,5 @@
-"""docs/deploy.md (the README's "Deploy on Kubernetes" section) stays in
-step with the chart and the Dockerfile it describes."""
+"""The README's "Deploy on Kubernetes" section stays in step with the chart and the Dockerfile it
+describes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-DOC = (REPO / "docs" / "deploy.md").read_text()
+_README = (REPO / "README.md").read_text()
+DOC = "## Deploy on Kubernetes" + _README.split("## Deploy on Kubernetes", 1)[1].split("\n## ", 1)[0]
 VALUES = yaml.safe_load((REPO / "helm" / "qworker" / "values.yaml").read_text())
 
 
