@@ -155,6 +155,7 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         req = self.engine.abort(request_id)
         if req is not None:
+            self._snapshot()  # before the caller hears of the abort, so stats already show it
             out = delta_output(req)
             self._emit(request_id, out if out is not None else final_output(req))
 

@@ -85,15 +85,15 @@ def jobs(prefix: str, n: int, max_tokens: int) -> list[Job]:
 async def test_two_workers_split_partitions_100_jobs(cluster) -> None:
     s, procs = cluster
     for p in procs.values():
-        await p.wait_metric("qworker_assigned_partitions", lambda v: v >= 1, 120)
+        await p.wait_metric("qworker:assigned_partitions", lambda v: v >= 1, 120)
     r = await Results(s).start()
     try:
         await submit(s, jobs("split", 100, 2))
         await r.wait(lambda: sum(1 for k in r.completions if k.startswith("split")) == 100, 120, "100 completions")
         assert all(v[0]["type"] == "completion" for k, v in r.completions.items() if k.startswith("split"))
-        got = {name: p.metrics().get("qworker_records_total", 0) for name, p in procs.items()}
+        got = {name: p.metrics().get("qworker:records_total", 0) for name, p in procs.items()}
         assert all(v > 0 for v in got.values()), f"one worker got nothing: {got}"
-        assert sum(p.metrics()["qworker_assigned_partitions"] for p in procs.values()) == 4
+        assert sum(p.metrics()["qworker:assigned_partitions"] for p in procs.values()) == 4
         await wait_committed(s)
     finally:
         await r.stop()
@@ -102,11 +102,11 @@ async def test_two_workers_split_partitions_100_jobs(cluster) -> None:
 async def test_kill9_with_jobs_in_flight_every_job_completes(cluster) -> None:
     s, procs = cluster
     a = procs["a"]
-    await a.wait_metric("qworker_assigned_partitions", lambda v: v >= 1, 120)
+    await a.wait_metric("qworker:assigned_partitions", lambda v: v >= 1, 120)
     r = await Results(s).start()
     try:
         await submit(s, jobs("kill", 40, 8))
-        await a.wait_metric("qworker_running_jobs", lambda v: v >= 1, 60)
+        await a.wait_metric("qworker:running_jobs", lambda v: v >= 1, 60)
         os.kill(a.proc.pid, signal.SIGKILL)
         a.proc.wait(10)
         procs["a"] = WorkerProc("a2", s, a.log.parent).start()  # restarted pod
@@ -122,11 +122,11 @@ async def test_kill9_with_jobs_in_flight_every_job_completes(cluster) -> None:
 async def test_sigterm_drains_and_exits_zero(cluster) -> None:
     s, procs = cluster
     b = procs["b"]
-    await b.wait_metric("qworker_assigned_partitions", lambda v: v >= 1, 120)
+    await b.wait_metric("qworker:assigned_partitions", lambda v: v >= 1, 120)
     r = await Results(s).start()
     try:
         await submit(s, jobs("term", 24, 8))
-        await b.wait_metric("qworker_running_jobs", lambda v: v >= 1, 60)
+        await b.wait_metric("qworker:running_jobs", lambda v: v >= 1, 60)
         b.proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(b.proc.wait, 90)
         assert rc == 0, b.log.read_text()[-3000:]
