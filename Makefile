@@ -10,7 +10,6 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the CPU build lies on local disk; an unpinned
 	# resolve would download a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
