@@ -53,7 +53,12 @@ def run(
         max_waiting_jobs=max_waiting_jobs, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
         **_parse_options(option),
     )
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if settings.log_format == "json":
+        from qworker.telemetry import configure_json_logging
+
+        configure_json_logging(settings.log_level.upper())
+    else:
+        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
     from qworker.worker import serve
 

@@ -83,7 +83,11 @@ class WorkerSettings(BaseModel):
     drain_timeout_s: float = 120.0
     http_host: str = "0.0.0.0"
     http_port: int = 8080  # 0: any free port; -1: no HTTP server
+    # /healthz fails when the engine loop made no progress for this long while jobs run; it
+    # must exceed the longest step (a full prefill batch on a slow device)
+    liveness_timeout_s: float = Field(120.0, gt=0)
     log_level: str = "INFO"
+    log_format: Literal["json", "text"] = "json"  # json: one object per line, with trace ids
 
     @field_validator("kv_cache_memory", "swap_space", mode="before")
     @classmethod

@@ -26,19 +26,30 @@ _READ_TIMEOUT_S = 5.0
 
 
 class EngineLiveness:
-    """Liveness of the engine loop: its thread stamps ``last_step_time`` (monotonic) after every
-    step and every idle tick (0.5 s), so a stamp older than ``threshold_s`` means the loop is
-    stuck (a step hung, or the thread died). The threshold must exceed the longest step."""
+    """Liveness of the engine loop: ``AsyncEngine``'s thread stamps ``last_step_time``
+    (monotonic) after every step and every idle tick (0.5 s), so a stamp older than
+    ``threshold_s`` means the loop is stuck (a step hung, or the thread died). The threshold must
+    exceed the longest step. ``busy`` (optional) limits the verdict to times when work is in
+    flight, for engines whose idle loop does not tick; ``engine`` may be a callable returning
+    the engine, or None while the model loads (alive: the startup probe covers loading)."""
 
-    def __init__(self, engine: Any, threshold_s: float = 60.0):
-        self.engine = engine
+    def __init__(self, engine: Any, threshold_s: float = 60.0, busy: Callable[[], bool] | None = None):
+        self._engine = engine
         self.threshold_s = threshold_s
+        self.busy = busy
+
+    def _get(self) -> Any:
+        return self._engine() if callable(self._engine) else self._engine
 
     def age(self) -> float:
-        return time.monotonic() - self.engine.last_step_time
+        eng = self._get()
+        last = getattr(eng, "last_step_time", None)
+        return 0.0 if last is None else time.monotonic() - last
 
     def __call__(self) -> bool:
-        return self.age() < self.threshold_s
+        if self.age() < self.threshold_s:
+            return True
+        return self.busy is not None and not self.busy()
 
 
 def _run_checks(checks: Mapping[str, Check]) -> tuple[bool, dict[str, bool]]:

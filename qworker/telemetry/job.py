@@ -10,6 +10,7 @@ generated), so error paths need no special cases.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -18,7 +19,7 @@ from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from qworker.telemetry.genai import GenerationTrace, operation_name
+from qworker.telemetry.genai import GenerationTrace
 from qworker.telemetry.logging import log_job_outcome
 from qworker.telemetry.metrics import RequestTimer, WorkerMetrics
 from qworker.telemetry.spans import JobTrace, JobTracer
@@ -45,10 +46,13 @@ class Telemetry:
         if self.watcher is not None:
             self.watcher.start()
 
-    async def stop(self) -> None:
+    async def stop(self, shutdown_tracing: bool = True) -> None:
+        """Stops the watcher and flushes spans; ``shutdown_tracing=False`` leaves a tracer the
+        caller owns (and may share) running."""
         if self.watcher is not None:
             await self.watcher.stop()
-        self.tracing.shutdown()
+        # the exporter may block on the network for its timeout: keep it off the event loop
+        await asyncio.to_thread(self.tracing.shutdown if shutdown_tracing else self.tracing.flush)
 
     def job(self, job_id: str, topic: str, partition: int, offset: int, key: bytes | str | None, headers: Headers, received_at: float | None = None) -> JobTelemetry:
         return JobTelemetry(self, job_id, self.tracer.start_job(topic, partition, offset, key, headers, start_time=received_at), received_at)
@@ -84,11 +88,12 @@ class JobTelemetry:
             self._admission = _ENDED
 
     # -- generation ----------------------------------------------------------------------------
-    def generating(self, request_id: str, prompt: Any, sampling: Any, *, stream: bool | None = None) -> None:
-        """The run starts on the engine. ``prompt`` decides chat vs text_completion."""
+    def generating(self, request_id: str, operation: str, sampling: Any, *, stream: bool | None = None) -> None:
+        """The run starts on the engine: ``operation`` is ``chat`` or ``text_completion``
+        (``genai.operation_name`` derives it from an engine prompt)."""
         self.admitted()
         self._request_id = request_id
-        self._gen = self.trace.generation(operation_name(prompt), sampling, stream=stream)
+        self._gen = self.trace.generation(operation, sampling, stream=stream)
         self._timer = self.owner.metrics.request_timer()
         if self.owner.watcher is not None:
             self.owner.watcher.track(request_id, self._gen)
@@ -155,3 +160,27 @@ class JobTelemetry:
         with self.trace.activate():
             log_job_outcome(log, self.job_id, outcome, code=code, **fields)
         self.trace.end(outcome, code)
+
+
+class NullJobTelemetry:
+    """The stand-in for a job built without telemetry (tests, a job state made by hand): every
+    call is a no-op and ``publish`` passes the headers through."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        return _noop
+
+    @contextmanager
+    def publish(self, topic: str, headers: list[tuple[str, bytes]] | None = None) -> Iterator[list[tuple[str, bytes]]]:
+        yield [] if headers is None else headers
+
+    def stream_headers(self) -> list[tuple[str, bytes]]:
+        return []
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+NULL_JOB = NullJobTelemetry()

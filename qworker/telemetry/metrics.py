@@ -112,6 +112,27 @@ class EngineStatsCollector(Collector):
         yield counter("engine_steps", "Engine steps run.", g("steps", 0))
 
 
+class WorkerSnapshot(Collector):
+    """Exposes the last ``update``: the worker's state belongs to the event loop, the scrape
+    runs on a thread, so the loop hands over plain dicts (swapped whole, never mutated)."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, float] = {}
+        self._gauges: dict[str, float] = {}
+
+    def update(self, counters: Mapping[str, float], gauges: Mapping[str, float]) -> None:
+        self._counters, self._gauges = dict(counters), dict(gauges)
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in self._counters.items():
+            yield CounterMetricFamily(PREFIX + name, f"Worker counter: {name}.", value=value)
+        for name, value in self._gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, f"Worker gauge: {name}.", value=value)
+
+
 class RequestTimer:
     """Inter-token latency of one request, from the arrival times of its streamed deltas.
 
@@ -154,13 +175,14 @@ class WorkerMetrics:
         self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.generation_tokens = hist("request_generation_tokens", "Generated tokens per request (all choices).", TOKEN_BUCKETS)
         self._jobs = Counter(PREFIX + "jobs", "Jobs finished, by outcome and error code.", ["model_name", "outcome", "code"], registry=r)
-        self.jobs_pending = Gauge(PREFIX + "num_jobs_pending", "Jobs taken from Kafka and not yet admitted to the engine.", L, registry=r).labels(model_name)
         self._lag = Gauge(PREFIX + "consumer_lag", "High watermark minus committed offset, per owned partition.", ["topic", "partition"], registry=r)
         self._codes: set[str] = set()
         self._lag_keys: set[tuple[str, str]] = set()
         self._engine: EngineStatsCollector | None = None
         if stats is not None:
             self.attach_engine(stats)
+        self._worker = WorkerSnapshot()
+        r.register(self._worker)
 
     def attach_engine(self, stats: Callable[[], Mapping[str, Any]]) -> None:
         if self._engine is not None:
@@ -211,6 +233,11 @@ class WorkerMetrics:
             return "other"
         self._codes.add(code)
         return code
+
+    def update_worker(self, counters: Mapping[str, float], gauges: Mapping[str, float]) -> None:
+        """Worker-side counters (``qworker:<name>_total``) and gauges (``qworker:<name>``),
+        snapshotted by their owner, the event loop; scrapes read the last snapshot."""
+        self._worker.update(counters, gauges)
 
     # -- consumer lag ---------------------------------------------------------------------------
     def set_consumer_lag(self, topic: str, partition: int, lag: int) -> None:

@@ -45,8 +45,13 @@ class Tracing:
     def enabled(self) -> bool:
         return self.provider is not None
 
+    def flush(self) -> None:
+        """Exports queued spans now (bounded by ``OTEL_BSP_EXPORT_TIMEOUT``)."""
+        if self.provider is not None:
+            self.provider.force_flush()
+
     def shutdown(self) -> None:
-        """Flushes queued spans (bounded by ``OTEL_BSP_EXPORT_TIMEOUT``) and stops the exporter."""
+        """Flushes queued spans and stops the exporters; for the provider's owner only."""
         if self.provider is not None:
             self.provider.shutdown()
 

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import asdict
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -34,19 +35,23 @@ from qworker.worker.admission import Admission, PendingQueue
 from qworker.worker.cancellation import CancelRegistry, CancelWatcher
 from qworker.worker.decode import Invalid, Unparseable, Valid, decode
 from qworker.worker.dlq import dlq_headers
-from qworker.worker.health import HealthServer
 from qworker.worker.jobs import JobRunner, JobState, cancelled_completion, error_message
 from qworker.worker.offsets import OffsetTracker
 from qworker.worker.publisher import DeliveryAborted, Publisher
 from qworker.worker.stats import WorkerStats
+from qworker.telemetry import EngineLiveness, TelemetryServer, Tracing, WorkerMetrics, configure_tracing
+from qworker.telemetry.job import JobTelemetry, Telemetry
 
 log = logging.getLogger("qworker.worker")
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: Any | None = None):
+    def __init__(self, settings: WorkerSettings, engine: Any | None = None, tracing: Tracing | None = None):
+        """``tracing``: a tracer to use (tests pass one with an in-memory exporter); by default
+        one is built from the ``OTEL_*`` environment (no-op when it names no exporter)."""
         self.settings = settings
         self.engine = engine
+        self._tracing = tracing
         self._owns_engine = engine is None
         self.stats = WorkerStats()
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
@@ -63,7 +68,11 @@ class Worker:
         self.consumer: AIOKafkaConsumer | None = None
         self.producer: AIOKafkaProducer | None = None
         self.pauser: kc.Pauser | None = None
-        self.http: HealthServer | None = None
+        self.http: TelemetryServer | None = None
+        self.metrics: WorkerMetrics | None = None
+        self.telemetry: Telemetry | None = None
+        self.warmed_up = False
+        self.joined = False  # the consumer joined its group (it may own no partition)
         self._cancel_watcher: CancelWatcher | None = None
         self._side: set[asyncio.Task] = set()  # DLQ/error/cancel publications
         self._loops: list[asyncio.Task] = []
@@ -76,18 +85,42 @@ class Worker:
     async def start(self) -> None:
         s = self.settings
         self._wake, self._stop_requested = asyncio.Event(), asyncio.Event()
+        # tracing first: a bad OTEL_* setting fails the start before the model loads
+        tracing = self._tracing or configure_tracing()
+        name = s.model_name or (self.engine.model_name if self.engine is not None else os.path.basename(os.path.normpath(s.model or "model")))
+        self.metrics = WorkerMetrics(name)
         if s.http_port >= 0:
             # up before the model loads, so a startup probe sees a live process
-            self.http = HealthServer(s.http_host, s.http_port, {"/healthz": self._healthz, "/readyz": self._readyz, "/metrics": self._metrics})
+            self.http = TelemetryServer(
+                s.http_host,
+                s.http_port,
+                metrics=self.metrics,
+                liveness={"engine_loop": EngineLiveness(lambda: self.engine, s.liveness_timeout_s, busy=self._busy)},
+                readiness={
+                    "model_loaded": lambda: self.engine is not None and bool(getattr(self.engine, "ready", False)),
+                    "warmed_up": lambda: self.warmed_up,
+                    "in_group": lambda: self.joined,
+                    "not_draining": lambda: not self.draining,
+                },
+            )
             await self.http.start()
         if self.engine is None:
             from qworker.engine import AsyncEngine
 
             if not s.model:
                 raise ValueError("no model: set QWORKER_MODEL or --model")
-            self.engine = AsyncEngine.from_model(s.model, **s.engine_config())
+            # in a thread: the probe server must keep answering while the weights load
+            self.engine = await asyncio.to_thread(AsyncEngine.from_model, s.model, **s.engine_config())
             await self.engine.start()
+        if hasattr(self.engine, "stats"):
+            self.metrics.attach_engine(self.engine.stats)
+        await self._warm_up()
         self.model_name = s.model_name or self.engine.model_name
+        requests = getattr(getattr(self.engine, "engine", None), "requests", None)  # AsyncEngine's live requests: swap events
+        self.telemetry = Telemetry(
+            tracing, self.metrics, group_id=s.group_id, model=self.model_name, lookup=requests.get if requests is not None else None
+        )
+        self.telemetry.start()
         self.model_names = {self.model_name, self.engine.model_name}
         if s.model:
             self.model_names.add(os.path.basename(os.path.normpath(s.model)))
@@ -136,6 +169,7 @@ class Worker:
         for st in list(self.pending):  # fetched but never started: stays in Kafka for the next owner
             self.pending.remove(st)
             self._forget(st)
+            st.tele.outcome("abandoned")
         running = [st.task for st in self.jobs.values() if st.task is not None]
         busy = running + list(self._side)
         log.info("draining: %d running jobs, %d publications", len(running), len(self._side))
@@ -159,13 +193,26 @@ class Worker:
             await self._cancel_watcher.stop()
         if self.consumer is not None:
             await self.consumer.stop()  # sends LeaveGroup: partitions move at once
+            self.joined = False
         if self.producer is not None:
             await self.producer.stop()  # flushes
         if self._owns_engine and self.engine is not None:
             await self.engine.shutdown()
+        if self.telemetry is not None:
+            await self.telemetry.stop(shutdown_tracing=self._tracing is None)  # flushes queued spans
         if self.http is not None:
             await self.http.stop()
         log.info("worker stopped: %s", self.stats)
+
+    async def _warm_up(self) -> None:
+        """One tiny generation before taking jobs: the first step pays one-off costs (allocator,
+        kernel selection or compilation) that must not land on a job; /readyz waits for it."""
+        from qworker.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        async for _ in self.engine.generate("qworker-warm-up", self.engine.encode("warm-up"), params):
+            pass
+        self.warmed_up = True
 
     # ------------------------------------------------------------------ polling
     async def _poll_loop(self) -> None:
@@ -202,16 +249,19 @@ class Worker:
             self.stats.refetched += 1
             return
         self.stats.records += 1
+        now = time.time()
         d = decode(rec.value)
         if isinstance(d, Unparseable):
             headers = dlq_headers(d.code, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp)
             self.stats.dlq += 1
-            self._publish_side(self.settings.dlq_topic, rec.key, rec.value or b"", headers, [(tp, rec.offset)])
+            tele = self._job_telemetry("", tp, rec, now)
+            self._publish_side(self.settings.dlq_topic, rec.key, rec.value or b"", headers, [(tp, rec.offset)], tele, ("dlq", d.code))
             return
         if isinstance(d, Invalid):
             self.stats.errors += 1
             msg = error_message(d.job_id, "invalid_job", d.message, retryable=False, metadata=d.metadata, attempt=self.generation)
-            self._publish_side(self.settings.completions_topic, d.job_id, dumps(msg), None, [(tp, rec.offset)])
+            tele = self._job_telemetry(d.job_id, tp, rec, now)
+            self._publish_side(self.settings.completions_topic, d.job_id, dumps(msg), None, [(tp, rec.offset)], tele, ("error", "invalid_job"))
             return
         assert isinstance(d, Valid)
         job = d.job
@@ -220,10 +270,10 @@ class Worker:
             holder.waiters.append((tp, rec.offset))
             self.stats.duplicates += 1
             return
-        now = time.time()
         ts = rec.timestamp / 1000 if rec.timestamp and rec.timestamp > 0 else now
         st = JobState(job=job, tp=tp, offset=rec.offset, produced_at=min(ts, now), received_at=now)
         st.attempt = self.generation
+        st.tele = self._job_telemetry(job.id, tp, rec, now)
         if job.id in self.cancels:
             self._finish_now(st, cancelled_completion(st, self.model_name))
             return
@@ -233,6 +283,11 @@ class Worker:
             return
         self.jobs[job.id] = st
         self.pending.push(job.priority, st)
+        st.tele.queued()
+
+    def _job_telemetry(self, job_id: str, tp: TopicPartition, rec: Any, received_at: float) -> JobTelemetry:
+        assert self.telemetry is not None
+        return self.telemetry.job(job_id, tp.topic, tp.partition, rec.offset, rec.key, rec.headers, received_at)
 
     def _precheck(self, st: JobState) -> BaseModel | None:
         """Reject at once what can never run. Fills ``prompt_ids`` and ``params``."""
@@ -300,19 +355,23 @@ class Worker:
     async def _run(self, st: JobState) -> None:
         try:
             result = await self.runner.run(st)
-            await self.publisher.deliver(self.settings.completions_topic, st.job.id, dumps(result))
+            with st.tele.publish(self.settings.completions_topic) as headers:
+                await self.publisher.deliver(self.settings.completions_topic, st.job.id, dumps(result), headers or None)
         except (asyncio.CancelledError, DeliveryAborted):
             # Abandoned (revoke, drain timeout): no completion, offsets stay uncommitted, the
             # partition's next owner reruns the job with a higher attempt.
             self.stats.abandoned += 1
             self._forget(st)
+            st.tele.outcome("abandoned")
             return
         except Exception:  # noqa: BLE001
             log.exception("job %s: unexpected failure", st.job.id)
             self._forget(st)
+            st.tele.outcome("error", "internal")
             return
         self._count(result)
         self._done(st)
+        st.tele.outcome(*_outcome(result), partition=st.tp.partition, offset=st.offset, output_tokens=st.generated)
 
     def _count(self, msg: BaseModel) -> None:
         if isinstance(msg, Completion):
@@ -338,19 +397,38 @@ class Worker:
     def _finish_now(self, st: JobState, msg: BaseModel) -> None:
         """Publish an immediate answer (error or early cancel) for a job that never runs."""
         self._count(msg)
-        self._publish_side(self.settings.completions_topic, st.job.id, dumps(msg), None, st.offsets())
+        self._publish_side(self.settings.completions_topic, st.job.id, dumps(msg), None, st.offsets(), st.tele, _outcome(msg))
 
-    def _publish_side(self, topic: str, key: bytes | str | None, value: bytes, headers: list | None, offsets: list[tuple[TopicPartition, int]]) -> None:
+    def _publish_side(
+        self,
+        topic: str,
+        key: bytes | str | None,
+        value: bytes,
+        headers: list | None,
+        offsets: list[tuple[TopicPartition, int]],
+        tele: JobTelemetry | None = None,
+        outcome: tuple[str, str | None] | None = None,
+    ) -> None:
+        """Publish in the background; once acknowledged, mark ``offsets`` done and record the
+        job's ``outcome`` (outcome, error code) on ``tele``."""
         if isinstance(key, bytes):
             key = key.decode("utf-8", "replace")
 
         async def go() -> None:
             try:
-                await self.publisher.deliver(topic, key or "", value, headers)
+                if tele is None:
+                    await self.publisher.deliver(topic, key or "", value, headers)
+                else:
+                    with tele.publish(topic, headers) as h:
+                        await self.publisher.deliver(topic, key or "", value, h or None)
             except DeliveryAborted:
+                if tele is not None:
+                    tele.outcome("abandoned")
                 return  # stays uncommitted
             for tp, off in offsets:
                 self.tracker.done(tp, off)
+            if tele is not None and outcome is not None:
+                tele.outcome(*outcome, partition=offsets[0][0].partition, offset=offsets[0][1])
 
         t = asyncio.create_task(go())
         self._side.add(t)
@@ -383,6 +461,7 @@ class Worker:
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         self.generation = kc.generation(self.consumer)
+        self.joined = True
         lost = (self._revoked | set(self.tracker.partitions())) - assigned
         self._revoked = set()
         if lost:
@@ -399,15 +478,19 @@ class Worker:
             if st.tp not in lost:
                 continue
             if st.admitted:
-                st.task.cancel()
+                st.task.cancel()  # its run records the outcome
             else:
                 self.pending.remove(st)
+                st.tele.outcome("abandoned")
             self._forget(st)
             if st.waiters:
                 (tp, off), rest = st.waiters[0], st.waiters[1:]
                 heir = JobState(job=st.job, tp=tp, offset=off, produced_at=st.produced_at, received_at=st.received_at, waiters=rest, prompt_ids=st.prompt_ids, params=st.params)
+                assert self.telemetry is not None
+                heir.tele = self.telemetry.job(st.job.id, tp.topic, tp.partition, off, st.job.id, None, st.received_at)
                 self.jobs[st.job.id] = heir
                 self.pending.push(st.job.priority, heir)
+                heir.tele.queued()
         for tp in lost:
             self.tracker.drop(tp)
 
@@ -416,6 +499,7 @@ class Worker:
         while not self._closed:
             await asyncio.sleep(self.settings.commit_interval_ms / 1000)
             await self._commit()
+            self._observe()
 
     async def _commit(self) -> None:
         assigned = self.consumer.assignment()
@@ -423,18 +507,28 @@ class Worker:
         self.stats.commits += c
         self.stats.commit_failures += f
 
-    # ------------------------------------------------------------------ probes
-    def _healthz(self) -> tuple[int, str, str]:
-        eng = self.engine
-        last = getattr(eng, "last_step_time", None) if eng is not None else None
-        busy = bool(self.jobs) and any(st.admitted for st in self.jobs.values())
-        if busy and last is not None and time.monotonic() - last > 120:
-            return 503, "text/plain", f"engine step loop stalled for {time.monotonic() - last:.0f}s\n"
-        return 200, "text/plain", "ok\n"
+    # ------------------------------------------------------------------ probes and metrics
+    def _busy(self) -> bool:
+        """Work is in flight: only then does a stale engine stamp mean a stuck engine."""
+        return any(st.admitted for st in self.jobs.values())
 
-    def _readyz(self) -> tuple[int, str, str]:
-        ok = self.ready and not self.draining and bool(getattr(self.engine, "ready", True))
-        return (200, "text/plain", "ready\n") if ok else (503, "text/plain", "not ready\n")
+    def _observe(self) -> None:
+        """Hands the loop-owned state to the metrics (scrapes run on another thread): consumer
+        lag per owned partition (high watermark from the last fetch, which Tansu reports right,
+        minus the offset we would commit) and the worker's own counters and gauges."""
+        if self.metrics is None:
+            return
+        owned: set[tuple[str, int]] = set()
+        if self.consumer is not None:
+            for tp in self.consumer.assignment():
+                owned.add((tp.topic, tp.partition))
+                hw, c = self.consumer.highwater(tp), self.tracker.committable(tp)
+                if hw is not None and c is not None:
+                    self.metrics.set_consumer_lag(tp.topic, tp.partition, hw - c)
+        self.metrics.retain_consumer_lag(owned)
+        # job outcomes are counted by qworker:jobs_total{outcome}; these are the rest
+        counters = {k: v for k, v in asdict(self.stats).items() if k not in ("completed", "cancelled", "errors", "dlq", "abandoned")}
+        self.metrics.update_worker(counters, self.gauges())
 
     def gauges(self) -> dict[str, float]:
         g: dict[str, float] = {
@@ -445,20 +539,17 @@ class Worker:
         }
         if self.consumer is not None:
             g["assigned_partitions"] = len(self.consumer.assignment())
-            lag = 0
-            for tp in self.consumer.assignment():
-                hw = self.consumer.highwater(tp)  # from Fetch: correct on Tansu, unlike end_offsets()
-                c = self.tracker.committable(tp)
-                if hw is not None and c is not None:
-                    lag += max(0, hw - c)
-            g["lag"] = lag
         if self.engine is not None and self.ready:
             cap = self._capacity()
             g.update(kv_free_tokens=cap.free_tokens, kv_total_tokens=cap.total_tokens, engine_running=cap.num_running, engine_waiting=cap.num_waiting)
         return g
 
-    def _metrics(self) -> tuple[int, str, str]:
-        return 200, "text/plain; version=0.0.4", self.stats.render(self.gauges())
+
+def _outcome(msg: BaseModel) -> tuple[str, str | None]:
+    """(outcome, error code) of a final message, for the jobs counter and the job's span."""
+    if isinstance(msg, Completion):
+        return ("cancelled", None) if msg.status == "cancelled" else ("completed", None)
+    return "error", getattr(getattr(msg, "error", None), "code", None)
 
 
 async def serve(settings: WorkerSettings, engine: Any | None = None) -> int:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qworker.messages import Choice, Completion, ErrorInfo, Job, JobError, Timings, Usage, dumps
+from qworker.telemetry.genai import CHAT, TEXT_COMPLETION
+from qworker.telemetry.job import NULL_JOB
 from qworker.worker.publisher import Publisher
 from qworker.worker.stream import StreamCoalescer
 
@@ -32,6 +34,7 @@ class JobState:
     task: asyncio.Task | None = None
     cancel_requested: bool = False
     generated: int = 0
+    tele: Any = NULL_JOB  # qworker.telemetry.job.JobTelemetry: spans, metrics, outcome log line
 
     @property
     def prompt_len(self) -> int:
@@ -109,7 +112,7 @@ class JobRunner:
                     return
                 for ev in coalescer.take():
                     data = dumps(ev)
-                    sent.append((data, await self.publisher.send(self.tokens_topic, job.id, data)))
+                    sent.append((data, await self.publisher.send(self.tokens_topic, job.id, data, stream_headers)))
 
         async def ticker() -> None:
             # flushes the tail of a burst when no further token arrives for a while
@@ -121,9 +124,13 @@ class JobRunner:
         tick = asyncio.create_task(ticker()) if coalescer is not None else None
         last = None
         cached = 0
+        tele = state.tele
+        tele.generating(state.request_id, CHAT if job.messages is not None else TEXT_COMPLETION, job.sampling, stream=job.stream)
+        stream_headers = tele.stream_headers() or None  # one traceparent for every delta event of the run
         try:
             try:
                 async for out in self.engine.generate(state.request_id, state.prompt_ids, state.params, priority=job.priority):
+                    tele.on_output(out)
                     last = out
                     cached = max(cached, out.num_cached_tokens or 0)
                     for c in out.outputs:
@@ -144,6 +151,7 @@ class JobRunner:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a failed request must get an error, not silence
+                tele.failed(e)
                 code = getattr(e, "code", None)
                 if code:  # InvalidRequestError raised lazily by the engine
                     return error_message(state, code, str(e), retryable=False)
@@ -151,6 +159,14 @@ class JobRunner:
         finally:
             if tick is not None:
                 tick.cancel()
+        tele.generated(
+            last,
+            finish_reasons=[a.finish_reason or "abort" for _, a in sorted(accs.items())],
+            input_tokens=state.prompt_len,
+            output_tokens=sum(len(a.token_ids) for a in accs.values()),
+            cached_tokens=cached,
+            aborted="cancelled" if state.cancel_requested else None,
+        )
         await flush()
         # The stream must be complete before the completion is acknowledged and the offset moves.
         await self.publisher.settle(self.tokens_topic, job.id, sent)

@@ -1,8 +1,8 @@
-"""Worker counters and gauges, rendered in the Prometheus text format."""
+"""Worker counters (exposed as ``qworker:<name>_total`` by ``Worker._observe``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 
 @dataclass
@@ -19,12 +19,3 @@ class WorkerStats:
     commits: int = 0
     commit_failures: int = 0
     rebalances: int = 0
-
-    def render(self, gauges: dict[str, float]) -> str:
-        lines = []
-        for f in fields(self):
-            name = f"qworker_{f.name}_total"
-            lines += [f"# TYPE {name} counter", f"{name} {getattr(self, f.name)}"]
-        for name, value in gauges.items():
-            lines += [f"# TYPE qworker_{name} gauge", f"qworker_{name} {value}"]
-        return "\n".join(lines) + "\n"

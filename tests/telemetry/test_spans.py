@@ -1,0 +1,183 @@
+"""The job span tree, its attributes and the generate span's events, with an in-memory exporter."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, StatusCode
+
+from qworker.telemetry import genai
+from qworker.telemetry.propagation import extract
+from qworker.telemetry.spans import JobTracer
+from qworker.telemetry.tracing import disabled
+from qworker.telemetry.watcher import StateWatcher
+
+from .conftest import fake_metrics, fake_output
+
+TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+SAMPLING = {"max_tokens": 8, "temperature": 0.0, "top_p": 0.9, "top_k": 0, "seed": 7, "n": 1, "stop": ["\n"]}
+
+
+def _by_name(exporter):
+    return {s.name: s for s in exporter.get_finished_spans()}
+
+
+def test_job_span_tree(tracing, exporter):
+    jt = JobTracer(tracing, group_id="g1", model="smollm2-135m").start_job("jobs", 3, 42, b"job-1", [("traceparent", TP.encode())])
+    jt.admission().end()
+    gen = jt.generation(genai.operation_name([{"role": "user", "content": "hi"}]), SAMPLING, stream=True)
+    m = fake_metrics(100.0, first_scheduled_time=100.25)
+    gen.on_output(fake_output([], m))  # held-back text, no tokens yet: no first_token event
+    m.first_token_time = 100.5
+    gen.on_output(fake_output([5, 6], m))
+    m.finished_time = 101.0
+    final = fake_output([7], m, "stop")
+    gen.on_output(final)
+    gen.finish(final, finish_reasons=["stop"], input_tokens=10, output_tokens=3, cached_tokens=4, response_id="job-1")
+    with jt.publish("completions") as headers:
+        sent = list(headers)
+    jt.end("completed")
+
+    spans = _by_name(exporter)
+    assert set(spans) == {"process jobs", "admission wait", "generate", "publish"}
+    process = spans["process jobs"]
+    assert process.kind is SpanKind.CONSUMER
+    assert format(process.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+    assert process.parent.span_id == 0xB7AD6B7169203331 and process.parent.is_remote
+    assert dict(process.attributes) == {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": "jobs",
+        "messaging.destination.partition.id": "3",
+        "messaging.kafka.offset": 42,
+        "messaging.consumer.group.name": "g1",
+        "messaging.kafka.message.key": "job-1",
+        "qworker.job.outcome": "completed",
+    }
+    for name in ("admission wait", "generate", "publish"):
+        assert spans[name].parent.span_id == process.context.span_id
+        assert spans[name].context.trace_id == process.context.trace_id
+    g = spans["generate"]
+    assert g.attributes["gen_ai.operation.name"] == "chat"
+    assert g.attributes["gen_ai.request.model"] == "smollm2-135m"
+    assert g.attributes["gen_ai.request.max_tokens"] == 8
+    assert g.attributes["gen_ai.request.temperature"] == 0.0
+    assert g.attributes["gen_ai.request.top_p"] == 0.9
+    assert g.attributes["gen_ai.request.seed"] == 7
+    assert g.attributes["gen_ai.request.stream"] is True
+    assert tuple(g.attributes["gen_ai.request.stop_sequences"]) == ("\n",)
+    assert "gen_ai.request.choice.count" not in g.attributes  # n == 1
+    assert tuple(g.attributes["gen_ai.response.finish_reasons"]) == ("stop",)
+    assert g.attributes["gen_ai.usage.input_tokens"] == 10
+    assert g.attributes["gen_ai.usage.output_tokens"] == 3
+    assert g.attributes["gen_ai.usage.cache_read.input_tokens"] == 4
+    assert g.attributes["gen_ai.response.id"] == "job-1"
+    assert g.attributes["gen_ai.response.time_to_first_chunk"] == 0.5
+    assert g.attributes["qworker.queue_time"] == 0.25
+    assert g.attributes["qworker.preemptions"] == 0
+    assert not any(k.startswith("gen_ai.system") or "prompt_tokens" in k or "completion_tokens" in k for k in g.attributes)
+    assert [e.name for e in g.events] == ["first_token"]
+    assert g.events[0].timestamp == int(100.5e9)
+    pub = spans["publish"]
+    assert pub.kind is SpanKind.PRODUCER and pub.attributes["messaging.destination.name"] == "completions"
+    assert trace.get_current_span(extract(sent)).get_span_context().span_id == pub.context.span_id
+
+
+def test_preemption_swap_and_abort_events(tracing, exporter):
+    jt = JobTracer(tracing, group_id="g", model="m").start_job("jobs", 0, 1, None, None)
+    gen = jt.generation("text_completion", SAMPLING)
+    m = fake_metrics(first_token_time=100.1)
+    gen.on_output(fake_output([1], m))
+    m.num_preemptions = 1
+    gen.on_state("swapped", 1)  # the watcher saw it swapped out
+    gen.on_output(fake_output([2], m))  # running again: swap-in, no second preemption
+    m.num_preemptions = 2
+    gen.on_output(fake_output([3], m))  # a preemption the watcher missed: counted, mode unknown
+    gen.on_state("waiting", 3)
+    gen.on_state("running", 3)
+    gen.abort("cancelled")
+    gen.finish(None, finish_reasons=["abort"], input_tokens=3, output_tokens=3)
+    gen.fail("ignored: already ended")
+    jt.end("cancelled")
+    g = _by_name(exporter)["generate"]
+    assert [e.name for e in g.events] == ["first_token", "preemption", "swap_out", "swap_in", "preemption", "preemption", "abort"]
+    modes = [e.attributes["qworker.preemption.mode"] for e in g.events if e.name == "preemption"]
+    assert modes == ["swap", "unknown", "recompute"]
+    assert g.status.status_code is StatusCode.UNSET
+    assert jt.span.attributes["qworker.job.outcome"] == "cancelled"
+
+
+def test_error_outcome_sets_status(tracing, exporter):
+    jt = JobTracer(tracing, group_id="g", model="m").start_job("jobs", 0, 1, b"\xff", None)
+    gen = jt.generation("text_completion", SimpleNamespace(max_tokens=4, temperature=1.0, top_p=1.0, n=2, seed=None))
+    gen.fail(RuntimeError("boom"))
+    jt.end("error", code="engine_error")
+    spans = _by_name(exporter)
+    assert spans["generate"].status.status_code is StatusCode.ERROR
+    assert spans["generate"].events[0].name == "exception"
+    assert spans["generate"].attributes["gen_ai.request.choice.count"] == 2
+    p = spans["process jobs"]
+    assert p.status.status_code is StatusCode.ERROR and p.attributes["error.type"] == "engine_error"
+    assert "messaging.kafka.message.key" not in p.attributes  # not valid UTF-8
+
+
+class _Seq:
+    def __init__(self, status: str):
+        self.status = SimpleNamespace(value=status)
+
+
+def test_watcher_turns_state_changes_into_events(tracing, exporter):
+    jt = JobTracer(tracing, group_id="g", model="m").start_job("jobs", 0, 1, None, None)
+    gen = jt.generation("text_completion", SAMPLING)
+    req = SimpleNamespace(seqs=[_Seq("waiting")], metrics=fake_metrics())
+    live = {"r1": req}
+    w = StateWatcher(live.get)
+    w.track("r1", gen)
+    w.poll()  # waiting before its first schedule: not a preemption
+    req.seqs = [_Seq("running")]
+    w.poll()
+    req.seqs, req.metrics.num_preemptions = [_Seq("swapped")], 1
+    w.poll()
+    w.poll()  # no change, no event
+    req.seqs = [_Seq("running")]
+    w.poll()
+    req.seqs, req.metrics.num_preemptions = [_Seq("running"), _Seq("waiting")], 2
+    w.poll()
+    w.untrack("r1")
+    req.seqs = [_Seq("swapped")]
+    w.poll()  # untracked: ignored
+    gen.finish(None, finish_reasons=["stop"], input_tokens=1, output_tokens=1)
+    events = [(e.name, e.attributes.get("qworker.preemption.mode")) for e in _by_name(exporter)["generate"].events]
+    assert events == [("preemption", "swap"), ("swap_out", None), ("swap_in", None), ("preemption", "recompute")]
+
+
+async def test_watcher_task_ticks_only_while_tracking(tracing):
+    import asyncio
+
+    calls = []
+    w = StateWatcher(lambda rid: calls.append(rid), interval=0.01)
+    w.start()
+    await asyncio.sleep(0.05)
+    assert calls == []  # idle: no polling
+    jt = JobTracer(tracing, group_id="g", model="m").start_job("jobs", 0, 1, None, None)
+    w.track("r", jt.generation("text_completion", SAMPLING))
+    await asyncio.sleep(0.05)
+    assert calls and set(calls) == {"r"}
+    await w.stop()
+
+
+def test_disabled_tracing_is_inert():
+    jt = JobTracer(disabled(), group_id="g", model="m").start_job("jobs", 0, 1, b"k", [("traceparent", TP.encode())])
+    assert not jt.recording
+    gen = jt.generation("chat", SAMPLING)
+    assert not gen.recording
+    gen.on_output(fake_output([1], fake_metrics(first_token_time=1.0)))
+    gen.finish(None, finish_reasons=["stop"], input_tokens=1, output_tokens=1)
+    with jt.publish("completions") as headers:
+        assert dict(headers)["traceparent"].decode() == TP  # passes through
+    jt.end("completed")
+    w = StateWatcher(lambda rid: None)
+    w.track("r", gen)
+    assert not w._tracked  # nothing recorded, nothing polled

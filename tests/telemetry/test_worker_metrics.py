@@ -1,0 +1,141 @@
+"""Every qworker metric moves in a worker run that causes it: a prefix hit, forced preemptions
+(swap and recompute) in a tiny KV pool, evictions, a cancelled job, error codes, a DLQ entry,
+consumer lag. A 2-layer random-weight model keeps the engine fast; the broker is real."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import defaultdict
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from qworker.messages import Job, Sampling
+from qworker.worker import Worker
+from qworker.worker.client import cancel, submit
+
+from .conftest import RawResults
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+BLOCK_BYTES = 8192  # the tiny model: 2 layers x (K, V) x 2 heads x 16 dims x 16 tokens x fp32
+
+
+@pytest.fixture
+async def tiny_engine(tiny_model_dir):
+    from qworker.engine import AsyncEngine
+
+    # 12 blocks (192 tokens) of KV and 3 blocks of CPU swap: four 80-token jobs cannot fit,
+    # so the scheduler must preempt, swapping while a victim fits in swap, recomputing after.
+    eng = AsyncEngine.from_model(
+        str(tiny_model_dir), device="cpu", kv_cache_memory=12 * BLOCK_BYTES, swap_space=3 * BLOCK_BYTES, max_num_seqs=8, max_num_batched_tokens=128
+    )
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+def scrape(w: Worker) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(w.metrics.render()[0].decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 30000) for _ in range(n)]
+
+
+async def test_every_metric_moves(tiny_engine, topics, raw_results: RawResults, tracing, exporter) -> None:
+    s = topics.model_copy(update={"admission_reserve_tokens": 0, "max_waiting_jobs": 8, "commit_interval_ms": 100})
+    w = Worker(s, tiny_engine, tracing=tracing)
+    await w.start()
+    peak: dict[tuple[str, tuple], float] = defaultdict(float)
+
+    async def sample() -> None:  # gauges are instantaneous: keep the highest value seen
+        while True:
+            for k, v in scrape(w).items():
+                peak[k] = max(peak[k], v)
+            await asyncio.sleep(0.02)
+
+    sampler = asyncio.create_task(sample())
+    rng = random.Random(7)
+    try:
+        # a prefix hit: the same 40-token prompt twice, one after the other
+        shared = ids(rng, 40)
+        for jid in ("prefix-1", "prefix-2"):
+            await submit(s, [Job(id=jid, prompt_token_ids=shared, sampling=Sampling(max_tokens=2, temperature=0.0))])
+            await raw_results.wait(lambda: jid in raw_results.completions, 60, jid)
+        assert raw_results.completions["prefix-2"][0]["usage"]["cached_tokens"] == 32  # two full blocks; never the last token
+
+        # answers without generation: a DLQ entry, two error codes, a cancel that beat its job
+        await cancel(s, "cancelled-early")
+        await asyncio.sleep(0.5)  # the cancel watcher reads it first
+        await submit(s, [b"\x00 not json", {"id": "bad-schema", "prompt": 5}, Job(id="too-long", prompt_token_ids=ids(rng, 400))])
+        await submit(s, [Job(id="cancelled-early", prompt="hi", sampling=Sampling(max_tokens=100, ignore_eos=True))])
+
+        # memory pressure: four jobs growing to 5 blocks each in a 12-block pool
+        pressure = [Job(id=f"pressure-{i}", prompt_token_ids=ids(rng, 20), sampling=Sampling(max_tokens=60, temperature=0.0, ignore_eos=True)) for i in range(4)]
+        await submit(s, pressure)
+        everything = {"prefix-1", "prefix-2", "bad-schema", "too-long", "cancelled-early", *(j.id for j in pressure)}
+        await raw_results.wait(lambda: everything <= set(raw_results.completions) and raw_results.dlq, 180, "all answers")
+
+        async def lag_settled() -> None:  # the commit loop publishes lag; wait for the last commit
+            while True:
+                lags = [v for (n, _), v in scrape(w).items() if n == "qworker:consumer_lag"]
+                if lags and not any(lags):
+                    return
+                await asyncio.sleep(0.1)
+
+        await asyncio.wait_for(lag_settled(), 20)
+    finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+        final = scrape(w)
+        await w.stop()
+
+    assert raw_results.completions["cancelled-early"][0]["status"] == "cancelled"
+    f = final
+    # engine counters
+    assert f[("qworker:prefix_cache_queries_total", ())] > 0
+    assert f[("qworker:prefix_cache_hits_total", ())] >= 32
+    assert f[("qworker:prompt_tokens_total", (("source", "cached"),))] >= 32
+    assert f[("qworker:prompt_tokens_total", (("source", "computed"),))] > 0
+    assert f[("qworker:generation_tokens_total", ())] >= 4 + 4 * 60
+    swaps = f[("qworker:num_preemptions_total", (("mode", "swap"),))]
+    recomputes = f[("qworker:num_preemptions_total", (("mode", "recompute"),))]
+    assert swaps > 0 and recomputes > 0
+    assert f[("qworker:blocks_swapped_total", (("direction", "out"),))] > 0
+    assert f[("qworker:blocks_swapped_total", (("direction", "in"),))] > 0
+    assert f[("qworker:blocks_evicted_total", ())] > 0
+    # engine gauges, as sampled while it worked
+    assert peak[("qworker:num_requests_running", ())] >= 2
+    assert peak[("qworker:kv_cache_usage_perc", ())] > 0.5
+    assert peak[("qworker:cpu_swap_usage_perc", ())] > 0
+    assert peak[("qworker:num_requests_waiting", ())] + peak[("qworker:num_requests_swapped", ())] > 0
+    # request histograms (every job that ran: 2 prefix + 4 pressure)
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert f[(f"qworker:{h}_count", ())] >= 6, h
+    assert f[("qworker:inter_token_latency_seconds_count", ())] >= 4 * 59
+    # jobs by outcome, and the worker's consumer lag
+    jobs = {dict(k[1])["outcome"] + ":" + dict(k[1])["code"]: v for k, v in f.items() if k[0] == "qworker:jobs_total"}
+    assert jobs == {"completed:": 6, "cancelled:": 1, "error:invalid_job": 1, "error:prompt_too_long": 1, "dlq:not_json": 1}
+    lag_peak = max(v for (n, _), v in peak.items() if n == "qworker:consumer_lag")
+    assert lag_peak > 0
+    assert f[("qworker:records_total", ())] == 10 and f[("qworker:assigned_partitions", ())] == 4
+
+    # the generate spans saw the preemptions: as many events as the engine counted
+    gens = [sp for sp in exporter.get_finished_spans() if sp.name == "generate"]
+    events = [e for sp in gens for e in sp.events]
+    preemptions = [e for e in events if e.name == "preemption"]
+    assert len(preemptions) == swaps + recomputes
+    # the mode is known when the state watcher's tick saw the request swapped or waiting; a
+    # preemption shorter than a tick is still counted, as "unknown" (see telemetry/watcher.py)
+    assert {e.attributes["qworker.preemption.mode"] for e in preemptions} <= {"swap", "recompute", "unknown"}
+    if any(e.name == "swap_out" for e in events):
+        assert any(e.name == "swap_in" for e in events)
+    assert sum(sp.attributes["qworker.preemptions"] for sp in gens) == swaps + recomputes
+    dlq_spans = [sp for sp in exporter.get_finished_spans() if sp.name.startswith("process ") and sp.attributes.get("qworker.job.outcome") == "dlq"]
+    assert len(dlq_spans) == 1 and dlq_spans[0].attributes["error.type"] == "not_json"
