@@ -27,15 +27,26 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+# scheduling events a request can go through (RequestMetrics.events)
+EV_PREEMPT_SWAP = "preempt_swap"  # preempted; its KV blocks were swapped out to CPU memory
+EV_PREEMPT_RECOMPUTE = "preempt_recompute"  # preempted; its KV will be recomputed
+EV_SWAP_IN = "swap_in"  # a swapped-out sequence's KV came back and it runs again
+
+
 @dataclass(slots=True)
 class RequestMetrics:
-    """Wall-clock timestamps (time.time()) of one request's life; None until reached."""
+    """Wall-clock timestamps (time.time()) of one request's life; None until reached.
+
+    ``events`` is appended to by the engine thread only, as ``(time, EV_*, choice index)``; a
+    reader on another thread may read ``events[:k]`` for any ``k`` it has seen.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    events: list[tuple[float, str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

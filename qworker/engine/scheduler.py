@@ -15,10 +15,12 @@ CPU blocks freed by a swap-in from being reused by a swap-out of the same step).
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from qworker.engine.config import EngineConfig
 from qworker.engine.kv_cache_manager import BlockCopies, KVCacheManager
+from qworker.engine.outputs import EV_PREEMPT_RECOMPUTE, EV_PREEMPT_SWAP, EV_SWAP_IN
 from qworker.engine.sequence import SeqStatus, Sequence
 
 
@@ -155,6 +157,7 @@ class Scheduler:
             self.waiting.add(seq)
             mode = "recompute"
         self.num_preemptions[mode] += 1
+        seq.request.metrics.events.append((time.time(), EV_PREEMPT_SWAP if mode == "swap" else EV_PREEMPT_RECOMPUTE, seq.index))
         out.preempted.append((seq, mode))
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
@@ -171,6 +174,7 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, min(num_new, budget)):
                 raise AssertionError("swap-in left room for one more block")
             self.swapped.remove(seq)
+            seq.request.metrics.events.append((time.time(), EV_SWAP_IN, seq.index))
             seq.status = SeqStatus.RUNNING
             self.running.add(seq)
             out.scheduled.append(ScheduledSeq(seq, min(num_new, budget)))

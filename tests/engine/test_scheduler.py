@@ -107,6 +107,9 @@ def test_preemption_takes_the_lowest_priority_and_never_fails_a_request(tiny_mod
     mode = "preemptions_swap" if swap else "preemptions_recompute"
     assert stats[mode] > 0, stats
     assert done["vip"].metrics.num_preemptions == 0, "the highest-priority request is never the victim"
+    events = [ev for r in done.values() for _, ev, _ in r.metrics.events]
+    assert events.count("preempt_swap" if swap else "preempt_recompute") == stats[mode]
+    assert events.count("swap_in") == (stats["preemptions_swap"] if swap else 0)
     assert stats["kv_blocks_used"] == 0 and stats["cpu_swap_blocks_used"] == 0
 
 
