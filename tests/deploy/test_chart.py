@@ -309,7 +309,7 @@ def test_keda_off_uses_a_plain_hpa(rendered_cases):
     assert hpa["spec"]["behavior"] == merged["autoscaling"]["behavior"]
     r2, _ = rendered_cases["keda-off-hpa-pods-metric"]
     (metric,) = r2.one("HorizontalPodAutoscaler")["spec"]["metrics"]
-    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "qworker_requests_waiting"
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "qworker_num_requests_waiting"
 
 
 def test_sasl_credentials_come_from_a_secret(rendered_cases):
