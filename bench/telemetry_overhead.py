@@ -70,7 +70,7 @@ class Accounting:
         setattr(owner, name, timed)
 
     def install(self) -> None:
-        from qworker.telemetry import genai, job, metrics, spans, watcher
+        from qworker.telemetry import genai, job, metrics, spans
 
         for name in ("job", "dead_letter"):
             self.wrap(job.Telemetry, name)
@@ -80,7 +80,6 @@ class Accounting:
         for name in ("child", "end"):
             self.wrap(spans.JobTrace, name)
         self.wrap(spans, "inject")
-        self.wrap(watcher.StateWatcher, "poll")
         self.wrap(metrics.WorkerMetrics, "update_worker")
         self.wrap(metrics.WorkerMetrics, "set_consumer_lag")
         del genai  # its calls are reached through the wrapped entry points

@@ -2,7 +2,7 @@
 
 - ``tracing``: tracer from the ``OTEL_*`` environment (no-op when unset)
 - ``propagation``: W3C trace context in Kafka headers
-- ``spans``/``genai``/``watcher``: the per-job span tree and its gen_ai attributes and events
+- ``spans``/``genai``: the per-job span tree and its gen_ai attributes and events
 - ``metrics``: ``qworker:*`` Prometheus metrics and the engine stats collector
 - ``http``: ``/healthz``, ``/readyz``, ``/metrics``
 - ``logging``: JSON log lines with trace ids
@@ -15,7 +15,6 @@ from qworker.telemetry.metrics import WorkerMetrics
 from qworker.telemetry.propagation import extract, inject
 from qworker.telemetry.spans import JobTrace, JobTracer
 from qworker.telemetry.tracing import Tracing, configure_tracing
-from qworker.telemetry.watcher import StateWatcher
 
 __all__ = [
     "EngineLiveness",
@@ -23,7 +22,6 @@ __all__ = [
     "JobTrace",
     "JobTracer",
     "JsonFormatter",
-    "StateWatcher",
     "TelemetryServer",
     "Tracing",
     "WorkerMetrics",

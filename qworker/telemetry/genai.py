@@ -15,6 +15,8 @@ from typing import Any
 
 from opentelemetry.trace import Span, Status, StatusCode
 
+from qworker.engine import outputs as engine
+
 CHAT = "chat"
 TEXT_COMPLETION = "text_completion"
 
@@ -110,19 +112,20 @@ class GenerationTrace:
 
     Invariant: the span is ended exactly once, by ``finish`` or ``fail``; later calls are no-ops,
     so the worker can call ``fail`` from a ``finally`` without checking.
-    Preemption events come from two sources that agree on the count: the state watcher (which
-    also knows swap vs recompute) and, on each delta, ``metrics.num_preemptions`` (which catches
-    a preemption the watcher's tick missed; its mode is then unknown).
+    Preemption and swap events are the engine's own record (``RequestMetrics.events``, appended by
+    the engine thread), replayed with their timestamps: each delta (and ``finish``) turns the
+    entries not seen yet into span events. A preempted request emits nothing, so its events show
+    on its next delta.
     """
 
-    __slots__ = ("span", "recording", "_first_token", "_preemptions", "_state", "_ended")
+    __slots__ = ("span", "recording", "_first_token", "_preemptions", "_events_seen", "_ended")
 
     def __init__(self, span: Span):
         self.span = span
         self.recording = span.is_recording()
         self._first_token = False
         self._preemptions = 0
-        self._state = "running"
+        self._events_seen = 0
         self._ended = False
 
     def on_output(self, out: Any) -> None:
@@ -134,42 +137,34 @@ class GenerationTrace:
             self._first_token = True
             self.span.add_event(EV_FIRST_TOKEN, timestamp=_ns(m.first_token_time) if m else None)
         if m is not None:
-            while self._preemptions < m.num_preemptions:
+            self._scheduling_events(m)
+
+    def _scheduling_events(self, m: Any) -> None:
+        # the engine thread only appends: the first len() entries are complete and stay as they are
+        n = len(m.events)
+        for t, kind, index in m.events[self._events_seen : n]:
+            attrs: dict[str, Any] = {"qworker.choice.index": index}
+            if kind == engine.EV_PREEMPT_SWAP or kind == engine.EV_PREEMPT_RECOMPUTE:
                 self._preemptions += 1
-                self.span.add_event(EV_PREEMPTION, {"qworker.preemption.mode": "unknown", "qworker.preemption.count": self._preemptions})
-        if self._state != "running":
-            self.on_state("running")
-
-    def on_state(self, state: str, num_preemptions: int | None = None) -> None:
-        """A scheduling state seen by the watcher: ``running``, ``waiting`` or ``swapped``, with
-        the request's preemption count read at the same time (None: assume a new one)."""
-        if not self.recording or state == self._state or self._ended:
-            return
-        prev, self._state = self._state, state
-        if state == "swapped":
-            self._preempted("swap", num_preemptions)
-            self.span.add_event(EV_SWAP_OUT)
-        elif state == "waiting" and prev == "running":
-            self._preempted("recompute", num_preemptions)
-        elif state == "running" and prev == "swapped":
-            self.span.add_event(EV_SWAP_IN)
-
-    def _preempted(self, mode: str, count: int | None) -> None:
-        # a delta may already have counted this preemption (mode unknown): do not count it twice
-        if count is not None and self._preemptions >= count:
-            return
-        self._preemptions += 1
-        self.span.add_event(EV_PREEMPTION, {"qworker.preemption.mode": mode, "qworker.preemption.count": self._preemptions})
+                mode = "swap" if kind == engine.EV_PREEMPT_SWAP else "recompute"
+                self.span.add_event(EV_PREEMPTION, {**attrs, "qworker.preemption.mode": mode, "qworker.preemption.count": self._preemptions}, timestamp=_ns(t))
+                if mode == "swap":
+                    self.span.add_event(EV_SWAP_OUT, attrs, timestamp=_ns(t))
+            elif kind == engine.EV_SWAP_IN:
+                self.span.add_event(EV_SWAP_IN, attrs, timestamp=_ns(t))
+        self._events_seen = n
 
     def finish(self, final: Any | None = None, *, end_time: float | None = None, **response: Any) -> None:
         """Sets ``response_attributes(**response)`` and ends the span. ``final`` (the last
-        ``RequestOutput``) supplies the time to first chunk, queue time and preemption count."""
+        ``RequestOutput``) supplies the time to first chunk, queue time, preemption count and
+        the scheduling events recorded after the last delta."""
         if self._ended:
             return
         self._ended = True
         if self.recording:
             m = getattr(final, "metrics", None)
             if m is not None:
+                self._scheduling_events(m)
                 if m.first_token_time is not None:
                     response.setdefault("time_to_first_chunk", max(0.0, m.first_token_time - m.arrival_time))
                 if m.first_scheduled_time is not None:

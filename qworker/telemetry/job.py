@@ -24,7 +24,6 @@ from qworker.telemetry.logging import log_job_outcome
 from qworker.telemetry.metrics import RequestTimer, WorkerMetrics
 from qworker.telemetry.spans import JobTrace, JobTracer
 from qworker.telemetry.tracing import Tracing, disabled
-from qworker.telemetry.watcher import StateWatcher
 
 log = logging.getLogger("qworker.jobs")
 
@@ -33,24 +32,16 @@ _ENDED = INVALID_SPAN  # an admission span that was already ended (ending it is 
 
 
 class Telemetry:
-    """Built once per worker. ``lookup(request_id)`` returns the engine's live request (for
-    swap events); without it the generate span still gets preemption events from the deltas."""
+    """Built once per worker."""
 
-    def __init__(self, tracing: Tracing | None, metrics: WorkerMetrics, *, group_id: str, model: str, lookup: Any = None):
+    def __init__(self, tracing: Tracing | None, metrics: WorkerMetrics, *, group_id: str, model: str):
         self.tracing = tracing or disabled()
         self.metrics = metrics
         self.tracer = JobTracer(self.tracing, group_id=group_id, model=model)
-        self.watcher = StateWatcher(lookup) if lookup is not None and self.tracing.enabled else None
-
-    def start(self) -> None:
-        if self.watcher is not None:
-            self.watcher.start()
 
     async def stop(self, shutdown_tracing: bool = True) -> None:
-        """Stops the watcher and flushes spans; ``shutdown_tracing=False`` leaves a tracer the
-        caller owns (and may share) running."""
-        if self.watcher is not None:
-            await self.watcher.stop()
+        """Flushes spans; ``shutdown_tracing=False`` leaves a tracer the caller owns (and may
+        share) running."""
         # the exporter may block on the network for its timeout: keep it off the event loop
         await asyncio.to_thread(self.tracing.shutdown if shutdown_tracing else self.tracing.flush)
 
@@ -64,7 +55,7 @@ class Telemetry:
 
 
 class JobTelemetry:
-    __slots__ = ("owner", "job_id", "trace", "received_at", "_admission", "_gen", "_timer", "_request_id", "_done")
+    __slots__ = ("owner", "job_id", "trace", "received_at", "_admission", "_gen", "_timer", "_done")
 
     def __init__(self, owner: Telemetry, job_id: str, trace: JobTrace, received_at: float | None):
         self.owner = owner
@@ -74,7 +65,6 @@ class JobTelemetry:
         self._admission: Span | None = None
         self._gen: GenerationTrace | None = None
         self._timer: RequestTimer | None = None
-        self._request_id: str | None = None
         self._done = False
 
     # -- admission -----------------------------------------------------------------------------
@@ -88,15 +78,12 @@ class JobTelemetry:
             self._admission = _ENDED
 
     # -- generation ----------------------------------------------------------------------------
-    def generating(self, request_id: str, operation: str, sampling: Any, *, stream: bool | None = None) -> None:
+    def generating(self, operation: str, sampling: Any, *, stream: bool | None = None) -> None:
         """The run starts on the engine: ``operation`` is ``chat`` or ``text_completion``
         (``genai.operation_name`` derives it from an engine prompt)."""
         self.admitted()
-        self._request_id = request_id
         self._gen = self.trace.generation(operation, sampling, stream=stream)
         self._timer = self.owner.metrics.request_timer()
-        if self.owner.watcher is not None:
-            self.owner.watcher.track(request_id, self._gen)
 
     def on_output(self, out: Any) -> None:
         """Each streamed ``RequestOutput`` delta."""
@@ -108,7 +95,6 @@ class JobTelemetry:
     def generated(self, last: Any | None, *, finish_reasons: Iterable[str], input_tokens: int, output_tokens: int, cached_tokens: int = 0, aborted: str | None = None) -> None:
         """The run is over (``last``: the final delta, None if none came). Ends the generate
         span and observes the latency histograms."""
-        self._untrack()
         m = getattr(last, "metrics", None)
         if m is not None:
             self.owner.metrics.observe_request(m, output_tokens, num_prompt_tokens=input_tokens, start_time=self.received_at)
@@ -127,13 +113,8 @@ class JobTelemetry:
 
     def failed(self, error: BaseException | str) -> None:
         """The run raised or was abandoned: the generate span ends as an error."""
-        self._untrack()
         if self._gen is not None:
             self._gen.fail(error)
-
-    def _untrack(self) -> None:
-        if self._request_id is not None and self.owner.watcher is not None:
-            self.owner.watcher.untrack(self._request_id)
 
     # -- results -------------------------------------------------------------------------------
     @contextmanager

@@ -86,7 +86,7 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
     if protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-        except ImportError as e:  # not a dependency of qworker: fail at start, not at the first export
+        except ImportError as e:  # a dependency, but a slimmed image may lack it: fail at start
             raise RuntimeError("OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc installed") from e
         return GrpcExporter()
     if protocol != "http/protobuf":

@@ -116,11 +116,7 @@ class Worker:
             self.metrics.attach_engine(self.engine.stats)
         await self._warm_up()
         self.model_name = s.model_name or self.engine.model_name
-        requests = getattr(getattr(self.engine, "engine", None), "requests", None)  # AsyncEngine's live requests: swap events
-        self.telemetry = Telemetry(
-            tracing, self.metrics, group_id=s.group_id, model=self.model_name, lookup=requests.get if requests is not None else None
-        )
-        self.telemetry.start()
+        self.telemetry = Telemetry(tracing, self.metrics, group_id=s.group_id, model=self.model_name)
         self.model_names = {self.model_name, self.engine.model_name}
         if s.model:
             self.model_names.add(os.path.basename(os.path.normpath(s.model)))

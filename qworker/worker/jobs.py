@@ -125,7 +125,7 @@ class JobRunner:
         last = None
         cached = 0
         tele = state.tele
-        tele.generating(state.request_id, CHAT if job.messages is not None else TEXT_COMPLETION, job.sampling, stream=job.stream)
+        tele.generating(CHAT if job.messages is not None else TEXT_COMPLETION, job.sampling, stream=job.stream)
         stream_headers = tele.stream_headers() or None  # one traceparent for every delta event of the run
         try:
             try:

@@ -28,7 +28,7 @@ def tracing(exporter: InMemorySpanExporter) -> Tracing:
 
 def fake_metrics(arrival: float = 100.0, **kw) -> SimpleNamespace:
     """Stands in for the engine's ``RequestMetrics`` (same field names)."""
-    base = dict(arrival_time=arrival, first_scheduled_time=None, first_token_time=None, finished_time=None, num_preemptions=0)
+    base = dict(arrival_time=arrival, first_scheduled_time=None, first_token_time=None, finished_time=None, num_preemptions=0, events=[])
     base.update(kw)
     return SimpleNamespace(**base)
 

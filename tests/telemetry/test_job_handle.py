@@ -26,7 +26,7 @@ def test_completed_job(tracing, exporter, caplog):
     t = Telemetry(tracing, metrics, group_id="g", model="smol")
     j = t.job("job-1", "jobs", 0, 5, b"job-1", None, received_at=1000.0)
     j.queued()
-    j.generating("job-1#r", "text_completion", {"max_tokens": 2}, stream=True)
+    j.generating("text_completion", {"max_tokens": 2}, stream=True)
     m = fake_metrics(1000.5, first_scheduled_time=1000.6, first_token_time=1000.7)
     j.on_output(fake_output([1], m))
     m.finished_time = 1000.9
@@ -52,7 +52,7 @@ def test_rejected_abandoned_and_dead_lettered(tracing, exporter):
     t.job("bad", "jobs", 0, 1, b"bad", None).outcome("error", "prompt_too_long")
     j = t.job("gone", "jobs", 1, 2, b"gone", None)
     j.queued()
-    j.generating("gone#r", "chat", {"max_tokens": 2})
+    j.generating("chat", {"max_tokens": 2})
     j.outcome("abandoned")
     t.dead_letter("jobs", 2, 3, b"\x00", None, "not_json")
     assert _jobs(metrics) == {("error", "prompt_too_long"): 1, ("abandoned", ""): 1, ("dlq", "not_json"): 1}

@@ -76,8 +76,10 @@ def test_env_decides_whether_tracing_is_on():
     assert exporter_names({"OTEL_TRACES_EXPORTER": "otlp,console"}) == ["otlp", "console"]
     assert exporter_names({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}) == []
     assert not configure_tracing({}, install_global=False).enabled
-    with pytest.raises(RuntimeError, match="grpc"):
-        configure_tracing({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, install_global=False)
+    grpc = configure_tracing({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, install_global=False)
+    assert grpc.enabled  # the gRPC exporter ships with qworker
+    with pytest.raises(RuntimeError, match="protocol"):
+        configure_tracing({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}, install_global=False)
     with pytest.raises(RuntimeError, match="zipkin"):
         configure_tracing({"OTEL_TRACES_EXPORTER": "zipkin"}, install_global=False)
 

@@ -7,11 +7,12 @@ from types import SimpleNamespace
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
+from qworker.engine.outputs import EV_PREEMPT_RECOMPUTE, EV_PREEMPT_SWAP, EV_SWAP_IN
+
 from qworker.telemetry import genai
 from qworker.telemetry.propagation import extract
 from qworker.telemetry.spans import JobTracer
 from qworker.telemetry.tracing import disabled
-from qworker.telemetry.watcher import StateWatcher
 
 from .conftest import fake_metrics, fake_output
 
@@ -86,25 +87,39 @@ def test_job_span_tree(tracing, exporter):
 
 
 def test_preemption_swap_and_abort_events(tracing, exporter):
+    """The engine's ``metrics.events`` become span events with its timestamps and exact modes,
+    each entry once, whether it shows on a delta or only at ``finish``."""
     jt = JobTracer(tracing, group_id="g", model="m").start_job("jobs", 0, 1, None, None)
-    gen = jt.generation("text_completion", SAMPLING)
+    gen = jt.generation("text_completion", SimpleNamespace(max_tokens=8, n=2))
     m = fake_metrics(first_token_time=100.1)
     gen.on_output(fake_output([1], m))
-    m.num_preemptions = 1
-    gen.on_state("swapped", 1)  # the watcher saw it swapped out
-    gen.on_output(fake_output([2], m))  # running again: swap-in, no second preemption
+    m.events += [(100.2, EV_PREEMPT_SWAP, 1), (100.3, EV_SWAP_IN, 1)]  # while it emitted nothing
+    gen.on_output(fake_output([2], m))
+    gen.on_output(fake_output([3], m))  # nothing new: no event twice
+    m.events.append((100.4, EV_PREEMPT_RECOMPUTE, 0))
     m.num_preemptions = 2
-    gen.on_output(fake_output([3], m))  # a preemption the watcher missed: counted, mode unknown
-    gen.on_state("waiting", 3)
-    gen.on_state("running", 3)
+    m.events.append((100.5, EV_PREEMPT_SWAP, 0))  # after the last delta: seen by finish
+    m.num_preemptions = 3
     gen.abort("cancelled")
-    gen.finish(None, finish_reasons=["abort"], input_tokens=3, output_tokens=3)
+    gen.finish(fake_output([], m, "abort"), finish_reasons=["abort"], input_tokens=3, output_tokens=3)
     gen.fail("ignored: already ended")
     jt.end("cancelled")
     g = _by_name(exporter)["generate"]
-    assert [e.name for e in g.events] == ["first_token", "preemption", "swap_out", "swap_in", "preemption", "preemption", "abort"]
-    modes = [e.attributes["qworker.preemption.mode"] for e in g.events if e.name == "preemption"]
-    assert modes == ["swap", "unknown", "recompute"]
+    events = [
+        (e.name, e.timestamp, e.attributes.get("qworker.choice.index"), e.attributes.get("qworker.preemption.mode"), e.attributes.get("qworker.preemption.count"))
+        for e in g.events
+    ]
+    assert events == [
+        ("first_token", int(100.1e9), None, None, None),
+        ("preemption", int(100.2e9), 1, "swap", 1),
+        ("swap_out", int(100.2e9), 1, None, None),
+        ("swap_in", int(100.3e9), 1, None, None),
+        ("abort", events[4][1], None, None, None),
+        ("preemption", int(100.4e9), 0, "recompute", 2),
+        ("preemption", int(100.5e9), 0, "swap", 3),
+        ("swap_out", int(100.5e9), 0, None, None),
+    ]
+    assert g.attributes["qworker.preemptions"] == 3
     assert g.status.status_code is StatusCode.UNSET
     assert jt.span.attributes["qworker.job.outcome"] == "cancelled"
 
@@ -123,61 +138,14 @@ def test_error_outcome_sets_status(tracing, exporter):
     assert "messaging.kafka.message.key" not in p.attributes  # not valid UTF-8
 
 
-class _Seq:
-    def __init__(self, status: str):
-        self.status = SimpleNamespace(value=status)
-
-
-def test_watcher_turns_state_changes_into_events(tracing, exporter):
-    jt = JobTracer(tracing, group_id="g", model="m").start_job("jobs", 0, 1, None, None)
-    gen = jt.generation("text_completion", SAMPLING)
-    req = SimpleNamespace(seqs=[_Seq("waiting")], metrics=fake_metrics())
-    live = {"r1": req}
-    w = StateWatcher(live.get)
-    w.track("r1", gen)
-    w.poll()  # waiting before its first schedule: not a preemption
-    req.seqs = [_Seq("running")]
-    w.poll()
-    req.seqs, req.metrics.num_preemptions = [_Seq("swapped")], 1
-    w.poll()
-    w.poll()  # no change, no event
-    req.seqs = [_Seq("running")]
-    w.poll()
-    req.seqs, req.metrics.num_preemptions = [_Seq("running"), _Seq("waiting")], 2
-    w.poll()
-    w.untrack("r1")
-    req.seqs = [_Seq("swapped")]
-    w.poll()  # untracked: ignored
-    gen.finish(None, finish_reasons=["stop"], input_tokens=1, output_tokens=1)
-    events = [(e.name, e.attributes.get("qworker.preemption.mode")) for e in _by_name(exporter)["generate"].events]
-    assert events == [("preemption", "swap"), ("swap_out", None), ("swap_in", None), ("preemption", "recompute")]
-
-
-async def test_watcher_task_ticks_only_while_tracking(tracing):
-    import asyncio
-
-    calls = []
-    w = StateWatcher(lambda rid: calls.append(rid), interval=0.01)
-    w.start()
-    await asyncio.sleep(0.05)
-    assert calls == []  # idle: no polling
-    jt = JobTracer(tracing, group_id="g", model="m").start_job("jobs", 0, 1, None, None)
-    w.track("r", jt.generation("text_completion", SAMPLING))
-    await asyncio.sleep(0.05)
-    assert calls and set(calls) == {"r"}
-    await w.stop()
-
-
 def test_disabled_tracing_is_inert():
     jt = JobTracer(disabled(), group_id="g", model="m").start_job("jobs", 0, 1, b"k", [("traceparent", TP.encode())])
     assert not jt.recording
     gen = jt.generation("chat", SAMPLING)
     assert not gen.recording
-    gen.on_output(fake_output([1], fake_metrics(first_token_time=1.0)))
+    gen.on_output(fake_output([1], fake_metrics(first_token_time=1.0, events=[(1.0, EV_PREEMPT_SWAP, 0)])))
     gen.finish(None, finish_reasons=["stop"], input_tokens=1, output_tokens=1)
     with jt.publish("completions") as headers:
         assert dict(headers)["traceparent"].decode() == TP  # passes through
     jt.end("completed")
-    w = StateWatcher(lambda rid: None)
-    w.track("r", gen)
-    assert not w._tracked  # nothing recorded, nothing polled
+    assert gen._events_seen == 0  # nothing recorded, the engine's events not even read

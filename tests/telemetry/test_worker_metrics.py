@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,18 +22,37 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 BLOCK_BYTES = 8192  # the tiny model: 2 layers x (K, V) x 2 heads x 16 dims x 16 tokens x fp32
 
 
-@pytest.fixture
-async def tiny_engine(tiny_model_dir):
+async def start_tiny_engine(model_dir, swap_blocks: int):
     from qworker.engine import AsyncEngine
 
-    # 12 blocks (192 tokens) of KV and 3 blocks of CPU swap: four 80-token jobs cannot fit,
-    # so the scheduler must preempt, swapping while a victim fits in swap, recomputing after.
+    # 12 blocks (192 tokens) of KV: four 80-token jobs cannot fit, so the scheduler must
+    # preempt, swapping while a victim fits in the swap pool, recomputing otherwise.
     eng = AsyncEngine.from_model(
-        str(tiny_model_dir), device="cpu", kv_cache_memory=12 * BLOCK_BYTES, swap_space=3 * BLOCK_BYTES, max_num_seqs=8, max_num_batched_tokens=128
+        str(model_dir), device="cpu", kv_cache_memory=12 * BLOCK_BYTES, swap_space=swap_blocks * BLOCK_BYTES, max_num_seqs=8, max_num_batched_tokens=128
     )
     await eng.start()
+    return eng
+
+
+@pytest.fixture
+async def tiny_engine(tiny_model_dir):
+    eng = await start_tiny_engine(tiny_model_dir, swap_blocks=3)  # room to swap some victims, not all
     yield eng
     await eng.shutdown()
+
+
+def pressure_jobs(rng: random.Random) -> list[Job]:
+    """Four jobs growing to 5 blocks each in the 12-block pool."""
+    return [Job(id=f"pressure-{i}", prompt_token_ids=ids(rng, 20), sampling=Sampling(max_tokens=60, temperature=0.0, ignore_eos=True)) for i in range(4)]
+
+
+def preemption_events(exporter) -> tuple[Counter, Counter, int]:
+    """From the generate spans: preemption events by mode, events by name, and the sum of the
+    spans' ``qworker.preemptions``."""
+    gens = [sp for sp in exporter.get_finished_spans() if sp.name == "generate"]
+    events = [e for sp in gens for e in sp.events]
+    modes = Counter(e.attributes["qworker.preemption.mode"] for e in events if e.name == "preemption")
+    return modes, Counter(e.name for e in events), sum(sp.attributes["qworker.preemptions"] for sp in gens)
 
 
 def scrape(w: Worker) -> dict[tuple[str, tuple], float]:
@@ -76,8 +95,7 @@ async def test_every_metric_moves(tiny_engine, topics, raw_results: RawResults, 
         await submit(s, [b"\x00 not json", {"id": "bad-schema", "prompt": 5}, Job(id="too-long", prompt_token_ids=ids(rng, 400))])
         await submit(s, [Job(id="cancelled-early", prompt="hi", sampling=Sampling(max_tokens=100, ignore_eos=True))])
 
-        # memory pressure: four jobs growing to 5 blocks each in a 12-block pool
-        pressure = [Job(id=f"pressure-{i}", prompt_token_ids=ids(rng, 20), sampling=Sampling(max_tokens=60, temperature=0.0, ignore_eos=True)) for i in range(4)]
+        pressure = pressure_jobs(rng)  # memory pressure
         await submit(s, pressure)
         everything = {"prefix-1", "prefix-2", "bad-schema", "too-long", "cancelled-early", *(j.id for j in pressure)}
         await raw_results.wait(lambda: everything <= set(raw_results.completions) and raw_results.dlq, 180, "all answers")
@@ -126,16 +144,29 @@ async def test_every_metric_moves(tiny_engine, topics, raw_results: RawResults, 
     assert lag_peak > 0
     assert f[("qworker:records_total", ())] == 10 and f[("qworker:assigned_partitions", ())] == 4
 
-    # the generate spans saw the preemptions: as many events as the engine counted
-    gens = [sp for sp in exporter.get_finished_spans() if sp.name == "generate"]
-    events = [e for sp in gens for e in sp.events]
-    preemptions = [e for e in events if e.name == "preemption"]
-    assert len(preemptions) == swaps + recomputes
-    # the mode is known when the state watcher's tick saw the request swapped or waiting; a
-    # preemption shorter than a tick is still counted, as "unknown" (see telemetry/watcher.py)
-    assert {e.attributes["qworker.preemption.mode"] for e in preemptions} <= {"swap", "recompute", "unknown"}
-    if any(e.name == "swap_out" for e in events):
-        assert any(e.name == "swap_in" for e in events)
-    assert sum(sp.attributes["qworker.preemptions"] for sp in gens) == swaps + recomputes
+    # the generate spans replay the engine's own record: every preemption, with its exact mode
+    modes, names, span_total = preemption_events(exporter)
+    assert modes == {"swap": swaps, "recompute": recomputes}
+    assert names["swap_out"] == names["swap_in"] == swaps  # every job finished: each swapped sequence came back
+    assert span_total == swaps + recomputes
     dlq_spans = [sp for sp in exporter.get_finished_spans() if sp.name.startswith("process ") and sp.attributes.get("qworker.job.outcome") == "dlq"]
     assert len(dlq_spans) == 1 and dlq_spans[0].attributes["error.type"] == "not_json"
+
+
+async def test_preemptions_without_swap_pool_are_recomputes(tiny_model_dir, topics, raw_results: RawResults, tracing, exporter) -> None:
+    eng = await start_tiny_engine(tiny_model_dir, swap_blocks=0)
+    w = Worker(topics.model_copy(update={"admission_reserve_tokens": 0, "max_waiting_jobs": 8}), eng, tracing=tracing)
+    try:
+        await w.start()
+        pressure = pressure_jobs(random.Random(7))
+        await submit(w.settings, pressure)
+        await raw_results.wait(lambda: {j.id for j in pressure} <= set(raw_results.completions), 180, "pressure jobs")
+        await w.stop()
+        stats = eng.stats()
+    finally:
+        await eng.shutdown()
+    assert stats["preemptions_swap"] == 0 and stats["preemptions_recompute"] > 0
+    modes, names, span_total = preemption_events(exporter)
+    assert modes == {"recompute": stats["preemptions_recompute"]}
+    assert names["swap_out"] == names["swap_in"] == 0
+    assert span_total == stats["preemptions_recompute"]
