@@ -145,7 +145,11 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         seq.request.metrics.num_preemptions += 1
-        if self.config.swap_space > 0 and self.kv.can_swap_out(seq):
+        # Swap only sequences in their decode phase: one token behind, so a swap-in needs one
+        # block of headroom at most. A half-computed prompt is cheaper to recompute, and most of
+        # it usually still hits the prefix cache.
+        decoding = seq.num_computed_tokens == len(seq.token_ids) - 1
+        if self.config.swap_space > 0 and decoding and self.kv.can_swap_out(seq):
             self.kv.swap_out(seq)
             seq.status = SeqStatus.SWAPPED
             self.swapped.add(seq)
@@ -171,14 +175,14 @@ class Scheduler:
                 break
             if not self.kv.swap_in(seq):
                 break
-            if not self.kv.allocate_slots(seq, min(num_new, budget)):
-                raise AssertionError("swap-in left room for one more block")
             self.swapped.remove(seq)
             seq.request.metrics.events.append((time.time(), EV_SWAP_IN, seq.index))
             seq.status = SeqStatus.RUNNING
             self.running.add(seq)
-            out.scheduled.append(ScheduledSeq(seq, min(num_new, budget)))
-            budget -= min(num_new, budget)
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(seq, num_new):  # else it runs from the next step on
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:

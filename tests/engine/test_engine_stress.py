@@ -21,9 +21,9 @@ def test_random_workload_over_tiny_pool(tiny_model_dir, round_):
     e = LLMEngine(EngineConfig(
         model=str(tiny_model_dir),
         block_size=4,
-        kv_cache_memory=rng.randint(14, 24) * BLOCK_BYTES_TINY,
-        swap_space=rng.choice([0, 6, 40]) * BLOCK_BYTES_TINY,
-        max_num_batched_tokens=rng.choice([8, 16, 64]),
+        kv_cache_memory=rng.randint(14, 28) * BLOCK_BYTES_TINY,
+        swap_space=rng.choice([0, 6, 40, 40]) * BLOCK_BYTES_TINY,
+        max_num_batched_tokens=rng.choice([6, 16, 64]),
         max_num_seqs=rng.choice([2, 4, 16]),
     ))
     prefixes = [[rng.randrange(100, 40000) for _ in range(rng.randint(4, 14))] for _ in range(3)]
@@ -35,7 +35,9 @@ def test_random_workload_over_tiny_pool(tiny_model_dir, round_):
         if next_id < 24 and rng.random() < 0.3:
             rid = f"r{next_id}"
             next_id += 1
-            prompt = rng.choice(prefixes) + [rng.randrange(100, 40000) for _ in range(rng.randint(1, 10))]
+            # long enough that chunked prefill spans several steps and a sequence can be
+            # preempted half-way through its prompt
+            prompt = rng.choice(prefixes) + [rng.randrange(100, 40000) for _ in range(rng.randint(1, 30))]
             params = SamplingParams(n=rng.choice([1, 1, 1, 2, 3]), max_tokens=rng.randint(1, 12), temperature=rng.choice([0, 1.0]), seed=rng.randrange(100), ignore_eos=True)
             e.add_request(rid, prompt, params, priority=rng.randint(0, 2))
             expected[rid] = (prompt, params)
