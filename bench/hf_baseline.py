@@ -25,10 +25,13 @@ def run_batch(model, items: list[Item], pad_id: int, device: str = "cpu") -> flo
         ids[i, width - len(it.prompt_ids) :] = torch.tensor(it.prompt_ids)
         mask[i, width - len(it.prompt_ids) :] = 1
     new = max(it.max_tokens for it in items)
+    n = items[0].n
+    if any(it.n != n for it in items):
+        raise ValueError("a static batch needs one n for all its requests")
+    # n > 1: HF samples n sequences per prompt (greedy cannot return n distinct ones)
+    sampling = {"do_sample": True, "num_return_sequences": n, "temperature": 0.8, "top_k": 0, "top_p": 1.0} if n > 1 else {"do_sample": False}
     start = time.perf_counter()
-    model.generate(
-        ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad_id
-    )
+    model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id, **sampling)
     if device != "cpu":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -57,12 +60,12 @@ def batches_within_budget(items: list[Item], budget_tokens: int) -> list[list[It
 
 
 def useful_rate(model, batches: list[list[Item]], pad_id: int, device: str = "cpu") -> dict:
-    """Useful output tokens/s over the given batches (each request's own max_tokens count)."""
+    """Useful output tokens/s over the given batches (each request's own max_tokens x n count)."""
     seconds = 0.0
     tokens = 0
     reqs = 0
     for b in batches:
         seconds += run_batch(model, b, pad_id, device)
-        tokens += sum(it.max_tokens for it in b)
+        tokens += sum(it.max_tokens * it.n for it in b)
         reqs += len(b)
     return {"tokens_per_s": tokens / seconds, "requests_per_s": reqs / seconds, "seconds": seconds, "requests": reqs, "batches": len(batches)}

@@ -1,0 +1,111 @@
+"""Smoke tests for the bench scripts: each runs end to end on the tiny random-weight model with a
+tiny configuration and writes JSON with sane fields (the figures themselves are not checked)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench import report  # noqa: E402
+
+
+def _json(out: Path, name: str) -> dict:
+    files = sorted(out.glob(f"{name}-*.json"))
+    assert len(files) == 1, files
+    data = json.loads(files[0].read_text())
+    assert data["commit"] and data["date"] and data["machine"] and data["command"]
+    assert (out / files[0].name.replace(".json", ".png")).exists()
+    return data
+
+
+def test_percentile_and_table():
+    xs = [float(i) for i in range(1, 101)]
+    assert report.percentile(xs, 50) == pytest.approx(50.5)
+    assert report.percentile(xs, 99) == pytest.approx(99.01)
+    assert math.isnan(report.percentile([], 50))
+    s = report.summary([3.0, None, 1.0, 2.0])
+    assert s["n"] == 3 and s["mean"] == pytest.approx(2.0) and s["p50"] == pytest.approx(2.0)
+    t = report.table(["a", "b"], [["x", 1.234], ["y", 123.4]])
+    assert t.splitlines()[1] == "|---|---:|" and "| x | 1.23 |" in t and "| y | 123 |" in t
+
+
+def test_prefix_reuse(tiny_model_dir, tmp_path, capsys):
+    from bench import prefix_reuse
+
+    prefix_reuse.main(["--model", str(tiny_model_dir), "--quick", "--rate", "50", "--no-burst", "--out", str(tmp_path)])
+    r = _json(tmp_path, "prefix_reuse")
+    on, off = r["scenarios"]["steady"]["on"], r["scenarios"]["steady"]["off"]
+    assert off["counters"]["prompt_tokens_cached"] == 0
+    assert off["counters"]["prompt_tokens_computed"] == r["workload"]["prompt_tokens"]
+    assert 0 < on["counters"]["prompt_tokens_cached"] <= r["workload"]["reusable_shared_tokens"]
+    assert on["counters"]["prompt_tokens_computed"] + on["counters"]["prompt_tokens_cached"] == r["workload"]["prompt_tokens"]
+    assert on["requests"] == off["requests"] == r["workload"]["requests"]
+    assert all(x["ttft_s"]["p50"] > 0 and x["ttft_s"]["n"] == x["requests"] for x in (on, off))
+    assert "| steady" in capsys.readouterr().out
+
+
+def test_memory_pressure(tiny_model_dir, tmp_path):
+    from bench import memory_pressure
+
+    memory_pressure.main(["--model", str(tiny_model_dir), "--quick", "--context", "96", "--max-tokens", "32", "--no-ample", "--out", str(tmp_path)])
+    r = _json(tmp_path, "memory_pressure")
+    swap, rec = r["engine"]["swap"], r["engine"]["recompute"]
+    assert r["workload"]["pool_blocks"] < r["workload"]["peak_need_blocks"]
+    assert swap["preemptions_swap"] > 0 and swap["blocks_swapped_out"] > 0
+    assert rec["preemptions_swap"] == 0 and rec["preemptions_recompute"] > 0 and rec["blocks_swapped_out"] == 0
+    for x in (swap, rec):
+        assert x["output_tokens"] == r["workload"]["useful_output_tokens"] and x["tokens_per_s"] > 0
+        assert x["peak"]["kv_blocks_used"] <= x["kv_blocks_total"]
+    assert rec["forward_tokens"] > swap["forward_tokens"]  # recomputation is visible
+
+
+def test_parallel_sampling(tiny_model_dir, tmp_path):
+    from bench import parallel_sampling
+
+    parallel_sampling.main(["--model", str(tiny_model_dir), "--quick", "--num-prompts", "2", "--max-tokens", "6", "--out", str(tmp_path)])
+    r = _json(tmp_path, "parallel_sampling")
+    n4, ind = r["engine"]["n4"], r["engine"]["independent_uncached"]
+    assert r["workload"]["useful_output_tokens"] == 2 * 4 * 6
+    assert n4["output_tokens"] == ind["output_tokens"] == r["engine"]["independent_cached"]["output_tokens"] == 48
+    assert n4["cow_copies"] > 0 and ind["cow_copies"] == 0
+    assert n4["peak_kv_blocks"] < ind["peak_kv_blocks"]
+    assert n4["prompt_tokens_computed"] == r["workload"]["prompt_tokens"]
+    assert ind["prompt_tokens_computed"] == 4 * r["workload"]["prompt_tokens"]
+
+
+def test_fairness(tiny_model_dir, tmp_path):
+    from bench import fairness
+
+    fairness.main(["--model", str(tiny_model_dir), "--quick", "--num-short", "3", "--long-prompt", "64", "--long-max-tokens", "12", "--short-rate", "20", "--out", str(tmp_path)])
+    r = _json(tmp_path, "fairness")
+    mixed, alone, longs = r["engine"]["mixed"], r["engine"]["shorts_alone"], r["engine"]["longs_alone"]
+    assert mixed["short"]["requests"] == alone["short"]["requests"] == 3 and alone["long"]["requests"] == 0
+    assert mixed["long"]["requests"] == longs["long"]["requests"] == 1 and longs["short"]["requests"] == 0
+    assert mixed["long"]["output_tokens"] == longs["long"]["output_tokens"] == 12
+    assert mixed["short"]["e2e_s"]["p99"] >= mixed["short"]["e2e_s"]["p50"] > 0
+    assert r["compare"]["long_throughput_mixed_over_alone"] > 0
+
+
+@pytest.mark.slow
+def test_online(tiny_model_dir, tmp_path):
+    """Through the real broker and a real `qworker run` process: 4 jobs, one rate."""
+    from bench import online
+
+    online.main(
+        ["--model", str(tiny_model_dir), "--quick", "--capacity", "4", "--rates", "0.5", "--target-fraction", "0.5", "--min-requests", "4", "--duration", "1", "--out", str(tmp_path)]
+    )
+    r = _json(tmp_path, "online")
+    (run,) = r["kafka"]
+    assert run["jobs"] == run["completed"] == 4
+    assert run["lost"] == run["duplicated"] == run["stream_mismatch"] == 0 and run["errors"] == []
+    assert 0 < run["ttft_s"]["p50"] <= run["e2e_s"]["p50"]
+    assert run["output_tokens_per_s"] > 0 and run["worker_ttft_s"]["n"] == 4
+    assert r["worker_exit_code"] == 0
+    assert r["target"]["engine_ttft_p50_s"] > 0 and r["engine_at_target"]["requests"] == 4
