@@ -20,7 +20,11 @@ class Reference:
 def hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Like the engine's ignore_eos: EOS is an ordinary token that neither stops generation nor is
+    # suppressed (min_new_tokens would mask it and pick the runner-up instead).
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> Reference:
@@ -30,15 +34,14 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> Ref
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,  # ignore EOS, like the engine's ignore_eos
             do_sample=False,
-            output_scores=True,
+            output_logits=True,  # raw logits: the tie check must see what the model saw
             return_dict_in_generate=True,
             pad_token_id=0,
         )
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
     gaps = []
-    for scores in out.scores:
+    for scores in out.logits:
         top = torch.log_softmax(scores[0].float(), -1).topk(2).values
         gaps.append((top[0] - top[1]).item())
     return Reference(tokens, gaps)
