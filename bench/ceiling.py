@@ -59,6 +59,7 @@ def decode_step_rate(engine: LLMEngine, batch: int, context: int = 160, iters: i
         tokens += sched_batch
     _sync(engine.runner.device)
     rate = tokens / (time.perf_counter() - start)
+    assert engine.stats()["preemptions_swap"] + engine.stats()["preemptions_recompute"] == 0, "the probe's pool is too small"
     for rid in ids:
         engine.abort(rid)
     return rate

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -48,20 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import drive, report, workloads  # noqa: E402
 from bench.report import summary  # noqa: E402
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the worker exited with {proc.returncode}")
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1).status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError("the worker did not become ready")
+from qworker.demo import wait_ready  # noqa: E402
 
 
 def make_jobs(items: list[workloads.Item], tag: str):

@@ -117,9 +117,15 @@ def main() -> None:
     }
 
     result["decode_vs_ceiling"] = []
-    for b in [int(x) for x in args.decode_batches.split(",") if x]:
-        rate = decode_step_rate(engine, b)
-        ceil = matmul_ceiling(engine, b)
+    batches = [int(x) for x in args.decode_batches.split(",") if x]
+    if batches:
+        # its own engine, with KV room for the largest batch: a decode-speed probe must not preempt
+        context = 160
+        probe = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
+                                       kv_cache_memory=max(batches) * (context + 32) * bytes_per_token, swap_space=0))
+    for b in batches:
+        rate = decode_step_rate(probe, b, context=context)
+        ceil = matmul_ceiling(probe, b)
         result["decode_vs_ceiling"].append({"batch": b, "decode_tokens_per_s": rate, "matmul_ceiling_tokens_per_s": ceil, "fraction": rate / ceil})
         print(f"decode batch {b}: {rate:.1f} tok/s vs ceiling {ceil:.1f} ({rate / ceil:.0%})", flush=True)
 
