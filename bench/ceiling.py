@@ -19,14 +19,16 @@ def matmul_ceiling(engine: LLMEngine, batch: int, iters: int = 5) -> float:
     """Tokens/s of the linear layers alone at this batch size."""
     m = engine.runner.model
     x = torch.randn(batch, m.config.hidden_size, device=m.device, dtype=m.dtype)
-    inter = m.layers[0].down.shape[1]
+    # real values, allocated once: uninitialised memory can hold denormals that skew timings
+    x_attn = torch.randn(batch, m.q_size, device=m.device, dtype=m.dtype)
+    x_mlp = torch.randn(batch, m.layers[0].down.shape[1], device=m.device, dtype=m.dtype)
 
     def once():
         for layer in m.layers:
             F.linear(x, layer.qkv)
-            F.linear(torch.empty(batch, m.q_size, device=m.device, dtype=m.dtype), layer.o)
+            F.linear(x_attn, layer.o)
             F.linear(x, layer.gate_up)
-            F.linear(torch.empty(batch, inter, device=m.device, dtype=m.dtype), layer.down)
+            F.linear(x_mlp, layer.down)
         F.linear(x, m.lm_head)
 
     with torch.inference_mode():
