@@ -20,7 +20,6 @@ against the same arrival times - what a one-at-a-time server would give the shor
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -75,10 +74,7 @@ def hf_fcfs(args, tok, items, arrivals, dtype) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/smollm2-135m")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
+    ap = report.parser(__doc__, quick_help="1 long job of 256+64 tokens, 4 short ones, no HF")
     ap.add_argument("--num-long", type=int, default=3)
     ap.add_argument("--num-short", type=int, default=24)
     ap.add_argument("--long-prompt", type=int, default=0, help="cut long prompts to this many tokens (0: the workload's 1024)")
@@ -89,9 +85,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf", dest="hf", action="store_true", default=True, help="run the HF one-at-a-time FCFS baseline (default; --quick turns it off)")
     ap.add_argument("--no-hf", dest="hf", action="store_false")
     ap.add_argument("--hf-long-sample", type=int, default=1, help="long jobs HF runs (their mean stands for the rest)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="1 long job of 256+64 tokens, 4 short ones, no HF")
-    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -135,9 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         "short_e2e_p99_mixed_over_alone": m["short"]["e2e_s"]["p99"] / s["short"]["e2e_s"]["p99"],
         "long_throughput_mixed_over_alone": m["long"]["tokens_per_s"] / lo["long"]["tokens_per_s"],
     }
-    path = report.save(result, "fairness", args.out, lambda p: plot(p, result))
-    print(markdown(result))
-    print(f"\nfull figures: {path}")
+    report.publish(result, "fairness", args.out, plot, markdown)
     return result
 
 

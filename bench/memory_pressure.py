@@ -20,7 +20,6 @@ Note: "long" here is ~1k tokens, not the model's 8k context: a CPU prefill runs 
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -64,10 +63,7 @@ def run_engine(args, kv_mib: float, swap_space: int, items) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/smollm2-135m")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
+    ap = report.parser(__doc__, quick_help="4 requests of ~192 tokens, 64 output tokens, no HF")
     ap.add_argument("--num-requests", type=int, default=6)
     ap.add_argument("--context", type=int, default=1280, help="prompt + max_tokens per request (prompts a little shorter)")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -77,9 +73,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-single-sample", type=int, default=1, help="requests HF runs one at a time (0: skip)")
     ap.add_argument("--hf-batch-sample", type=int, default=1, help="budget-sized static batches HF runs (0: skip)")
     ap.add_argument("--no-ample", dest="ample", action="store_false", help="skip the run with an ample pool")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="4 requests of ~192 tokens, 64 output tokens, no HF")
-    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if args.quick:  # smaller defaults; flags given explicitly still win
         ap.set_defaults(num_requests=4, context=192, max_tokens=64, hf_single_sample=0, hf_batch_sample=0)
@@ -140,9 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["swap_vs_recompute_throughput"] = runs["swap"].get("tokens_per_s", nan) / runs["recompute"].get("tokens_per_s", nan)
     result["max_num_batched_tokens"] = args.max_num_batched_tokens
     result["reservation_mib_all_at_once"] = sum(len(i.prompt_ids) + i.max_tokens for i in items) * token_bytes / report.MiB
-    path = report.save(result, "memory_pressure", args.out, lambda p: plot(p, result))
-    print(markdown(result))
-    print(f"\nfull figures: {path}")
+    report.publish(result, "memory_pressure", args.out, plot, markdown)
     return result
 
 

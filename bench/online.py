@@ -32,7 +32,6 @@ tokens, EOS ignored, greedy), a different seed per rate so no run hits another's
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -239,10 +238,7 @@ def capacity_run(args, items) -> tuple[dict, str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/smollm2-135m")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
+    ap = report.parser(__doc__, quick_help="two rates, 6 jobs each, short outputs")
     ap.add_argument("--kv-memory-mib", type=float, default=256)
     ap.add_argument("--rates", default="0.3,0.5,0.7,0.9,1.1", help="request rates as fractions of the offline capacity")
     ap.add_argument("--capacity", type=float, default=0.0, help="offline capacity in requests/s (0: measure it)")
@@ -254,9 +250,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-range", default="16,64")
     ap.add_argument("--timeout", type=float, default=180.0, help="per rate: give up waiting for completions after this long")
     ap.add_argument("--partitions", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="two rates, 6 jobs each, short outputs")
-    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if args.quick:  # smaller defaults; flags given explicitly still win
         ap.set_defaults(rates="0.5,1.0", capacity_requests=6, duration=4.0, min_requests=6, output_range="4,12", prompt_range="16,64", timeout=90.0)
@@ -361,9 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         "duplicated_total": sum(r["duplicated"] for r in runs),
         "errors_total": sum(len(r["errors"]) for r in runs),
     }
-    path = report.save(result, "online", args.out, lambda p: plot(p, result))
-    print(markdown(result))
-    print(f"\nfull figures: {path}")
+    report.publish(result, "online", args.out, plot, markdown)
     return result
 
 

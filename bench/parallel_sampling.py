@@ -20,7 +20,6 @@ computed, and KV blocks used (peak and mean over the run).
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -56,19 +55,13 @@ def run_engine(args, items, caching: bool = True) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/smollm2-135m")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
+    ap = report.parser(__doc__, quick_help="3 prompts, 8 output tokens, no HF")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=0, help="override every output length (0: the workload's 32-96)")
     ap.add_argument("--kv-memory-mib", type=float, default=256)
     ap.add_argument("--hf-batch-size", type=int, default=8, help="prompts per HF static batch (x n sequences)")
     ap.add_argument("--hf-batch-sample", type=int, default=1, help="HF static batches run (0: skip HF)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="3 prompts, 8 output tokens, no HF")
-    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if args.quick:  # smaller defaults; flags given explicitly still win
         ap.set_defaults(num_prompts=3, hf_batch_sample=0, max_tokens=8)
@@ -118,9 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_kv_blocks_n4_vs_independent_uncached": runs["n4"]["peak_kv_blocks"] / max(ind["peak_kv_blocks"], 1),
         "mean_kv_blocks_n4_vs_independent_uncached": runs["n4"]["mean_kv_blocks"] / max(ind["mean_kv_blocks"], 1e-9),
     }
-    path = report.save(result, "parallel_sampling", args.out, lambda p: plot(p, result))
-    print(markdown(result))
-    print(f"\nfull figures: {path}")
+    report.publish(result, "parallel_sampling", args.out, plot, markdown)
     return result
 
 

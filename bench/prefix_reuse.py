@@ -18,7 +18,6 @@ but the first of its group), and TTFT mean / p50 / p90 / p99 with caching on and
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -40,10 +39,7 @@ def run_one(args, caching: bool, items, arrivals) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/smollm2-135m")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
+    ap = report.parser(__doc__, quick_help="2 groups of 3, 128-token prefix, 4 output tokens")
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--per-group", type=int, default=6)
     ap.add_argument("--prefix-len", type=int, default=384)
@@ -51,9 +47,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rate", default="auto", help="steady arrivals per second, or 'auto': half the requests/s the engine sustains without caching (measured by the burst run)")
     ap.add_argument("--no-burst", dest="burst", action="store_false", help="skip the all-at-once scenario (needs a numeric --rate)")
     ap.add_argument("--kv-memory-mib", type=float, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="2 groups of 3, 128-token prefix, 4 output tokens")
-    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     if args.quick:  # smaller defaults; flags given explicitly still win
         ap.set_defaults(groups=2, per_group=3, prefix_len=128, max_tokens=4)
@@ -102,9 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["scenarios"][name] = runs
     result["dtype"] = result["scenarios"]["steady"]["on"]["dtype"]
     result["scenarios"] = {k: result["scenarios"][k] for k in ("steady", "burst") if k in result["scenarios"]}
-    path = report.save(result, "prefix_reuse", args.out, lambda p: plot(p, result))
-    print(markdown(result))
-    print(f"\nfull figures: {path}")
+    report.publish(result, "prefix_reuse", args.out, plot, markdown)
     return result
 
 

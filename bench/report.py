@@ -7,6 +7,8 @@ table; ``meta()`` records the command, commit, date and machine so a figure can 
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import math
 import platform
@@ -80,6 +82,26 @@ def fmt(v) -> str:
 
 def header(r: dict) -> str:
     return f"{r['date']}, commit {r['commit']}, {r['device']} {r['dtype']}, {r['machine']}\n`{r['command']}`"
+
+
+def parser(doc: str | None, quick_help: str):
+    """The arguments every scenario script takes; each script adds its own."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/smollm2-135m")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--out", default="bench/results")
+    return ap
+
+
+def publish(result: dict, name: str, out_dir: str | Path, plot, markdown) -> Path:
+    """Saves JSON + PNG, prints the Markdown table and where the full figures are."""
+    path = save(result, name, out_dir, lambda p: plot(p, result))
+    print(markdown(result))
+    print(f"\nfull figures: {path}")
+    return path
 
 
 def save(result: dict, name: str, out_dir: str | Path, plot=None) -> Path:
