@@ -78,17 +78,20 @@ class KVCacheManager:
     # -- prefix cache --------------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[Block]:
         """The longest chain of cached blocks matching the start of ``seq`` (no side effects)."""
+        return self._cached_chain(seq, (len(seq.token_ids) - 1) // self.block_size)  # never the last token
+
+    def _cached_chain(self, seq: Sequence, max_blocks: int) -> list[Block]:
+        """Cached device blocks holding ``seq``'s first full blocks, up to ``max_blocks``."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        max_blocks = (len(seq.token_ids) - 1) // bs  # never the last token
-        hits: list[Block] = []
+        chain: list[Block] = []
         for i, h in enumerate(seq.full_block_hashes(bs, max_blocks)):
             block = self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             if block is None:
                 break
-            hits.append(block)
-        return hits
+            chain.append(block)
+        return chain
 
     def record_prefix_query(self, num_tokens: int, num_hit: int) -> None:
         self.prefix_queries += num_tokens
@@ -178,27 +181,19 @@ class KVCacheManager:
 
     def swap_in_cost(self, seq: Sequence) -> int:
         """Free device blocks a swap-in takes: fresh ones, plus resident cached-free ones it revives."""
-        resident = self._resident_prefix(seq)
+        return self._swap_in_cost(seq, self._resident_prefix(seq))
+
+    def _swap_in_cost(self, seq: Sequence, resident: list[Block]) -> int:
         return len(seq.cpu_block_ids) - len(resident) + sum(1 for b in resident if b.ref_count == 0)
 
     def _resident_prefix(self, seq: Sequence) -> list[Block]:
         """Full blocks of ``seq`` still cached on the device: swap-in reuses them, no copy."""
-        if not self.enable_prefix_caching:
-            return []
-        bs = self.block_size
-        resident = []
-        num_full = seq.num_computed_tokens // bs
-        for i, h in enumerate(seq.full_block_hashes(bs, num_full)):
-            block = self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-            if block is None:
-                break
-            resident.append(block)
-        return resident
+        return self._cached_chain(seq, seq.num_computed_tokens // self.block_size)
 
     def swap_in(self, seq: Sequence) -> bool:
-        if self.swap_in_cost(seq) > self.pool.num_free:
-            return False
         resident = self._resident_prefix(seq)
+        if self._swap_in_cost(seq, resident) > self.pool.num_free:
+            return False
         need = len(seq.cpu_block_ids) - len(resident)
         for block in resident:
             self.pool.touch(block)
