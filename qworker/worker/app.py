@@ -302,7 +302,7 @@ class Worker:
             return error_message(st, e.code, str(e), retryable=False)
         except Exception as e:  # noqa: BLE001 - e.g. the tokenizer choking on odd input
             return error_message(st, "invalid_prompt", f"{type(e).__name__}: {e}"[:2000], retryable=False)
-        total = getattr(self._capacity(), "total_tokens", None)
+        total = getattr(self.engine.capacity(), "total_tokens", None)
         if total is not None and st.prompt_len + 1 > total:
             return error_message(st, "prompt_too_long", f"prompt has {st.prompt_len} tokens; the KV cache holds {total}", retryable=False)
         return None
@@ -332,21 +332,11 @@ class Worker:
                 self._finish_now(st, error_message(st, "deadline_exceeded", f"deadline {st.job.deadline} passed while queued", retryable=False))
                 continue
             running = [j for j in self.jobs.values() if j.admitted]
-            if not self.admission.can_admit(st, self._capacity(), running):
+            if not self.admission.can_admit(st, self.engine.capacity(), running):
                 break
             self.pending.pop()
             st.new_run(self.generation)
             st.task = asyncio.create_task(self._run(st), name=f"job:{st.job.id}")
-
-    def _capacity(self) -> Any:
-        """The engine's capacity. Its step thread may be mutating the queues this reads, so a
-        torn read ("deque mutated during iteration") is retried."""
-        for _ in range(5):
-            try:
-                return self.engine.capacity()
-            except RuntimeError:
-                continue
-        return self.engine.capacity()
 
     async def _run(self, st: JobState) -> None:
         try:
@@ -536,7 +526,7 @@ class Worker:
         if self.consumer is not None:
             g["assigned_partitions"] = len(self.consumer.assignment())
         if self.engine is not None and self.ready:
-            cap = self._capacity()
+            cap = self.engine.capacity()
             g.update(kv_free_tokens=cap.free_tokens, kv_total_tokens=cap.total_tokens, engine_running=cap.num_running, engine_waiting=cap.num_waiting)
         return g
 
