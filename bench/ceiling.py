@@ -16,28 +16,41 @@ from qworker.engine import LLMEngine, SamplingParams
 
 
 def matmul_ceiling(engine: LLMEngine, batch: int, iters: int = 5) -> float:
-    """Tokens/s of the linear layers alone at this batch size."""
+    """Tokens/s of the linear layers alone at this batch size, in the faster of the two weight
+    layouts (``x @ w`` with ``w`` row-major ``[in, out]``, as the engine stores them, or
+    ``F.linear`` with ``[out, in]``, as checkpoints and HF store them): on CPU which one wins depends
+    on the batch size, and the ceiling is the best a plain matmul can do."""
     m = engine.runner.model
     x = torch.randn(batch, m.config.hidden_size, device=m.device, dtype=m.dtype)
     # real values, allocated once: uninitialised memory can hold denormals that skew timings
     x_attn = torch.randn(batch, m.q_size, device=m.device, dtype=m.dtype)
-    x_mlp = torch.randn(batch, m.layers[0].down.shape[1], device=m.device, dtype=m.dtype)
+    x_mlp = torch.randn(batch, m.layers[0].down.shape[0], device=m.device, dtype=m.dtype)
+    weights = [pair for layer in m.layers for pair in ((x, layer.qkv), (x_attn, layer.o), (x, layer.gate_up), (x_mlp, layer.down))]
+    weights.append((x, m.lm_head))
 
-    def once():
-        for layer in m.layers:
-            F.linear(x, layer.qkv)
-            F.linear(x_attn, layer.o)
-            F.linear(x, layer.gate_up)
-            F.linear(x_mlp, layer.down)
-        F.linear(x, m.lm_head)
+    def right_operand():
+        for inp, w in weights:
+            inp @ w
 
+    rates = [_rate(right_operand, batch, iters, m.device)]
+    out_in = [(inp, w.t().contiguous()) for inp, w in weights]
+
+    def linear():
+        for inp, w in out_in:
+            F.linear(inp, w)
+
+    rates.append(_rate(linear, batch, iters, m.device))
+    return max(rates)
+
+
+def _rate(once, batch: int, iters: int, device: torch.device) -> float:
     with torch.inference_mode():
         once()
-        _sync(m.device)
+        _sync(device)
         start = time.perf_counter()
         for _ in range(iters):
             once()
-        _sync(m.device)
+        _sync(device)
     return batch * iters / (time.perf_counter() - start)
 
 

@@ -3,8 +3,9 @@
 This package imports torch (and triton, lazily) only; never ``qworker``.
 
 Every kernel ``f`` has a reference ``f_ref`` with the same signature in
-:mod:`kernels.reference`; the engine runs the references on CPU and the
-Triton versions on CUDA. The layout they share (cache shape, what a slot is,
+:mod:`kernels.reference`; the engine runs the Triton versions on CUDA and the
+references on CPU, except decode attention, which on CPU has its own C kernel
+(:mod:`kernels.cpu`, falling back to the reference where it cannot build). The layout they share (cache shape, what a slot is,
 block tables, GQA head mapping) is documented in :mod:`kernels.reference`.
 
 The Triton versions here are thin wrappers that import their module on first
@@ -20,6 +21,7 @@ import importlib.util
 
 import torch
 
+from .cpu import cpu_kernels_available, paged_decode_attention_cpu
 from .reference import (
     paged_attention_ref,
     paged_decode_attention_ref,
@@ -32,6 +34,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 __all__ = [
     "HAS_TRITON",
+    "cpu_kernels_available",
+    "paged_decode_attention_cpu",
     "store_kv",
     "store_kv_ref",
     "paged_decode_attention",

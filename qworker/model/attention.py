@@ -1,5 +1,5 @@
-"""One attention interface over the paged KV cache: the Triton kernels on CUDA, their torch
-references on CPU (both from the top-level ``kernels`` package, same signatures)."""
+"""One attention interface over the paged KV cache: the Triton kernels on CUDA; on CPU the C decode
+kernel and the torch references (all from the top-level ``kernels`` package, same signatures)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class PagedAttention:
         self.scale = scale
         on_gpu = device.type == "cuda"
         self._store = kernels.store_kv if on_gpu else kernels.store_kv_ref
-        self._decode = kernels.paged_decode_attention if on_gpu else kernels.paged_decode_attention_ref
+        self._decode = kernels.paged_decode_attention if on_gpu else kernels.paged_decode_attention_cpu
         self._prefill = kernels.paged_prefill_attention if on_gpu else kernels.paged_prefill_attention_ref
 
     def __call__(

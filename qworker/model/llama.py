@@ -3,6 +3,12 @@
 Weights are plain tensors; q/k/v and gate/up projections are fused into one matmul each, because
 on every device a few large matmuls beat many small ones. Only the rows that need logits go
 through the final norm and the LM head.
+
+Every projection is stored as the right operand of ``x @ w`` (``[in, out]``). On CPU that layout is
+materialised: for the 8-64-row inputs of decode steps the CPU sgemm is 2-4x faster with a
+row-major ``[in, out]`` operand than with the transposed ``[out, in]`` view ``F.linear`` passes
+(this model, 2-core AVX-512 VM: 106 ms vs 30 ms for one batch-16 pass over the 30 layers; the
+same at 96+ rows). On CUDA it stays a transposed view, which cuBLAS takes as is.
 """
 
 from __future__ import annotations
@@ -46,26 +52,28 @@ class LlamaModel:
         self.embed = weights.pop("model.embed_tokens.weight")
         self.norm = weights.pop("model.norm.weight")
         lm_head = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
-        self.layers = [self._take_layer(weights, i) for i in range(self.num_layers)]
+        lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
+        # a tied head gets its own [in, out] copy on CPU; the embedding keeps its rows for lookups
+        self.lm_head = _right_operand(lm_head, device)
+        self.layers = [self._take_layer(weights, i, device) for i in range(self.num_layers)]
         self.rope = RotaryEmbedding(config, self.head_dim, max_positions, device, dtype)
         self.attn = PagedAttention(device, scale=self.head_dim**-0.5)
         # fused residual-add + RMSNorm: the Triton kernel on CUDA, its torch reference on CPU
         self.norm_fn = kernels.rms_norm if device.type == "cuda" else kernels.rms_norm_ref
 
     @staticmethod
-    def _take_layer(w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    def _take_layer(w: dict[str, torch.Tensor], i: int, device: torch.device) -> LayerWeights:
         p = f"model.layers.{i}."
         q, k, v = (w.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
         biases = [w.pop(f"{p}self_attn.{n}_proj.bias", None) for n in "qkv"]
         return LayerWeights(
             input_norm=w.pop(f"{p}input_layernorm.weight"),
-            qkv=torch.cat([q, k, v]).contiguous(),
+            qkv=_right_operand(torch.cat([q, k, v]), device),
             qkv_bias=torch.cat(biases) if biases[0] is not None else None,
-            o=w.pop(f"{p}self_attn.o_proj.weight"),
+            o=_right_operand(w.pop(f"{p}self_attn.o_proj.weight"), device),
             post_norm=w.pop(f"{p}post_attention_layernorm.weight"),
-            gate_up=torch.cat([w.pop(f"{p}mlp.gate_proj.weight"), w.pop(f"{p}mlp.up_proj.weight")]).contiguous(),
-            down=w.pop(f"{p}mlp.down_proj.weight"),
+            gate_up=_right_operand(torch.cat([w.pop(f"{p}mlp.gate_proj.weight"), w.pop(f"{p}mlp.up_proj.weight")]), device),
+            down=_right_operand(w.pop(f"{p}mlp.down_proj.weight"), device),
         )
 
     @torch.inference_mode()
@@ -83,16 +91,24 @@ class LlamaModel:
         residual = None  # the running sum of the residual stream; h is the latest branch output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = norm(h, layer.input_norm, self.eps, residual)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = x @ layer.qkv
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.reshape(T, self.num_kv_heads, self.head_dim)
             q, k = self.rope(positions, q, k)
             attn = self.attn(q, k, v, k_cache, v_cache, meta)
-            h = F.linear(attn.reshape(T, self.q_size), layer.o)
+            h = attn.reshape(T, self.q_size) @ layer.o
             x, residual = norm(h, layer.post_norm, self.eps, residual)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, layer.down)
+            gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
+            h = (F.silu(gate) * up) @ layer.down
         x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
-        return F.linear(x, self.lm_head).float()
+        return (x @ self.lm_head).float()
+
+
+def _right_operand(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``weight`` ([out, in], as checkpoints store it) as the ``[in, out]`` operand of ``x @ w``:
+    contiguous on CPU (see the module docstring), a free transposed view on CUDA."""
+    return weight.t() if device.type == "cuda" else weight.t().contiguous()

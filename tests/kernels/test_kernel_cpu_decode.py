@@ -1,0 +1,90 @@
+"""The CPU engine's C decode kernel (kernels/cpu) against the float64 oracle and the reference.
+
+The kernel reads only live slots, so these batches keep their NaN-poisoned unowned slots and
+garbage table padding (the reference needs them zeroed): any read outside a sequence's pages,
+or any output element left unwritten, shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from kernel_testlib import assert_close, generator, make_paged_batch, oracle_attention, poisoned_like, random_lens
+
+from kernels import cpu_kernels_available, paged_decode_attention_cpu, paged_decode_attention_ref
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
+
+CASES = [  # (block_size, Hkv, G, D)
+    (16, 3, 3, 64),  # SmolLM2's shape
+    (16, 2, 1, 64),
+    (32, 1, 8, 128),
+    (32, 2, 4, 64),
+    (16, 4, 4, 128),
+]
+
+
+def test_builds_on_this_machine():
+    assert cpu_kernels_available(), "the C kernel failed to build (see the log warning); the CPU engine would run the slow reference"
+
+
+@pytest.mark.parametrize("bs,hkv,g,d", CASES)
+def test_matches_oracle(seed, bs, hkv, g, d):
+    gen = generator(seed)
+    lens = random_lens(gen, 6, bs, 5 * bs + 7)
+    batch = make_paged_batch(gen, lens=lens, q_lens=[1] * len(lens), block_size=bs, num_kv_heads=hkv, group=g,
+                             head_dim=d, dtype=torch.float32, device="cpu")
+    out = poisoned_like(batch.q)
+    res = paged_decode_attention_cpu(*batch.decode_args(), out=out)
+    assert res.data_ptr() == out.data_ptr()
+    assert_close(out, oracle_attention(batch).float(), torch.float32, f"cpu decode lens={lens}")
+
+
+def test_long_contexts_match_reference(seed):
+    """Contexts of hundreds of tokens (the oracle's per-token loop would be slow here)."""
+    gen = generator(seed)
+    lens = [int(x) for x in torch.randint(1, 900, (5,), generator=gen)] + [1, 16 * 40]
+    batch = make_paged_batch(gen, lens=lens, q_lens=[1] * len(lens), block_size=16, num_kv_heads=3, group=3,
+                             head_dim=64, dtype=torch.float32, device="cpu")
+    out = paged_decode_attention_cpu(*batch.decode_args())
+    ref = paged_decode_attention_ref(*batch.finite().decode_args())
+    assert_close(out, ref, torch.float32, f"cpu decode long lens={lens}")
+
+
+def test_writes_into_rows_of_a_larger_output(seed):
+    """The engine passes ``q[:n]`` and ``out=out[:n]`` of a mixed decode+prefill step; rows after
+    ``n`` must stay untouched."""
+    gen = generator(seed)
+    lens = random_lens(gen, 4, 16, 80)
+    batch = make_paged_batch(gen, lens=lens, q_lens=[1] * 4, block_size=16, num_kv_heads=2, group=3,
+                             head_dim=64, dtype=torch.float32, device="cpu")
+    big = torch.full((7, *batch.q.shape[1:]), 7.0)
+    paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale, out=big[:4])
+    assert_close(big[:4], oracle_attention(batch).float(), torch.float32, "rows of a larger output")
+    assert torch.equal(big[4:], torch.full_like(big[4:], 7.0))
+
+
+def test_int64_tables_and_extreme_scores(seed):
+    """Block tables as int64 are accepted; large logits (scores of +-80) stay finite and exact."""
+    gen = generator(seed)
+    lens = [33, 1, 70]
+    batch = make_paged_batch(gen, lens=lens, q_lens=[1] * 3, block_size=16, num_kv_heads=1, group=4, head_dim=64,
+                             dtype=torch.float32, device="cpu")
+    q = batch.q * 40.0
+    out = paged_decode_attention_cpu(q, batch.k_cache, batch.v_cache, batch.block_tables.long(), batch.seq_lens, batch.scale)
+    ref = paged_decode_attention_ref(q.double(), *[t.double() for t in (batch.finite().k_cache, batch.finite().v_cache)],
+                                     batch.block_tables, batch.seq_lens, batch.scale)
+    assert_close(out, ref.float(), torch.float32, "extreme scores")
+
+
+def test_uncovered_inputs_fall_back_to_the_reference(seed):
+    """float64 (and any non-fp32 dtype) runs the reference, with the same result."""
+    gen = generator(seed)
+    batch = make_paged_batch(gen, lens=[5, 40], q_lens=[1, 1], block_size=16, num_kv_heads=2, group=2, head_dim=64,
+                             dtype=torch.float64, device="cpu").finite()
+    out = paged_decode_attention_cpu(*batch.decode_args())
+    assert out.dtype == torch.float64
+    assert_close(out, oracle_attention(batch), torch.float64, "float64 fallback")
