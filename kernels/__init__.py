@@ -4,8 +4,10 @@ This package imports torch (and triton, lazily) only; never ``qworker``.
 
 Every kernel ``f`` has a reference ``f_ref`` with the same signature in
 :mod:`kernels.reference`; the engine runs the Triton versions on CUDA and the
-references on CPU, except decode attention, which on CPU has its own C kernel
-(:mod:`kernels.cpu`, falling back to the reference where it cannot build). The layout they share (cache shape, what a slot is,
+references on CPU, except where the CPU has its own C kernels (:mod:`kernels.cpu`:
+decode attention, the KV write, RMSNorm, rotary embedding, SwiGLU), which fall
+back to the references where they cannot build. Rotary embedding and SwiGLU
+have no Triton kernels: their torch references serve CUDA. The layout they share (cache shape, what a slot is,
 block tables, GQA head mapping) is documented in :mod:`kernels.reference`.
 
 The Triton versions here are thin wrappers that import their module on first
@@ -21,12 +23,21 @@ import importlib.util
 
 import torch
 
-from .cpu import cpu_kernels_available, paged_decode_attention_cpu
+from .cpu import (
+    cpu_kernels_available,
+    paged_decode_attention_cpu,
+    rms_norm_cpu,
+    rotary_embedding_cpu_,
+    silu_and_mul_cpu,
+    store_kv_cpu,
+)
 from .reference import (
     paged_attention_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     rms_norm_ref,
+    rotary_embedding_ref,
+    silu_and_mul_ref,
     store_kv_ref,
 )
 
@@ -36,6 +47,12 @@ __all__ = [
     "HAS_TRITON",
     "cpu_kernels_available",
     "paged_decode_attention_cpu",
+    "rms_norm_cpu",
+    "rotary_embedding_cpu_",
+    "rotary_embedding_ref",
+    "silu_and_mul_cpu",
+    "silu_and_mul_ref",
+    "store_kv_cpu",
     "store_kv",
     "store_kv_ref",
     "paged_decode_attention",

@@ -1,16 +1,19 @@
-"""The CPU engine's paged decode attention: a small C kernel that reads K/V pages in place.
+"""The CPU engine's C kernels: paged decode attention that reads K/V pages in place, and the
+per-layer elementwise work (residual add + RMSNorm, rotary embedding, the KV write, SwiGLU) in
+one call each.
 
 The torch reference (:func:`kernels.reference.paged_decode_attention_ref`) must gather every
 sequence's pages into a contiguous copy before one SDPA call; on a CPU that copy costs as much as
 the attention itself (decode is memory-bound, and the gather reads and writes the whole context
 once more). ``cpu/paged_decode.c`` walks the block table instead, as the Triton kernel does on the
-GPU. It is compiled on first use with the system C compiler (``-O3 -march=native -fopenmp``, about
+GPU. ``cpu/elementwise.c`` replaces the 7-15 small torch ops per norm or rotary step whose
+dispatch cost dominates at decode batch sizes. The sources are compiled on first use with the system C compiler (``-O3 -march=native -fopenmp``, about
 a second) into a per-user cache keyed by the source, the flags and this CPU's feature flags, and
 loaded with ctypes (which releases the GIL during the call).
 
-Without a compiler, with ``QWORKER_CPU_KERNELS=0``, or for inputs the kernel does not cover (any
-dtype but float32, non-contiguous caches), :func:`paged_decode_attention_cpu` runs the reference:
-same signature, same results up to float rounding.
+Without a compiler, with ``QWORKER_CPU_KERNELS=0``, or for inputs a kernel does not cover (any
+dtype but float32, non-contiguous layouts), every function here runs its torch reference: same
+signature, same results up to float rounding.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ from pathlib import Path
 
 import torch
 
-from .reference import paged_decode_attention_ref
+from .reference import paged_decode_attention_ref, rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref, store_kv_ref
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
+_SOURCE_DIR = Path(__file__).with_name("cpu")
+_SOURCES = sorted(_SOURCE_DIR.glob("*.c"))
+_HEADERS = sorted(_SOURCE_DIR.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
 
@@ -58,10 +63,9 @@ def _library() -> ctypes.CDLL | None:
     if os.environ.get("QWORKER_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC", "cc")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), compiler.encode(), _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"qworker-kernels-{os.getuid()}"):
-        target = directory / f"paged_decode-{key}.so"
+        target = directory / f"qworker_cpu-{key}.so"
         try:
             if not target.exists():
                 directory.mkdir(parents=True, exist_ok=True)
@@ -69,7 +73,7 @@ def _library() -> ctypes.CDLL | None:
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
                 os.close(fd)
                 try:
-                    subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True, timeout=300)
+                    subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, timeout=300)
                     os.replace(tmp, target)
                 finally:
                     if os.path.exists(tmp):
@@ -85,15 +89,38 @@ def _library() -> ctypes.CDLL | None:
     else:
         log.warning("CPU attention kernel unavailable (no writable cache dir); using the torch reference")
         return None
-    fn = lib.qw_paged_decode_f32
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = ctypes.c_int
+    i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    # the fp16-cache variants exist only where the compiler targets F16C (every x86 CPU with AVX2)
+    for suffix in ("f32", "f16"):
+        if hasattr(lib, f"qw_paged_decode_{suffix}"):
+            fn = getattr(lib, f"qw_paged_decode_{suffix}")
+            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, f32, i32]
+            fn.restype = ctypes.c_int
+        if hasattr(lib, f"qw_store_kv_{suffix}"):
+            fn = getattr(lib, f"qw_store_kv_{suffix}")
+            fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i32]
+            fn.restype = None
+    lib.qw_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, f32, i32]
+    lib.qw_add_rms_norm_f32.restype = None
+    lib.qw_rope_f32.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+    lib.qw_rope_f32.restype = None
+    lib.qw_silu_mul_f32.argtypes = [ptr, ptr, i64, i32, i32]
+    lib.qw_silu_mul_f32.restype = None
     return lib
 
 
 def cpu_kernels_available() -> bool:
     return _library() is not None
+
+
+_SUFFIX = {torch.float32: "f32", torch.float16: "f16"}
+
+
+def _cache_fn(name: str, cache_dtype: torch.dtype):
+    """The C function ``name`` for this cache dtype, or None (no library, dtype not built)."""
+    lib = _library()
+    suffix = _SUFFIX.get(cache_dtype)
+    return getattr(lib, f"{name}_{suffix}", None) if lib is not None and suffix else None
 
 
 def paged_decode_attention_cpu(
@@ -109,8 +136,8 @@ def paged_decode_attention_cpu(
 ) -> torch.Tensor:
     """Same contract as :func:`kernels.reference.paged_decode_attention_ref` (``num_splits`` is
     ignored: the kernel parallelises over sequences and KV heads)."""
-    lib = _library()
-    if lib is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out):
+    fn = _cache_fn("qw_paged_decode", k_cache.dtype)
+    if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=out)
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
@@ -120,7 +147,7 @@ def paged_decode_attention_cpu(
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     tables, lens = tables.contiguous() if tables.stride(1) != 1 else tables, lens.contiguous()
-    rc = lib.qw_paged_decode_f32(
+    rc = fn(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), result.data_ptr(), result.stride(0), B, Hq, Hkv, D, block_size, float(scale), torch.get_num_threads(),
     )
@@ -130,9 +157,12 @@ def paged_decode_attention_cpu(
 
 
 def _covered(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
-    """Inputs the C kernel handles: fp32 everywhere, on CPU, dense per-row layouts."""
+    """Inputs the C kernel handles: fp32 queries and output, an fp32 or fp16 cache, on CPU, dense
+    per-row layouts."""
     tensors = [q, k_cache, v_cache] + ([out] if out is not None else [])
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+    if any(t.device.type != "cpu" for t in tensors) or q.dtype != torch.float32 or v_cache.dtype != k_cache.dtype:
+        return False
+    if out is not None and out.dtype != torch.float32:
         return False
     if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
         return False
@@ -141,3 +171,87 @@ def _covered(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
     rows_dense = [q] + ([out] if out is not None else [])
     heads_ok = q.shape[1] % k_cache.shape[2] == 0 and q.shape[2] % 8 == 0  # the kernel steps D by 8
     return heads_ok and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in rows_dense)
+
+
+def rms_norm_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`kernels.reference.rms_norm_ref`: ``(out, x + residual)``, inputs
+    untouched."""
+    lib = _library()
+    inputs = [x, weight] + ([residual] if residual is not None else [])
+    if lib is None or not all(_dense_fp32(t) for t in inputs) or (residual is not None and residual.shape != x.shape):
+        return rms_norm_ref(x, weight, eps, residual)
+    H = x.shape[-1]
+    new_residual = torch.empty_like(x)
+    out = torch.empty_like(x)
+    lib.qw_add_rms_norm_f32(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                            new_residual.data_ptr(), out.data_ptr(), x.numel() // H, H, float(eps), torch.get_num_threads())
+    return out, new_residual
+
+
+def rotary_embedding_cpu_(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Same contract as :func:`kernels.reference.rotary_embedding_ref`: rotates ``q [T, Hq, D]``
+    and ``k [T, Hk, D]`` in place. They may be views into one fused qkv row (same row stride)."""
+    lib = _library()
+    ok = (
+        lib is not None
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, cos, sin))
+        and q.stride(0) == k.stride(0) and q.stride(1) == k.stride(1) == q.shape[2] and q.stride(2) == k.stride(2) == 1
+        and cos.is_contiguous() and sin.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
+    )
+    if not ok:
+        rotary_embedding_ref(positions, q, k, cos, sin)
+        return
+    T, Hq, D = q.shape
+    lib.qw_rope_f32(q.data_ptr(), k.data_ptr(), q.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                    T, Hq, k.shape[1], D, torch.get_num_threads())
+
+
+def store_kv_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Same contract as :func:`kernels.reference.store_kv_ref`; ``key``/``value`` may be views
+    into a fused qkv row (heads contiguous within a row)."""
+    fn = _cache_fn("qw_store_kv", k_cache.dtype)
+    ok = (
+        fn is not None
+        and v_cache.dtype == k_cache.dtype
+        and all(t.dtype == torch.float32 for t in (key, value))
+        and all(t.device.type == "cpu" for t in (key, value, k_cache, v_cache))
+        and (key.shape[1] * key.shape[2]) % 8 == 0
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+        and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+        and k_cache.shape[2:] == key.shape[1:]
+    )
+    if not ok:
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        return
+    T, Hkv, D = key.shape
+    fn(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), k_cache.data_ptr(),
+                        v_cache.data_ptr(), slot_mapping.data_ptr(), T, Hkv * D)
+
+
+def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """Same contract as :func:`kernels.reference.silu_and_mul_ref`."""
+    lib = _library()
+    if lib is None or not _dense_fp32(gate_up) or gate_up.dim() != 2:
+        return silu_and_mul_ref(gate_up)
+    T, two_i = gate_up.shape
+    out = torch.empty((T, two_i // 2), dtype=gate_up.dtype)
+    lib.qw_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def _dense_fp32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()

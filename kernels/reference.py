@@ -31,6 +31,8 @@ __all__ = [
     "paged_prefill_attention_ref",
     "paged_attention_ref",
     "rms_norm_ref",
+    "rotary_embedding_ref",
+    "silu_and_mul_ref",
 ]
 
 
@@ -232,3 +234,23 @@ def rms_norm_ref(
     var = hf.pow(2).mean(-1, keepdim=True)
     normed = (hf * torch.rsqrt(var + eps)).to(h.dtype)
     return weight * normed, h
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotary position embedding, rotate-half convention (as HF Llama), in place on
+    ``q [T, Hq, D]`` and ``k [T, Hk, D]``. ``cos``/``sin`` are ``[max_positions, D]`` tables
+    (both halves equal, any attention scaling folded in); token t uses row ``positions[t]``."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+    for x in (q, k):
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        x.copy_(x * c + rotated * s)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a fused gate/up projection ``[..., 2I]``: ``silu(gate) * up`` -> ``[..., I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

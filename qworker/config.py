@@ -76,6 +76,7 @@ class WorkerSettings(BaseModel):
     enable_prefix_caching: bool | None = None
     device: str | None = None
     dtype: str | None = None
+    kv_cache_dtype: str | None = None  # auto | float32 | float16 (CPU)
 
     # --- admission, shutdown, ops ---
     max_waiting_jobs: int = Field(16, ge=1)
@@ -113,7 +114,7 @@ class WorkerSettings(BaseModel):
 
     def engine_config(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncEngine.from_model`` (only what was set)."""
-        keys = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size", "swap_space", "enable_prefix_caching", "device", "dtype")
+        keys = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size", "swap_space", "enable_prefix_caching", "device", "dtype", "kv_cache_dtype")
         cfg = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         cfg["scheduling_policy"] = "priority"  # jobs carry a priority; lower runs first
         return cfg

@@ -13,6 +13,11 @@ class EngineConfig:
     model: str
     device: str = "auto"  # "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
     dtype: str = "auto"  # "float32", "bfloat16", "float16", or "auto" (fp32 on CPU, bf16 on CUDA)
+    # KV cache element type: "auto" (the model's dtype), "float32" or "float16". An fp16 cache on
+    # an fp32 CPU model holds twice the tokens in the same memory and halves decode attention's
+    # memory traffic, at the cost of rounding K/V to half precision (greedy outputs can then
+    # differ from an fp32 reference where the top two tokens are close). CPU only.
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     # KV pool size: ``kv_cache_memory`` bytes if set, else ``gpu_memory_utilization`` of the
     # device's free memory after loading weights (CUDA), else ``cpu_kv_cache_memory`` (CPU).
@@ -36,6 +41,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.scheduling_policy not in ("priority", "fcfs"):
             raise ValueError(f"scheduling_policy must be 'priority' or 'fcfs', got {self.scheduling_policy!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32 or float16, got {self.kv_cache_dtype!r}")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

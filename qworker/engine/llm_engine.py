@@ -41,7 +41,7 @@ class Capacity:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len)
+        self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, config.kv_cache_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.model_name = config.model.rstrip("/").split("/")[-1]
         self.eos_token_ids = self._eos_ids()
@@ -231,8 +231,9 @@ class LLMEngine:
                         rows.append(rows[-1])
         if not sampling:
             return []
-        row_index = torch.tensor(rows, device=logits.device)
-        tokens, logprobs = sample(logits[row_index], sampling, self.eos_token_ids, self._generator)
+        if num_logit_rows != len(rows):  # forks sample from their parent's row: repeat it
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens, logprobs = sample(logits, sampling, self.eos_token_ids, self._generator)
         now = time.time()
         changed: dict[str, Request] = {}
         for seq, token, lp in zip(sampling, tokens, logprobs):

@@ -30,7 +30,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
 
     tokens = torch.empty(len(seqs), dtype=torch.long)
     greedy = [i for i, s in enumerate(seqs) if s.request.params.greedy]
-    if greedy:
+    if len(greedy) == len(seqs):  # all greedy (the common batch): no row gather
+        tokens = logits.argmax(dim=-1).cpu()
+    elif greedy:
         tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
     rand = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
     if rand:

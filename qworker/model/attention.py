@@ -27,7 +27,7 @@ class PagedAttention:
     def __init__(self, device: torch.device, scale: float):
         self.scale = scale
         on_gpu = device.type == "cuda"
-        self._store = kernels.store_kv if on_gpu else kernels.store_kv_ref
+        self._store = kernels.store_kv if on_gpu else kernels.store_kv_cpu
         self._decode = kernels.paged_decode_attention if on_gpu else kernels.paged_decode_attention_cpu
         self._prefill = kernels.paged_prefill_attention if on_gpu else kernels.paged_prefill_attention_ref
 

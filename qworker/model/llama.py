@@ -58,8 +58,9 @@ class LlamaModel:
         self.layers = [self._take_layer(weights, i, device) for i in range(self.num_layers)]
         self.rope = RotaryEmbedding(config, self.head_dim, max_positions, device, dtype)
         self.attn = PagedAttention(device, scale=self.head_dim**-0.5)
-        # fused residual-add + RMSNorm: the Triton kernel on CUDA, its torch reference on CPU
-        self.norm_fn = kernels.rms_norm if device.type == "cuda" else kernels.rms_norm_ref
+        # fused residual-add + RMSNorm: the Triton kernel on CUDA, the C kernel on CPU
+        self.norm_fn = kernels.rms_norm if device.type == "cuda" else kernels.rms_norm_cpu
+        self.swiglu = kernels.silu_and_mul_ref if device.type == "cuda" else kernels.silu_and_mul_cpu
 
     @staticmethod
     def _take_layer(w: dict[str, torch.Tensor], i: int, device: torch.device) -> LayerWeights:
@@ -98,12 +99,11 @@ class LlamaModel:
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.reshape(T, self.num_kv_heads, self.head_dim)
-            q, k = self.rope(positions, q, k)
+            self.rope(positions, q, k)  # in place, in the qkv buffer
             attn = self.attn(q, k, v, k_cache, v_cache, meta)
             h = attn.reshape(T, self.q_size) @ layer.o
             x, residual = norm(h, layer.post_norm, self.eps, residual)
-            gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
-            h = (F.silu(gate) * up) @ layer.down
+            h = self.swiglu(x @ layer.gate_up) @ layer.down
         x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
         return (x @ self.lm_head).float()
 

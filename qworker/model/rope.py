@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
+import kernels
+
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -35,14 +37,9 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; returns rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # in place: the C kernel on CPU, the torch reference on CUDA (no Triton rope kernel)
+        self._apply = kernels.rotary_embedding_cpu_ if device.type == "cpu" else kernels.rotary_embedding_ref
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotates q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` in place."""
+        self._apply(positions, q, k, self.cos, self.sin)

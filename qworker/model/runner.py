@@ -18,9 +18,13 @@ from qworker.model.loader import load_config, load_state_dict, resolve_device, r
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto", max_model_len: int | None = None):
+    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto", max_model_len: int | None = None, kv_cache_dtype: str = "auto"):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, self.device)
+        if self.kv_dtype != self.dtype and self.device.type != "cpu":
+            # the Triton kernels are only checked with a cache of the model's dtype
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is supported on CPU only; use 'auto' on {self.device}")
         self.config = load_config(model_dir)
         model_len = getattr(self.config, "max_position_embeddings", 4096)
         self.max_model_len = min(max_model_len or model_len, model_len)
@@ -31,7 +35,7 @@ class ModelRunner:
 
     def block_bytes(self, block_size: int) -> int:
         m = self.model
-        return bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, self.dtype)
+        return bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim, self.kv_dtype)
 
     def device_kv_budget(self, kv_cache_memory: int | None, gpu_memory_utilization: float, cpu_default: int) -> int:
         if kv_cache_memory is not None:
@@ -46,7 +50,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
         m = self.model
         self.block_size = block_size
-        self.kv = KVCache(m.num_layers, num_blocks, num_cpu_blocks, block_size, m.num_kv_heads, m.head_dim, self.device, self.dtype)
+        self.kv = KVCache(m.num_layers, num_blocks, num_cpu_blocks, block_size, m.num_kv_heads, m.head_dim, self.device, self.kv_dtype)
 
     def execute(self, batch: Batch) -> torch.Tensor:
         """Runs one step; returns fp32 logits, one row per chunk with ``needs_logits``, in order."""

@@ -36,6 +36,27 @@ def test_percentile_and_table():
     assert t.splitlines()[1] == "|---|---:|" and "| x | 1.23 |" in t and "| y | 123 |" in t
 
 
+def test_throughput(tiny_model_dir, tmp_path, capsys):
+    from bench import throughput
+
+    r = throughput.main(["--model", str(tiny_model_dir), "--num-requests", "6", "--max-output", "12", "--kv-memory-mib", "8", "--budget-kv-mib", "1",
+                         "--hf-single-sample", "2", "--decode-batches", "2,4", "--out", str(tmp_path)])
+    assert r == _json(tmp_path, "throughput")
+    assert r["workload"]["requests"] == 6
+    main, budget = r["engine"], r["engine_kv_budget"]
+    for run in (main, budget):
+        assert run["useful_tokens"] == r["workload"]["useful_output_tokens"] and run["tokens_per_s"] > 0
+        assert 0.5 < run["kv_slot_utilization"] <= 1.0 and run["peak_kv_blocks"] <= run["kv_blocks_total"]
+    assert budget["kv_blocks_total"] < main["kv_blocks_total"]
+    assert [d["batch"] for d in r["decode_vs_ceiling"]] == [2, 4]
+    assert all(d["fraction"] == pytest.approx(d["decode_tokens_per_s"] / d["matmul_ceiling_tokens_per_s"]) for d in r["decode_vs_ceiling"])
+    base = r["baselines"]
+    assert set(base) == {"hf_one_at_a_time", "hf_static_batch_16", "hf_static_batch_32", "hf_static_same_kv_budget"}
+    assert base["hf_static_same_kv_budget"]["engine_ratio"] == pytest.approx(budget["tokens_per_s"] / base["hf_static_same_kv_budget"]["tokens_per_s"])
+    assert base["hf_one_at_a_time"]["engine_ratio"] == pytest.approx(main["tokens_per_s"] / base["hf_one_at_a_time"]["tokens_per_s"])
+    assert "| qworker engine | 8 MiB |" in capsys.readouterr().out
+
+
 def test_prefix_reuse(tiny_model_dir, tmp_path, capsys):
     from bench import prefix_reuse
 

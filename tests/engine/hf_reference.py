@@ -47,12 +47,12 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> Ref
     return Reference(tokens, gaps)
 
 
-def assert_greedy_matches(engine_ids: list[int], ref: Reference, what: str = "") -> None:
+def assert_greedy_matches(engine_ids: list[int], ref: Reference, what: str = "", tie_gap: float = TIE_GAP) -> None:
     """Token-for-token equality, except that at the first position where HF's two best tokens are
     tied within float noise the engine may pick the other one (the sequences then diverge, so the
     comparison stops there). Never more than that."""
     assert len(engine_ids) == len(ref.token_ids), f"{what}: length {len(engine_ids)} != {len(ref.token_ids)}"
     for i, (a, b) in enumerate(zip(engine_ids, ref.token_ids)):
         if a != b:
-            assert ref.top2_gaps[i] < TIE_GAP, f"{what}: token {i} differs ({a} vs HF {b}) with HF top-2 gap {ref.top2_gaps[i]:.4f}"
+            assert ref.top2_gaps[i] < tie_gap, f"{what}: token {i} differs ({a} vs HF {b}) with HF top-2 gap {ref.top2_gaps[i]:.4f}"
             return

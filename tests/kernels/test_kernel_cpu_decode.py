@@ -88,3 +88,18 @@ def test_uncovered_inputs_fall_back_to_the_reference(seed):
     out = paged_decode_attention_cpu(*batch.decode_args())
     assert out.dtype == torch.float64
     assert_close(out, oracle_attention(batch), torch.float64, "float64 fallback")
+
+
+@pytest.mark.parametrize("bs,hkv,g,d", [(16, 3, 3, 64), (32, 2, 4, 128)])
+def test_fp16_cache_matches_oracle(seed, bs, hkv, g, d):
+    """An fp16 cache with fp32 queries (the CPU engine's ``kv_cache_dtype="float16"``): exact up to
+    fp32 rounding against the oracle on the same half-precision values."""
+    gen = generator(seed)
+    lens = random_lens(gen, 5, bs, 6 * bs)
+    batch = make_paged_batch(gen, lens=lens, q_lens=[1] * len(lens), block_size=bs, num_kv_heads=hkv, group=g,
+                             head_dim=d, dtype=torch.float32, device="cpu")
+    k16, v16 = batch.k_cache.half(), batch.v_cache.half()
+    out = poisoned_like(batch.q)
+    paged_decode_attention_cpu(batch.q, k16, v16, batch.block_tables, batch.seq_lens, batch.scale, out=out)
+    exact = oracle_attention(type(batch)(**{**batch.__dict__, "k_cache": k16.double(), "v_cache": v16.double()}))
+    assert_close(out, exact.float(), torch.float32, f"fp16 cache lens={lens}")

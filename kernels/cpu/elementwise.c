@@ -1,0 +1,115 @@
+/*
+ * The CPU engine's per-layer elementwise work, one call each instead of the 2-15 small torch ops
+ * it takes otherwise (at decode batch sizes each torch op costs ~10 us of dispatch for a few
+ * microseconds of arithmetic, and a 30-layer model runs ~40 of them per layer per step).
+ * fp32 only; rows are contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "exp.h"
+
+/* out = weight * (h / sqrt(mean(h^2) + eps)) with h = x + residual (or x when residual is NULL);
+ * h is written to new_residual. Rows of H floats; x, residual, new_residual, out: [T, H]. */
+void qw_add_rms_norm_f32(const float *x, const float *residual, const float *weight,
+                         float *new_residual, float *out, int64_t T, int H, float eps,
+                         int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T >= 256)
+    for (int64_t t = 0; t < T; t++) {
+        const float *restrict xr = x + t * H;
+        float *restrict hr = new_residual + t * H;
+        float *restrict o = out + t * H;
+        float ss = 0.0f;
+        if (residual) {
+            const float *restrict rr = residual + t * H;
+#pragma omp simd reduction(+ : ss)
+            for (int i = 0; i < H; i++) {
+                hr[i] = xr[i] + rr[i];
+                ss += hr[i] * hr[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int i = 0; i < H; i++) {
+                hr[i] = xr[i];
+                ss += xr[i] * xr[i];
+            }
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+#pragma omp simd
+        for (int i = 0; i < H; i++) o[i] = weight[i] * (hr[i] * inv);
+    }
+}
+
+/* Rotary embedding, rotate-half convention, in place on q [T, Hq, D] and k [T, Hk, D] whose rows
+ * (tokens) are row_stride floats apart (they are views into one fused qkv output) and whose heads
+ * are D floats apart. cos/sin: [max_positions, D] tables, both halves equal. */
+void qw_rope_f32(float *q, float *k, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                 const float *sin_table, int64_t T, int Hq, int Hk, int D, int num_threads) {
+    const int half = D / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T >= 256)
+    for (int64_t t = 0; t < T; t++) {
+        const float *restrict c = cos_table + positions[t] * D;
+        const float *restrict s = sin_table + positions[t] * D;
+        for (int h = 0; h < Hq + Hk; h++) {
+            float *restrict x = h < Hq ? q + t * row_stride + (int64_t)h * D : k + t * row_stride + (int64_t)(h - Hq) * D;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+    }
+}
+
+/* Write key/value rows [T, HD] (rows key_stride / value_stride floats apart, HD = Hkv * D
+ * contiguous floats each) to their slots of k_cache/v_cache [num_slots, HD]; a negative slot
+ * is a padding token and is skipped. */
+void qw_store_kv_f32(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
+                     float *k_cache, float *v_cache, const int64_t *slots, int64_t T, int HD) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        memcpy(k_cache + slot * HD, key + t * key_stride, sizeof(float) * (size_t)HD);
+        memcpy(v_cache + slot * HD, value + t * value_stride, sizeof(float) * (size_t)HD);
+    }
+}
+
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU activation of a fused
+ * gate/up projection [T, 2I]; out is [T, I]. silu(x) = x * sigmoid(x), with the exponential
+ * always taken of a non-positive argument so that it cannot overflow. */
+void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= (1 << 16))
+    for (int64_t t = 0; t < T; t++) {
+        const float *restrict g = gate_up + t * 2 * I;
+        const float *restrict u = g + I;
+        float *restrict o = out + t * I;
+#pragma omp simd
+        for (int i = 0; i < I; i++) {
+            const float x = g[i];
+            const float e = exp_nonpositive(x < 0.0f ? x : -x); /* e^-|x| */
+            const float sigmoid = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+            o[i] = x * sigmoid * u[i];
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+/* qw_store_kv_f32 for an fp16 cache: rows rounded to nearest-even half precision (as torch's
+ * .to(torch.float16)); HD must be a multiple of 8. */
+void qw_store_kv_f16(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
+                     uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T, int HD) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const float *k = key + t * key_stride, *v = value + t * value_stride;
+        uint16_t *kd = k_cache + slot * HD, *vd = v_cache + slot * HD;
+        for (int i = 0; i < HD; i += 8) {
+            _mm_storeu_si128((__m128i *)(kd + i), _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(vd + i), _mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
+        }
+    }
+}
+#endif

@@ -1,0 +1,186 @@
+/* The body of paged_decode.c, instantiated once per cache element type. Expects:
+ *   KV_T       the cache element type (float, or uint16_t holding IEEE fp16)
+ *   LOAD8(p)   8 cache elements at p as an __m256 of floats (AVX builds)
+ *   LOAD1(p)   one cache element at p as a float
+ *   FN(name)   name with the type's suffix, so the two copies do not collide
+ */
+#ifdef QW_AVX
+
+/* scores[t] = scale * q . k_t for n <= 8 consecutive tokens (k rows token_stride apart);
+ * D is a multiple of 8. */
+static inline void FN(score_tokens)(const float *restrict q, const KV_T *restrict k, int64_t token_stride,
+                                int n, int D, float scale, float *restrict scores) {
+    __m256 r[8];
+    for (int t = 0; t < 8; t++) {
+        if (t >= n) { r[t] = _mm256_setzero_ps(); continue; }
+        const KV_T *kt = k + t * token_stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 16 <= D; d += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LOAD8(kt + d), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), LOAD8(kt + d + 8), a1);
+        }
+        if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LOAD8(kt + d), a0);
+        r[t] = _mm256_add_ps(a0, a1);
+    }
+    /* transpose-and-add: lane t of the result is the sum of r[t]'s lanes */
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
+    __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    sums = _mm256_mul_ps(sums, _mm256_set1_ps(scale));
+    if (n == 8) {
+        _mm256_storeu_ps(scores, sums);
+    } else {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, sums);
+        for (int t = 0; t < n; t++) scores[t] = tmp[t];
+    }
+}
+
+/* acc[0:D] += sum_{j<n} p[j] * v_j (v rows token_stride apart), with the accumulator in
+ * registers for the block (ND = D / 8 vectors, a compile-time constant after inlining). */
+static inline void FN(accumulate_fixed)(const float *restrict p, const KV_T *restrict v, int n,
+                                    int64_t token_stride, float *restrict acc, const int ND) {
+    __m256 a[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < ND; i++) a[i] = _mm256_loadu_ps(acc + 8 * i);
+    for (int j = 0; j < n; j++, v += token_stride) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+#pragma GCC unroll 16
+        for (int i = 0; i < ND; i++) a[i] = _mm256_fmadd_ps(pj, LOAD8(v + 8 * i), a[i]);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < ND; i++) _mm256_storeu_ps(acc + 8 * i, a[i]);
+}
+#else
+static inline void FN(score_tokens)(const float *restrict q, const KV_T *restrict k, int64_t token_stride,
+                                int n, int D, float scale, float *restrict scores) {
+    for (int t = 0; t < n; t++) {
+        const float *restrict kt = k + t * token_stride;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; d++) dot += q[d] * kt[d];
+        scores[t] = dot * scale;
+    }
+}
+#endif
+
+static inline void FN(accumulate)(const float *restrict p, const KV_T *restrict v, int n, int64_t token_stride,
+                              int D, float *restrict acc) {
+#ifdef QW_AVX
+    if (D == 64) { FN(accumulate_fixed)(p, v, n, token_stride, acc, 8); return; }
+    if (D == 128) { FN(accumulate_fixed)(p, v, n, token_stride, acc, 16); return; }
+#endif
+    for (int j = 0; j < n; j++) {
+        const KV_T *restrict vj = v + j * token_stride;
+#pragma omp simd
+        for (int d = 0; d < D; d++) acc[d] += p[j] * LOAD1(vj + d);
+    }
+}
+
+/* Ask for the next page of this item while the current one is computed: pages sit at random
+ * places, so the hardware prefetcher, which follows streams within a 4 KiB page, restarts at
+ * every one of them. */
+static inline void FN(prefetch_page)(const KV_T *cache, const int32_t *table, int next_blk, int num_blks,
+                                 int block_size, int64_t token_stride, int h0, int h1, int D) {
+    if (next_blk >= num_blks) return;
+    const KV_T *page = cache + (int64_t)table[next_blk] * block_size * token_stride;
+    for (int j = 0; j < block_size; j++)
+        for (const char *line = (const char *)(page + j * token_stride + (int64_t)h0 * D),
+                        *end = (const char *)(page + j * token_stride + (int64_t)h1 * D);
+             line < end; line += 64)
+            __builtin_prefetch(line, 0, 3);
+}
+
+/* One sequence, KV heads [h0, h1): nq = (h1 - h0) * G query heads.
+ * scores: nq x len scratch; acc: nq x D scratch; qs/outs: the first query head's row. */
+static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, const KV_T *restrict v_cache,
+                   const int32_t *restrict table, int len, int block_size, int64_t token_stride, int h0,
+                   int h1, int G, int D, float scale, float *restrict scores, float *restrict acc,
+                   float *restrict outs) {
+    const int nq = (h1 - h0) * G;
+    const int num_blks = (len + block_size - 1) / block_size;
+    /* pass 1: scores[qh * len + t] = scale * q_qh . k_t, page by page */
+    for (int t0 = 0, blk = 0; t0 < len; t0 += block_size, blk++) {
+        FN(prefetch_page)(k_cache, table, blk + 1, num_blks, block_size, token_stride, h0, h1, D);
+        const int64_t page = (int64_t)table[blk] * block_size * token_stride;
+        const int n = len - t0 < block_size ? len - t0 : block_size;
+        for (int h = h0; h < h1; h++) {
+            const KV_T *k = k_cache + page + (int64_t)h * D;
+            for (int g = 0; g < G; g++) {
+                const int qh = (h - h0) * G + g;
+                for (int j = 0; j < n; j += 8)
+                    FN(score_tokens)(qs + (int64_t)qh * D, k + j * token_stride, token_stride, n - j < 8 ? n - j : 8,
+                                 D, scale, scores + (int64_t)qh * len + t0 + j);
+            }
+        }
+    }
+    /* softmax numerators in place; the 1/sum is applied once at the end */
+    float inv_sum[nq];
+    for (int qh = 0; qh < nq; qh++) {
+        float *restrict s = scores + (int64_t)qh * len;
+        float m = s[0];
+#pragma omp simd reduction(max : m)
+        for (int t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < len; t++) {
+            s[t] = exp_nonpositive(s[t] - m);
+            sum += s[t];
+        }
+        inv_sum[qh] = 1.0f / sum;
+    }
+    /* pass 2: acc_qh = sum_t p[qh, t] * v_t, page by page */
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+    for (int t0 = 0, blk = 0; t0 < len; t0 += block_size, blk++) {
+        FN(prefetch_page)(v_cache, table, blk + 1, num_blks, block_size, token_stride, h0, h1, D);
+        const int64_t page = (int64_t)table[blk] * block_size * token_stride;
+        const int n = len - t0 < block_size ? len - t0 : block_size;
+        for (int h = h0; h < h1; h++) {
+            const KV_T *v = v_cache + page + (int64_t)h * D;
+            for (int g = 0; g < G; g++) {
+                const int qh = (h - h0) * G + g;
+                FN(accumulate)(scores + (int64_t)qh * len + t0, v, n, token_stride, D, acc + (int64_t)qh * D);
+            }
+        }
+    }
+    for (int qh = 0; qh < nq; qh++)
+        for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
+}
+
+/* Returns 0, or -1 when a thread could not allocate its scratch (the caller falls back). */
+int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
+                        const KV_T *v_cache, const int32_t *block_tables, int64_t table_stride,
+                        const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq,
+                        int Hkv, int D, int block_size, float scale, int num_threads) {
+    const int G = Hq / Hkv;
+    const int64_t token_stride = (int64_t)Hkv * D;
+    /* whole sequences when there are enough of them, else one KV head per item */
+    const int heads_per_item = B >= 2 * num_threads ? Hkv : 1;
+    const int items_per_seq = Hkv / heads_per_item;
+    const int nq = heads_per_item * G;
+    int max_len = 1;
+    for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scratch = malloc(sizeof(float) * ((size_t)nq * max_len + (size_t)nq * D));
+        if (!scratch) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < (int64_t)B * items_per_seq; item++) {
+            if (!scratch) continue;
+            const int b = (int)(item / items_per_seq), h0 = (int)(item % items_per_seq) * heads_per_item;
+            const int len = seq_lens[b];
+            float *outs = out + b * out_stride + (int64_t)h0 * G * D;
+            if (len <= 0) {
+                memset(outs, 0, sizeof(float) * (size_t)nq * D);
+                continue;
+            }
+            FN(attend)(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, block_tables + b * table_stride, len,
+                   block_size, token_stride, h0, h0 + heads_per_item, G, D, scale, scratch,
+                   scratch + (size_t)nq * max_len, outs);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

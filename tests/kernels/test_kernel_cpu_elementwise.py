@@ -1,0 +1,104 @@
+"""The CPU engine's fused elementwise C kernels (kernels/cpu/elementwise.c) against their torch
+references, on fresh random inputs: residual add + RMSNorm, rotary embedding (in place, on views
+into a fused qkv row), the KV write (through a shuffled slot mapping with padding slots), SwiGLU."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from kernel_testlib import generator
+
+from kernels import (
+    rms_norm_cpu,
+    rms_norm_ref,
+    rotary_embedding_cpu_,
+    rotary_embedding_ref,
+    silu_and_mul_cpu,
+    silu_and_mul_ref,
+    store_kv_cpu,
+    store_kv_ref,
+)
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 2e-6, atol: float = 2e-6) -> None:
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300: the multi-threaded path
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm(seed, rows, with_residual):
+    gen = generator(seed)
+    x = torch.randn(rows, 576, generator=gen) * 3
+    res = torch.randn(rows, 576, generator=gen) if with_residual else None
+    w = torch.randn(576, generator=gen)
+    x0, res0 = x.clone(), None if res is None else res.clone()
+    out, new_res = rms_norm_cpu(x, w, 1e-5, res)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-5, res)
+    _close(out, ref_out)
+    _close(new_res, ref_res, rtol=0, atol=0)
+    assert torch.equal(x, x0) and (res is None or torch.equal(res, res0)), "inputs must be left untouched"
+
+
+@pytest.mark.parametrize("T", [1, 5, 130])
+def test_rotary_in_place_on_qkv_views(seed, T):
+    gen = generator(seed)
+    Hq, Hk, D = 9, 3, 64
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=gen)
+    positions = torch.randint(0, 500, (T,), generator=gen)
+    angles = torch.rand(512, D // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).contiguous()
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).contiguous()
+    expected = qkv.clone()
+
+    def views(t):
+        q, k, v = t.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        return q.view(T, Hq, D), k.view(T, Hk, D), v
+
+    eq, ek, _ = views(expected)
+    rotary_embedding_ref(positions, eq, ek, cos, sin)
+    q, k, v = views(qkv)
+    rotary_embedding_cpu_(positions, q, k, cos, sin)
+    _close(qkv, expected)
+    assert torch.equal(v, views(expected)[2]), "v must be untouched"
+
+
+def test_store_kv_through_shuffled_slots(seed):
+    gen = generator(seed)
+    T, Hkv, D, blocks, bs = 37, 3, 64, 20, 16
+    kv = torch.randn(T, 2 * Hkv * D + 5, generator=gen)  # views with a row stride != Hkv * D
+    key = kv[:, : Hkv * D].view(T, Hkv, D)
+    value = kv[:, Hkv * D : 2 * Hkv * D].view(T, Hkv, D)
+    slots = torch.randperm(blocks * bs, generator=gen)[:T]
+    slots[torch.randperm(T, generator=gen)[:4]] = -1  # padding tokens
+    caches = [torch.full((blocks, bs, Hkv, D), 7.0) for _ in range(4)]
+    store_kv_cpu(key, value, caches[0], caches[1], slots)
+    store_kv_ref(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    written = (caches[0].view(-1, Hkv, D) != 7.0).any(-1).any(-1).sum().item()
+    assert written == int((slots >= 0).sum())
+
+
+@pytest.mark.parametrize("T", [1, 16, 100])
+def test_silu_and_mul(seed, T):
+    gen = generator(seed)
+    gate_up = torch.randn(T, 2 * 1536, generator=gen) * 8  # wide range: exercises both exp branches
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    _close(silu_and_mul_cpu(gate_up), silu_and_mul_ref(gate_up), rtol=5e-6, atol=1e-6)
+
+
+def test_store_kv_into_fp16_cache(seed):
+    """Rounding to half precision is torch's (nearest even), bit for bit."""
+    gen = generator(seed)
+    T, Hkv, D, blocks, bs = 21, 3, 64, 8, 16
+    key = torch.randn(T, Hkv, D, generator=gen) * 100
+    value = torch.randn(T, Hkv, D, generator=gen) * 1e-3
+    slots = torch.randperm(blocks * bs, generator=gen)[:T]
+    caches = [torch.zeros((blocks, bs, Hkv, D), dtype=torch.float16) for _ in range(4)]
+    store_kv_cpu(key, value, caches[0], caches[1], slots)
+    store_kv_ref(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
