@@ -34,12 +34,15 @@ FROM ${PYTHON_IMAGE} AS base-cpu
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # tini runs as PID 1: it forwards SIGTERM to the worker (which then drains)
 # and reaps the compiler and tokenizer children the worker may spawn.
+# gcc: the CPU engine compiles its C kernels (kernels/csrc) on first start for
+# the node's own CPU (-march=native), into $XDG_CACHE_HOME; without a
+# compiler it runs the slower torch references.
 # Reason for DL3008: apt package versions in a Debian point release move with
 # security updates; pinning them breaks the build within weeks. The base
 # image tag is what pins the OS.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends tini \
+ && apt-get install -y --no-install-recommends tini gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
 FROM ${CUDA_IMAGE} AS base-cuda

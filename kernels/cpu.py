@@ -5,15 +5,17 @@ one call each.
 The torch reference (:func:`kernels.reference.paged_decode_attention_ref`) must gather every
 sequence's pages into a contiguous copy before one SDPA call; on a CPU that copy costs as much as
 the attention itself (decode is memory-bound, and the gather reads and writes the whole context
-once more). ``cpu/paged_decode.c`` walks the block table instead, as the Triton kernel does on the
-GPU. ``cpu/elementwise.c`` replaces the 7-15 small torch ops per norm or rotary step whose
-dispatch cost dominates at decode batch sizes. The sources are compiled on first use with the system C compiler (``-O3 -march=native -fopenmp``, about
-a second) into a per-user cache keyed by the source, the flags and this CPU's feature flags, and
-loaded with ctypes (which releases the GIL during the call).
+once more). ``csrc/paged_decode.c`` walks the block table instead, as the Triton kernel does on
+the GPU, and reads an fp16 cache as well as an fp32 one. ``csrc/elementwise.c`` replaces the 2-15
+small torch ops per norm, rotary, KV write or SwiGLU, whose dispatch cost dominates at decode
+batch sizes. The sources are compiled on first use with the system C compiler (``-O3
+-march=native -fopenmp``, about a second) into a per-user cache (``$QWORKER_KERNEL_CACHE``, else
+``$XDG_CACHE_HOME/qworker/kernels``) keyed by the sources, the flags and this CPU's feature flags,
+and loaded with ctypes (which releases the GIL during the call).
 
-Without a compiler, with ``QWORKER_CPU_KERNELS=0``, or for inputs a kernel does not cover (any
-dtype but float32, non-contiguous layouts), every function here runs its torch reference: same
-signature, same results up to float rounding.
+Without a compiler, with ``QWORKER_CPU_KERNELS=0``, or for inputs a kernel does not cover (fp32
+activations are required; non-contiguous layouts), every function here runs its torch reference:
+same signature, same results up to float rounding.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .reference import paged_decode_attention_ref, rms_norm_ref, rotary_embeddin
 
 log = logging.getLogger(__name__)
 
-_SOURCE_DIR = Path(__file__).with_name("cpu")
+_SOURCE_DIR = Path(__file__).with_name("csrc")
 _SOURCES = sorted(_SOURCE_DIR.glob("*.c"))
 _HEADERS = sorted(_SOURCE_DIR.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]

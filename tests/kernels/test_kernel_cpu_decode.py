@@ -1,4 +1,4 @@
-"""The CPU engine's C decode kernel (kernels/cpu) against the float64 oracle and the reference.
+"""The CPU engine's C decode kernel (kernels/csrc) against the float64 oracle and the reference.
 
 The kernel reads only live slots, so these batches keep their NaN-poisoned unowned slots and
 garbage table padding (the reference needs them zeroed): any read outside a sequence's pages,

@@ -1,4 +1,4 @@
-"""The CPU engine's fused elementwise C kernels (kernels/cpu/elementwise.c) against their torch
+"""The CPU engine's fused elementwise C kernels (kernels/csrc/elementwise.c) against their torch
 references, on fresh random inputs: residual add + RMSNorm, rotary embedding (in place, on views
 into a fused qkv row), the KV write (through a shuffled slot mapping with padding slots), SwiGLU."""
 
