@@ -79,20 +79,18 @@ void qw_store_kv_f32(const float *key, const float *value, int64_t key_stride, i
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU activation of a fused
  * gate/up projection [T, 2I]; out is [T, I]. silu(x) = x * sigmoid(x), with the exponential
  * always taken of a non-positive argument so that it cannot overflow. */
+static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, int I) {
+    for (int i = 0; i < I; i++) {
+        const float x = g[i];
+        const float e = exp_nonpositive(-fabsf(x)); /* e^-|x| */
+        const float r = 1.0f / (1.0f + e);          /* sigmoid(|x|) */
+        o[i] = x * (x < 0.0f ? e * r : r) * u[i];   /* sigmoid(x) = e * r for x < 0 */
+    }
+}
+
 void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= (1 << 16))
-    for (int64_t t = 0; t < T; t++) {
-        const float *restrict g = gate_up + t * 2 * I;
-        const float *restrict u = g + I;
-        float *restrict o = out + t * I;
-#pragma omp simd
-        for (int i = 0; i < I; i++) {
-            const float x = g[i];
-            const float e = exp_nonpositive(x < 0.0f ? x : -x); /* e^-|x| */
-            const float sigmoid = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
-            o[i] = x * sigmoid * u[i];
-        }
-    }
+    for (int64_t t = 0; t < T; t++) silu_mul_row(gate_up + t * 2 * I, gate_up + t * 2 * I + I, out + t * I, I);
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
