@@ -24,12 +24,13 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    def __init__(self, device: torch.device, scale: float):
+    def __init__(self, backend: str, scale: float):
+        """``backend``: "triton" (CUDA) or "cpu" (the C decode/store kernels, the torch prefill reference)."""
         self.scale = scale
-        on_gpu = device.type == "cuda"
-        self._store = kernels.store_kv if on_gpu else kernels.store_kv_cpu
-        self._decode = kernels.paged_decode_attention if on_gpu else kernels.paged_decode_attention_cpu
-        self._prefill = kernels.paged_prefill_attention if on_gpu else kernels.paged_prefill_attention_ref
+        triton = backend == "triton"
+        self._store = kernels.store_kv if triton else kernels.store_kv_cpu
+        self._decode = kernels.paged_decode_attention if triton else kernels.paged_decode_attention_cpu
+        self._prefill = kernels.paged_prefill_attention if triton else kernels.paged_prefill_attention_ref
 
     def __call__(
         self,

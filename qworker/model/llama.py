@@ -36,7 +36,13 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, max_positions: int):
+    """``kernel_backend``: "triton" (the default on CUDA) or "cpu" (the default on CPU: the C kernels
+    with torch references). Tests run the Triton backend on CPU tensors under the interpreter."""
+
+    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, max_positions: int, kernel_backend: str | None = None):
+        backend = kernel_backend or ("triton" if device.type == "cuda" else "cpu")
+        if backend not in ("triton", "cpu"):
+            raise ValueError(f"kernel_backend must be 'triton' or 'cpu', got {backend!r}")
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -56,11 +62,12 @@ class LlamaModel:
         # a tied head gets its own [in, out] copy on CPU; the embedding keeps its rows for lookups
         self.lm_head = _right_operand(lm_head, device)
         self.layers = [self._take_layer(weights, i, device) for i in range(self.num_layers)]
-        self.rope = RotaryEmbedding(config, self.head_dim, max_positions, device, dtype)
-        self.attn = PagedAttention(device, scale=self.head_dim**-0.5)
-        # fused residual-add + RMSNorm: the Triton kernel on CUDA, the C kernel on CPU
-        self.norm_fn = kernels.rms_norm if device.type == "cuda" else kernels.rms_norm_cpu
-        self.swiglu = kernels.silu_and_mul_ref if device.type == "cuda" else kernels.silu_and_mul_cpu
+        self.rope = RotaryEmbedding(config, self.head_dim, max_positions, device, dtype, backend)
+        self.attn = PagedAttention(backend, scale=self.head_dim**-0.5)
+        triton = backend == "triton"
+        # fused residual-add + RMSNorm: the Triton kernel, or the C kernel on CPU
+        self.norm_fn = kernels.rms_norm if triton else kernels.rms_norm_cpu
+        self.swiglu = kernels.silu_and_mul_ref if triton else kernels.silu_and_mul_cpu
 
     @staticmethod
     def _take_layer(w: dict[str, torch.Tensor], i: int, device: torch.device) -> LayerWeights:

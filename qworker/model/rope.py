@@ -29,7 +29,7 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
 
 
 class RotaryEmbedding:
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype):
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype, backend: str = "cpu"):
         inv_freq, scale = inverse_frequencies(config, head_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -37,8 +37,8 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
-        # in place: the C kernel on CPU, the torch reference on CUDA (no Triton rope kernel)
-        self._apply = kernels.rotary_embedding_cpu_ if device.type == "cpu" else kernels.rotary_embedding_ref
+        # in place: the C kernel on CPU, the torch reference with the Triton backend (no Triton rope kernel)
+        self._apply = kernels.rotary_embedding_cpu_ if backend == "cpu" else kernels.rotary_embedding_ref
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` in place."""

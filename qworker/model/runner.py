@@ -18,7 +18,8 @@ from qworker.model.loader import load_config, load_state_dict, resolve_device, r
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto", max_model_len: int | None = None, kv_cache_dtype: str = "auto"):
+    def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto", max_model_len: int | None = None,
+                 kv_cache_dtype: str = "auto", kernel_backend: str | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, self.device)
@@ -29,7 +30,7 @@ class ModelRunner:
         model_len = getattr(self.config, "max_position_embeddings", 4096)
         self.max_model_len = min(max_model_len or model_len, model_len)
         weights = load_state_dict(model_dir, self.device, self.dtype)
-        self.model = LlamaModel(self.config, weights, self.device, self.dtype, self.max_model_len)
+        self.model = LlamaModel(self.config, weights, self.device, self.dtype, self.max_model_len, kernel_backend)
         self.kv: KVCache | None = None
         self.block_size = 0
 
