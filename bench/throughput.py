@@ -230,9 +230,10 @@ def _plot(path: Path, r: dict, timeline) -> None:
     except ImportError:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["engine"] + list(r.get("baselines", {}))
-    rates = [r["engine"]["tokens_per_s"]] + [v["tokens_per_s"] for v in r.get("baselines", {}).values()]
-    ax1.bar(range(len(names)), rates, color=["tab:green"] + ["tab:gray"] * (len(names) - 1))
+    engines = [r["engine"]] + ([r["engine_kv_budget"]] if "engine_kv_budget" in r else [])
+    names = [f"engine {e['kv_memory_mib']} MiB" for e in engines] + list(r.get("baselines", {}))
+    rates = [e["tokens_per_s"] for e in engines] + [v["tokens_per_s"] for v in r.get("baselines", {}).values()]
+    ax1.bar(range(len(names)), rates, color=["tab:green"] * len(engines) + ["tab:gray"] * (len(names) - len(engines)))
     ax1.set_xticks(range(len(names)), [n.replace("hf_", "hf\n").replace("_", " ") for n in names], fontsize=7)
     ax1.set_ylabel("useful output tokens/s")
     ax1.set_title("mixed workload, offline")
@@ -242,7 +243,7 @@ def _plot(path: Path, r: dict, timeline) -> None:
         ax2.plot(t, [x / max(running) for x in running], label="running requests (fraction of peak)")
         ax2.set_xlabel("seconds")
         ax2.legend(fontsize=7)
-        ax2.set_title("KV usage over time")
+        ax2.set_title(f"KV usage over time ({r['engine']['kv_memory_mib']} MiB run)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

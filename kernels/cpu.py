@@ -60,56 +60,68 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_DECODE_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32]
+_STORE_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I32]
+# C function -> (argument types, return type); the *_f16 ones exist only in F16C builds
+_SIGNATURES = {
+    "qw_paged_decode_f32": (_DECODE_ARGS, ctypes.c_int),
+    "qw_paged_decode_f16": (_DECODE_ARGS, ctypes.c_int),
+    "qw_store_kv_f32": (_STORE_ARGS, None),
+    "qw_store_kv_f16": (_STORE_ARGS, None),
+    "qw_add_rms_norm_f32": ([_P, _P, _P, _P, _P, _I64, _I32, _F32, _I32], None),
+    "qw_rope_f32": ([_P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], None),
+    "qw_silu_mul_f32": ([_P, _P, _I64, _I32, _I32], None),
+}
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
-    """Build (once per source/flags/CPU) and load the kernel; None when that is not possible."""
+    """The compiled kernels with their signatures set, or None when they cannot be built."""
     if os.environ.get("QWORKER_CPU_KERNELS", "1") == "0":
         return None
+    path = _build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def _build() -> Path | None:
+    """Compile the sources once per (sources, flags, compiler, CPU) into the first writable cache
+    directory; the path of the shared library, or None (logged) when that fails."""
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), compiler.encode(), _cpu_features().encode(), platform.machine().encode()])).hexdigest()[:16]
+    parts = [*(src.read_bytes() for src in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), compiler.encode(),
+             _cpu_features().encode(), platform.machine().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"qworker-kernels-{os.getuid()}"):
         target = directory / f"qworker_cpu-{key}.so"
+        if target.exists():
+            return target
         try:
-            if not target.exists():
-                directory.mkdir(parents=True, exist_ok=True)
-                # build beside the target, then rename: concurrent processes never load a torn file
-                fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-                os.close(fd)
-                try:
-                    subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, timeout=300)
-                    os.replace(tmp, target)
-                finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-            lib = ctypes.CDLL(str(target))
-            break
-        except PermissionError:
-            continue  # read-only cache dir: try the temp dir
+            directory.mkdir(parents=True, exist_ok=True)
+            # build beside the target, then rename: concurrent processes never load a torn file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+            os.close(fd)
+        except OSError:
+            continue  # not writable: try the next directory
+        try:
+            subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, timeout=300)
+            os.replace(tmp, target)
+            return target
         except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            log.warning("CPU attention kernel unavailable (%s %s); using the torch reference", exc, detail.decode(errors="replace")[-500:])
+            detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[-500:]
+            log.warning("CPU kernels unavailable, using the torch references: %s %s", exc, detail)
             return None
-    else:
-        log.warning("CPU attention kernel unavailable (no writable cache dir); using the torch reference")
-        return None
-    i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    # the fp16-cache variants exist only where the compiler targets F16C (every x86 CPU with AVX2)
-    for suffix in ("f32", "f16"):
-        if hasattr(lib, f"qw_paged_decode_{suffix}"):
-            fn = getattr(lib, f"qw_paged_decode_{suffix}")
-            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, f32, i32]
-            fn.restype = ctypes.c_int
-        if hasattr(lib, f"qw_store_kv_{suffix}"):
-            fn = getattr(lib, f"qw_store_kv_{suffix}")
-            fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i32]
-            fn.restype = None
-    lib.qw_add_rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i32, f32, i32]
-    lib.qw_add_rms_norm_f32.restype = None
-    lib.qw_rope_f32.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]
-    lib.qw_rope_f32.restype = None
-    lib.qw_silu_mul_f32.argtypes = [ptr, ptr, i64, i32, i32]
-    lib.qw_silu_mul_f32.restype = None
-    return lib
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    log.warning("CPU kernels unavailable (no writable cache directory), using the torch references")
+    return None
 
 
 def cpu_kernels_available() -> bool:

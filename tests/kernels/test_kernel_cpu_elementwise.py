@@ -102,3 +102,24 @@ def test_store_kv_into_fp16_cache(seed):
     store_kv_cpu(key, value, caches[0], caches[1], slots)
     store_kv_ref(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_without_a_compiler_everything_falls_back(tmp_path):
+    """No compiler (CC=false, an empty cache): a warning, then the torch references, same results."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch, kernels\n"
+        "assert not kernels.cpu_kernels_available()\n"
+        "x, w = torch.randn(3, 64), torch.randn(64)\n"
+        "assert torch.equal(kernels.rms_norm_cpu(x, w, 1e-5)[0], kernels.rms_norm_ref(x, w, 1e-5)[0])\n"
+        "g = torch.randn(2, 32)\n"
+        "assert torch.equal(kernels.silu_and_mul_cpu(g), kernels.silu_and_mul_ref(g))\n"
+    )
+    env = {**os.environ, "CC": "false", "QWORKER_KERNEL_CACHE": str(tmp_path / "cache"), "TMPDIR": str(tmp_path)}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "CPU kernels unavailable" in done.stderr
