@@ -5,6 +5,7 @@ allowance for the K/V rounding, with an fp16 KV cache."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -38,8 +39,9 @@ def references(model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = make_prompts(tok, seed=random.randrange(1 << 30))
-    return prompts, [hf_greedy(model_dir, p, MAX_NEW) for p in prompts]
+    seed = int(os.environ.get("PARITY_SEED") or random.randrange(1 << 30))  # failures print it
+    prompts = make_prompts(tok, seed=seed)
+    return prompts, [hf_greedy(model_dir, p, MAX_NEW) for p in prompts], seed
 
 
 CONFIGS = {
@@ -57,14 +59,14 @@ TIE_GAPS = {"kv_float16": 0.05}
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_hf(model_dir, references, name):
-    prompts, refs = references
+    prompts, refs, seed = references
     llm = LLM(str(model_dir), **CONFIGS[name])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     if name == "prefix_cache":
         llm.generate(prompts[-2:], params)  # warm the cache so the batch below hits it
     outs = llm.generate(prompts, params)
     for i, (out, ref) in enumerate(zip(outs, refs)):
-        assert_greedy_matches(out.outputs[0].token_ids, ref, f"{name} prompt {i} (len {len(prompts[i])})", **({"tie_gap": TIE_GAPS[name]} if name in TIE_GAPS else {}))
+        assert_greedy_matches(out.outputs[0].token_ids, ref, f"{name} prompt {i} (len {len(prompts[i])}, PARITY_SEED={seed})", **({"tie_gap": TIE_GAPS[name]} if name in TIE_GAPS else {}))
     stats = llm.stats()
     if name == "prefix_cache":
         assert stats["prefix_cache_hits"] >= 64, stats
