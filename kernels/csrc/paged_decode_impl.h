@@ -56,10 +56,10 @@ static inline void FN(accumulate_fixed)(const float *restrict p, const KV_T *res
 static inline void FN(score_tokens)(const float *restrict q, const KV_T *restrict k, int64_t token_stride,
                                 int n, int D, float scale, float *restrict scores) {
     for (int t = 0; t < n; t++) {
-        const float *restrict kt = k + t * token_stride;
+        const KV_T *restrict kt = k + t * token_stride;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; d++) dot += q[d] * kt[d];
+        for (int d = 0; d < D; d++) dot += q[d] * LOAD1(kt + d);
         scores[t] = dot * scale;
     }
 }
