@@ -2,7 +2,7 @@
  * The CPU engine's per-layer elementwise work, one call each instead of the 2-15 small torch ops
  * it takes otherwise (at decode batch sizes each torch op costs ~10 us of dispatch for a few
  * microseconds of arithmetic, and a 30-layer model runs ~40 of them per layer per step).
- * fp32 only; rows are contiguous.
+ * fp32 activations, contiguous rows; the KV write also into an fp16 cache.
  */
 #include <math.h>
 #include <stdint.h>

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from qworker import LLM, SamplingParams
+from qworker.engine import EngineConfig, LLMEngine
 from tests.engine.hf_reference import assert_greedy_matches, hf_greedy
 
 MAX_NEW = 20
@@ -48,19 +49,34 @@ CONFIGS = {
     "plain": dict(enable_prefix_caching=False),
     "prefix_cache": dict(enable_prefix_caching=True),
     "chunked_prefill": dict(max_num_batched_tokens=24, enable_prefix_caching=False),
-    # 16 blocks of 16 tokens for ~7 sequences of up to ~170 tokens: preemption is certain
-    "preempt_swap": dict(kv_cache_memory=16 * 16 * 46080, swap_space=64 << 20),
-    "preempt_recompute": dict(kv_cache_memory=16 * 16 * 46080, swap_space=0),
+    "preempt_swap": dict(swap_space=64 << 20),
+    "preempt_recompute": dict(swap_space=0),
     # K/V rounded to half precision: logits move by ~1e-3, so near-ties may flip
-    "kv_float16": dict(kv_cache_dtype="float16", kv_cache_memory=16 * 16 * 23040, swap_space=64 << 20),
+    "kv_float16": dict(kv_cache_dtype="float16", swap_space=64 << 20),
 }
 TIE_GAPS = {"kv_float16": 0.05}
+TIGHT_POOL = {"preempt_swap", "preempt_recompute", "kv_float16"}
+
+
+def tight_pool(model_dir, prompts: list[list[int]], config: dict) -> dict:
+    """Engine options whose KV pool admits every prompt in the first step with one block to spare.
+    Each sequence then needs another block within its MAX_NEW (> block size) new tokens, so
+    preemption is certain, while any request alone still fits (7 prompts of >= 1 block each)."""
+    options = {**config, "max_num_batched_tokens": 4096}  # the whole batch in one step
+    probe = LLMEngine(EngineConfig(model=str(model_dir), **{**options, "kv_cache_memory": 64 << 20}))
+    for i, p in enumerate(prompts):
+        probe.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
+    probe.step()
+    blocks = probe.stats()["kv_blocks_used"]
+    assert probe.stats()["num_waiting"] == 0
+    return {**options, "kv_cache_memory": (blocks + 1) * probe.runner.block_bytes(probe.kv.block_size)}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_hf(model_dir, references, name):
     prompts, refs, seed = references
-    llm = LLM(str(model_dir), **CONFIGS[name])
+    config = tight_pool(model_dir, prompts, CONFIGS[name]) if name in TIGHT_POOL else CONFIGS[name]
+    llm = LLM(str(model_dir), **config)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     if name == "prefix_cache":
         llm.generate(prompts[-2:], params)  # warm the cache so the batch below hits it
@@ -71,7 +87,7 @@ def test_greedy_matches_hf(model_dir, references, name):
     if name == "prefix_cache":
         assert stats["prefix_cache_hits"] >= 64, stats
         assert max(o.num_cached_tokens for o in outs) >= 64
-    if name.startswith("preempt") or name == "kv_float16":
+    if name in TIGHT_POOL:
         # Which mode a preemption takes depends on the victim's phase (only decoding sequences
         # are swapped); tests/engine/test_scheduler.py forces each mode deterministically.
         assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0, stats
