@@ -26,9 +26,11 @@ def small_llama(tmp_path_factory):
     return out
 
 
-def test_triton_backend_matches_cpu_backend(small_llama, seed):
+def test_triton_backend_matches_cpu_backend(small_llama, seed, device):
+    """On a CUDA machine the Triton side runs natively on the GPU (fp32), the CPU side on the host."""
     gen = torch.Generator().manual_seed(seed)
-    runners = {b: ModelRunner(small_llama, device="cpu", dtype="float32", kernel_backend=b) for b in ("cpu", "triton")}
+    runners = {b: ModelRunner(small_llama, device=str(dev), dtype="float32", kernel_backend=b)
+               for b, dev in (("cpu", torch.device("cpu")), ("triton", device))}
     assert runners["triton"].model.attn._decode is kernels.paged_decode_attention
     assert runners["cpu"].model.attn._decode is kernels.paged_decode_attention_cpu
     for r in runners.values():
@@ -44,10 +46,10 @@ def test_triton_backend_matches_cpu_backend(small_llama, seed):
     step2 = Batch([SeqChunk(ids["a"][21:22], 21, tables["a"], True), SeqChunk(ids["b"][5:6], 5, tables["b"], True),
                    SeqChunk(ids["c"][24:40], 24, tables["c"], True)])
     for step in (step1, step2):
-        cpu, triton = (runners[b].execute(step) for b in ("cpu", "triton"))
+        cpu, triton = (runners[b].execute(step).cpu() for b in ("cpu", "triton"))
         assert cpu.shape == triton.shape == (sum(c.needs_logits for c in step.chunks), 512)
         torch.testing.assert_close(triton, cpu, rtol=1e-4, atol=1e-4)
     # the two backends wrote the same K/V to the same slots
     for (kc, vc), (kt, vt) in zip(runners["cpu"].kv.layers, runners["triton"].kv.layers):
-        torch.testing.assert_close(kt, kc, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(vt, vc, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kt.cpu(), kc, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vt.cpu(), vc, rtol=1e-5, atol=1e-5)
