@@ -61,14 +61,14 @@ def _cache_dir() -> Path:
 
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_DECODE_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32]
-_STORE_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I32]
+_DECODE_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I64]
+_STORE_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I32, _I64]
 # C function -> (argument types, return type); the *_f16 ones exist only in F16C builds
 _SIGNATURES = {
     "qw_paged_decode_f32": (_DECODE_ARGS, ctypes.c_int),
     "qw_paged_decode_f16": (_DECODE_ARGS, ctypes.c_int),
-    "qw_store_kv_f32": (_STORE_ARGS, None),
-    "qw_store_kv_f16": (_STORE_ARGS, None),
+    "qw_store_kv_f32": (_STORE_ARGS, ctypes.c_int),
+    "qw_store_kv_f16": (_STORE_ARGS, ctypes.c_int),
     "qw_add_rms_norm_f32": ([_P, _P, _P, _P, _P, _I64, _I32, _F32, _I32], None),
     "qw_rope_f32": ([_P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], None),
     "qw_silu_mul_f32": ([_P, _P, _I64, _I32, _I32], None),
@@ -165,8 +165,11 @@ def paged_decode_attention_cpu(
     rc = fn(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), result.data_ptr(), result.stride(0), B, Hq, Hkv, D, block_size, float(scale), torch.get_num_threads(),
+        k_cache.shape[0],
     )
-    if rc != 0:
+    if rc == -2:
+        raise IndexError(f"a block table entry is outside the cache's {k_cache.shape[0]} blocks")
+    if rc != 0:  # no scratch memory: the reference
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=out)
     return result
 
@@ -198,9 +201,10 @@ def rms_norm_cpu(
     untouched."""
     lib = _library()
     inputs = [x, weight] + ([residual] if residual is not None else [])
-    if lib is None or not all(_dense_fp32(t) for t in inputs) or (residual is not None and residual.shape != x.shape):
-        return rms_norm_ref(x, weight, eps, residual)
     H = x.shape[-1]
+    shapes_ok = weight.shape == (H,) and (residual is None or residual.shape == x.shape)
+    if lib is None or not shapes_ok or not all(_dense_fp32(t) for t in inputs):
+        return rms_norm_ref(x, weight, eps, residual)
     new_residual = torch.empty_like(x)
     out = torch.empty_like(x)
     lib.qw_add_rms_norm_f32(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
@@ -253,8 +257,11 @@ def store_kv_cpu(
         store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
         return
     T, Hkv, D = key.shape
-    fn(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), k_cache.data_ptr(),
-                        v_cache.data_ptr(), slot_mapping.data_ptr(), T, Hkv * D)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = fn(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), T, Hkv * D, num_slots)
+    if rc != 0:
+        raise IndexError(f"a slot is outside the cache's {num_slots} slots")
 
 
 def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:

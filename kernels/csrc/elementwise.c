@@ -63,17 +63,26 @@ void qw_rope_f32(float *q, float *k, int64_t row_stride, const int64_t *position
     }
 }
 
+/* Every slot < num_slots (negative ones are padding): checked before anything is written. */
+static int slots_in_range(const int64_t *slots, int64_t T, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return 0;
+    return 1;
+}
+
 /* Write key/value rows [T, HD] (rows key_stride / value_stride floats apart, HD = Hkv * D
  * contiguous floats each) to their slots of k_cache/v_cache [num_slots, HD]; a negative slot
- * is a padding token and is skipped. */
-void qw_store_kv_f32(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
-                     float *k_cache, float *v_cache, const int64_t *slots, int64_t T, int HD) {
+ * is a padding token and is skipped. Returns -1, writing nothing, when a slot is out of range. */
+int qw_store_kv_f32(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
+                    float *k_cache, float *v_cache, const int64_t *slots, int64_t T, int HD, int64_t num_slots) {
+    if (!slots_in_range(slots, T, num_slots)) return -1;
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
         memcpy(k_cache + slot * HD, key + t * key_stride, sizeof(float) * (size_t)HD);
         memcpy(v_cache + slot * HD, value + t * value_stride, sizeof(float) * (size_t)HD);
     }
+    return 0;
 }
 
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU activation of a fused
@@ -97,8 +106,9 @@ void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I, int num
 #include <immintrin.h>
 /* qw_store_kv_f32 for an fp16 cache: rows rounded to nearest-even half precision (as torch's
  * .to(torch.float16)); HD must be a multiple of 8. */
-void qw_store_kv_f16(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
-                     uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T, int HD) {
+int qw_store_kv_f16(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
+                    uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T, int HD, int64_t num_slots) {
+    if (!slots_in_range(slots, T, num_slots)) return -1;
     for (int64_t t = 0; t < T; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
@@ -109,5 +119,6 @@ void qw_store_kv_f16(const float *key, const float *value, int64_t key_stride, i
             _mm_storeu_si128((__m128i *)(vd + i), _mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
         }
     }
+    return 0;
 }
 #endif

@@ -148,11 +148,16 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
 }
 
-/* Returns 0, or -1 when a thread could not allocate its scratch (the caller falls back). */
+/* Returns 0; -1 when a thread could not allocate its scratch (the caller falls back); -2, before
+ * reading anything, when a live block-table entry is outside [0, num_blocks). */
 int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
                         const KV_T *v_cache, const int32_t *block_tables, int64_t table_stride,
                         const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq,
-                        int Hkv, int D, int block_size, float scale, int num_threads) {
+                        int Hkv, int D, int block_size, float scale, int num_threads,
+                        int64_t num_blocks) {
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i * block_size < seq_lens[b]; i++)
+            if (block_tables[b * table_stride + i] < 0 || block_tables[b * table_stride + i] >= num_blocks) return -2;
     const int G = Hq / Hkv;
     const int64_t token_stride = (int64_t)Hkv * D;
     /* whole sequences when there are enough of them, else one KV head per item */

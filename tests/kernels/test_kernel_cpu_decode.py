@@ -103,3 +103,15 @@ def test_fp16_cache_matches_oracle(seed, bs, hkv, g, d):
     paged_decode_attention_cpu(batch.q, k16, v16, batch.block_tables, batch.seq_lens, batch.scale, out=out)
     exact = oracle_attention(type(batch)(**{**batch.__dict__, "k_cache": k16.double(), "v_cache": v16.double()}))
     assert_close(out, exact.float(), torch.float32, f"fp16 cache lens={lens}")
+
+
+def test_out_of_range_block_ids_raise_before_reading(seed):
+    """A live block-table entry outside the cache is refused (IndexError, like the reference's
+    indexing), never read; padding entries past a sequence's pages are still ignored."""
+    gen = generator(seed)
+    batch = make_paged_batch(gen, lens=[20, 3], q_lens=[1, 1], block_size=16, num_kv_heads=2, group=2, head_dim=64,
+                             dtype=torch.float32, device="cpu")
+    bad = batch.block_tables.clone()
+    bad[0, 1] = batch.k_cache.shape[0] + 5  # the second page of the 20-token sequence
+    with pytest.raises(IndexError):
+        paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, bad, batch.seq_lens, batch.scale)

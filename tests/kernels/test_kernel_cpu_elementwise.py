@@ -123,3 +123,13 @@ def test_without_a_compiler_everything_falls_back(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "CPU kernels unavailable" in done.stderr
+
+
+def test_store_kv_refuses_out_of_range_slots(seed):
+    """An out-of-range slot raises (as the reference's index_copy_ does) and nothing is written."""
+    gen = generator(seed)
+    key, value = torch.randn(4, 2, 64, generator=gen), torch.randn(4, 2, 64, generator=gen)
+    caches = [torch.zeros(3, 16, 2, 64) for _ in range(2)]
+    with pytest.raises(IndexError):
+        store_kv_cpu(key, value, caches[0], caches[1], torch.tensor([0, 5, 48, 1]))  # 48 = 3 * 16
+    assert not caches[0].any() and not caches[1].any()
