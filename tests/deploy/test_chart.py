@@ -287,6 +287,15 @@ def test_default_is_a_cpu_pool_scaled_by_keda(rendered_cases):
     assert r.config["OTEL_SDK_DISABLED"] == "true"
 
 
+def test_threads_follow_the_cpu_limit(rendered_cases):
+    """OpenMP/torch threads come from the container's own CPU limit, not the node's core count."""
+    for name in ("default", "gpu"):
+        r, _ = rendered_cases[name]
+        env = {e["name"]: e for e in r.container["env"]}
+        ref = env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]
+        assert ref["resource"] == "limits.cpu" and ref["containerName"] == r.container["name"]
+
+
 def test_gpu_requests_the_device(rendered_cases):
     r, _ = rendered_cases["gpu"]
     assert r.container["resources"]["limits"]["nvidia.com/gpu"] == 1
