@@ -116,7 +116,15 @@ def main(argv: list[str] | None = None) -> dict:
     engine = new_engine(args.kv_memory_mib)
     tok = engine.tokenizer
     items = workloads.mixed(tok, num=args.num_requests, seed=args.seed, output_range=(min(32, args.max_output), args.max_output))
-    run_engine(engine, workloads.mixed(tok, num=4, seed=args.seed + 1, output_range=(4, 8)))  # warm-up
+
+    def measure(engine: LLMEngine, kv_mib: int) -> tuple[dict, list]:
+        """A warm-up, then the workload: the run's figures and its KV timeline."""
+        run_engine(engine, workloads.mixed(tok, num=4, seed=args.seed + 1, output_range=(4, 8)))
+        print(f"engine: {len(items)} requests, {kv_mib} MiB KV ...", flush=True)
+        run = run_engine(engine, items)
+        timeline = run.pop("timeline")
+        return {**run, "kv_memory_mib": kv_mib, **_kv_memory(run, items, engine)}, timeline
+
     result: dict = {
         "command": " ".join(sys.argv),
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {platform.processor() or platform.platform()}",
@@ -131,19 +139,11 @@ def main(argv: list[str] | None = None) -> dict:
     m = engine.runner.model
     # HF's cache holds K/V in the model's dtype, whatever the engine's KV dtype
     hf_bytes_per_token = bytes_per_block(m.num_layers, 1, m.num_kv_heads, m.head_dim, engine.runner.dtype)
-    print(f"engine: {len(items)} requests, {args.kv_memory_mib} MiB KV ...", flush=True)
-    eng = run_engine(engine, items)
-    timeline = eng.pop("timeline")
-    result["engine"] = {**eng, "kv_memory_mib": args.kv_memory_mib, **_kv_memory(eng, items, engine)}
+    eng, timeline = measure(engine, args.kv_memory_mib)
+    result["engine"] = eng
     del engine
     if args.budget_kv_mib:
-        print(f"engine: {len(items)} requests, {args.budget_kv_mib} MiB KV ...", flush=True)
-        engine = new_engine(args.budget_kv_mib)
-        run_engine(engine, workloads.mixed(tok, num=4, seed=args.seed + 1, output_range=(4, 8)))
-        budget = run_engine(engine, items)
-        budget.pop("timeline")
-        result["engine_kv_budget"] = {**budget, "kv_memory_mib": args.budget_kv_mib, **_kv_memory(budget, items, engine)}
-        del engine
+        result["engine_kv_budget"], _ = measure(new_engine(args.budget_kv_mib), args.budget_kv_mib)
 
     result["decode_vs_ceiling"] = []
     batches = [int(x) for x in args.decode_batches.split(",") if x]

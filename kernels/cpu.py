@@ -159,9 +159,11 @@ def paged_decode_attention_cpu(
     result = out if out is not None else torch.empty_like(q)
     if B == 0:
         return result
-    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
-    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
-    tables, lens = tables.contiguous() if tables.stride(1) != 1 else tables, lens.contiguous()
+    # the kernel takes the tables' row stride, so a row slice of a wider table passes uncopied
+    tables = block_tables.to(torch.int32)
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
     rc = fn(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), result.data_ptr(), result.stride(0), B, Hq, Hkv, D, block_size, float(scale), torch.get_num_threads(),

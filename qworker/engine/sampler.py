@@ -28,14 +28,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
             if banned:
                 logits[row, banned] = float("-inf")
 
-    tokens = torch.empty(len(seqs), dtype=torch.long)
     greedy = [i for i, s in enumerate(seqs) if s.request.params.greedy]
     if len(greedy) == len(seqs):  # all greedy (the common batch): no row gather
         tokens = logits.argmax(dim=-1).cpu()
-    elif greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
-    rand = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
-    if rand:
+    else:
+        tokens = torch.empty(len(seqs), dtype=torch.long)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
+        rand = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
         probs = _filtered_probs(logits[rand], [seqs[i] for i in rand])
         tokens[rand] = _draw(probs, [seqs[i].generator for i in rand], generator).cpu()
 
