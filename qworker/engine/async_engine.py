@@ -93,9 +93,12 @@ class AsyncEngine:
         self.ready = False
 
     # -- requests ----------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, *,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes. Raises ``InvalidRequestError`` at once for a
-        request that can never run, ``ValueError`` for a request id already in flight."""
+        request that can never run, ``ValueError`` for a request id already in flight.
+        ``deadline`` (``time.time()``): see ``LLMEngine.add_request``; an expired request's one
+        output has finish_reason "abort" and ``error_code`` "deadline_exceeded"."""
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already in flight")
         ids = self.engine.encode(prompt)
@@ -103,7 +106,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, out_q)
-        self._commands.put(("add", (request_id, ids, params, priority, prompt if isinstance(prompt, str) else None)))
+        self._commands.put(("add", (request_id, ids, params, priority, deadline, prompt if isinstance(prompt, str) else None)))
         self._wake.set()
         finished = False
         try:
@@ -143,9 +146,9 @@ class AsyncEngine:
                     self._abort(rid)
                 return False
             if kind == "add":
-                rid, ids, params, priority, text = arg
+                rid, ids, params, priority, deadline, text = arg
                 try:
-                    req = self.engine.add_request(rid, ids, params, priority)
+                    req = self.engine.add_request(rid, ids, params, priority, deadline)
                     req.prompt = text
                 except Exception as e:  # validated on the loop side already; report, keep serving
                     self._emit(rid, e)

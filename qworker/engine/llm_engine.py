@@ -6,6 +6,7 @@ finished -> sample -> ``_update`` (the only place that mutates request state aft
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from transformers import AutoTokenizer
 from qworker.engine.config import EngineConfig
 from qworker.engine.detokenizer import IncrementalDetokenizer
 from qworker.engine.kv_cache_manager import KVCacheManager
-from qworker.engine.outputs import ABORT, LENGTH, STOP, RequestMetrics
+from qworker.engine.outputs import ABORT, ERR_DEADLINE, LENGTH, STOP, RequestMetrics
 from qworker.engine.sampler import sample
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
 from qworker.engine.scheduler import ScheduledSeq, Scheduler
@@ -60,6 +61,7 @@ class LLMEngine:
         self.max_model_len = min(self.runner.max_model_len, num_blocks * config.block_size)
 
         self.requests: dict[str, Request] = {}
+        self._deadlines: list[tuple[float, int, Request]] = []  # min-heap of requests with a deadline
         self._arrivals = itertools.count()
         self._generator = torch.Generator(device="cpu" if self.runner.device.type == "cpu" else self.runner.device)
         self._generator.manual_seed(config.seed)
@@ -70,6 +72,7 @@ class LLMEngine:
             "steps": 0,
             "requests_finished": 0,
             "requests_aborted": 0,
+            "requests_expired": 0,
         }
 
     def _eos_ids(self) -> set[int]:
@@ -123,13 +126,18 @@ class LLMEngine:
             )
         params.validate()
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> Request:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, deadline: float | None = None) -> Request:
+        """Queues a request. ``deadline`` (``time.time()`` seconds): if it passes before the request
+        is first scheduled, the request finishes without running (finish_reason "abort",
+        ``error_code`` "deadline_exceeded"); once started, it runs to completion."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("invalid_sampling", "params must be a SamplingParams")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError("invalid_priority", "priority must be an integer")
+        if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or deadline != deadline):
+            raise InvalidRequestError("invalid_deadline", "deadline must be a number (Unix time) or None")
         ids = self.encode(prompt)
         self.check(ids, params)
         order = next(self._arrivals)
@@ -142,10 +150,13 @@ class LLMEngine:
             arrival_order=order,
             metrics=RequestMetrics(arrival_time=time.time()),
             sort_key=(priority if self.config.scheduling_policy == "priority" else 0, order),
+            deadline=deadline,
         )
         req.seqs.append(self._new_seq(req, 0))
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, order, req))
         return req
 
     def _new_seq(self, req: Request, index: int) -> Sequence:
@@ -158,16 +169,23 @@ class LLMEngine:
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens)
         return seq
 
-    def abort(self, request_id: str, error: str | None = None) -> Request | None:
+    def abort(self, request_id: str, error: str | None = None, error_code: str | None = None) -> Request | None:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._end(req, error, error_code)
+        self.counters["requests_aborted"] += 1
+        return req
+
+    def _end(self, req: Request, error: str | None, error_code: str | None) -> None:
+        """Finishes every unfinished choice of ``req`` with ABORT (the caller has taken it out of
+        ``self.requests``)."""
         req.error = error
+        req.error_code = error_code
         for seq in req.seqs:
             if not seq.finished:
                 self._finish(seq, ABORT)
-        self.counters["requests_aborted"] += 1
-        return req
+        req.metrics.finished_time = time.time()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -176,9 +194,10 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Runs one step; returns the requests whose state changed (finished ones are removed from
         ``self.requests`` and returned one last time)."""
+        expired = self._expire_deadlines() if self._deadlines else []
         sched = self.scheduler.schedule()
         if sched.empty:
-            return []
+            return expired
         now = time.time()
         # decodes first: attention runs them as one batched call
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -194,7 +213,21 @@ class LLMEngine:
         )
         logits = self.runner.execute(batch)
         self.counters["steps"] += 1
-        return self._update(order, logits)
+        return expired + self._update(order, logits)
+
+    def _expire_deadlines(self) -> list[Request]:
+        """Finishes the requests whose deadline has passed before they were ever scheduled."""
+        now = time.time()
+        expired = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, _, req = heapq.heappop(self._deadlines)
+            if req.admitted or self.requests.get(req.request_id) is not req:
+                continue  # started (it runs to completion), finished or aborted
+            del self.requests[req.request_id]
+            self._end(req, f"the deadline passed {now - req.deadline:.3f}s before the request could start", ERR_DEADLINE)
+            self.counters["requests_expired"] += 1
+            expired.append(req)
+        return expired
 
     def _chunk(self, s: ScheduledSeq) -> SeqChunk:
         seq = s.seq

@@ -59,4 +59,5 @@ def _request_output(request: Request, outs: list[CompletionOutput]) -> RequestOu
         num_cached_tokens=request.num_cached_tokens,
         metrics=request.metrics,
         error=request.error,
+        error_code=request.error_code,
     )

@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 # finish reasons
 STOP = "stop"  # EOS, a stop token id or a stop string
 LENGTH = "length"  # max_tokens or the model's context
-ABORT = "abort"  # aborted by the caller (cancel, shutdown, rebalance)
+ABORT = "abort"  # aborted by the caller (cancel, shutdown, rebalance), or failed by the engine
+
+# RequestOutput.error_code: why the engine (not the caller) ended a request with ABORT
+ERR_DEADLINE = "deadline_exceeded"  # its deadline passed before it was first scheduled
+ERR_ENGINE = "engine_error"  # a failed engine step that could not be retried for it
 
 # One generated token's logprobs: {token_id: logprob}, the sampled token always included.
 TokenLogprobs = dict[int, float]
@@ -66,3 +70,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed the request (finish_reason "abort")
+    error_code: str | None = None  # machine-readable reason next to ``error``: ERR_DEADLINE or ERR_ENGINE

@@ -201,8 +201,10 @@ class Scheduler:
                 break  # wait for running sequences to free blocks rather than thrash
             if not self.kv.allocate_slots(seq, num_new, hits):
                 break
-            if seq.request.num_cached_tokens == 0 and seq.num_output_tokens == 0:
-                seq.request.num_cached_tokens = num_hit_tokens
+            req = seq.request
+            if not req.admitted:  # later admissions (after a recompute) hit the request's own blocks
+                req.admitted = True
+                req.num_cached_tokens = num_hit_tokens
             self.kv.record_prefix_query(len(seq.token_ids), num_hit_tokens)
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING

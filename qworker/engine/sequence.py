@@ -94,8 +94,11 @@ class Request:
     sort_key: tuple = ()
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # tokens the prefix cache supplied at its first admission
+    deadline: float | None = None  # time.time() after which it must not start
+    admitted: bool = False  # scheduled at least once: usage and deadlines look at the first time only
     error: str | None = None
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:
