@@ -38,7 +38,7 @@ def run(
     bootstrap_servers: Optional[str] = typer.Option(None, help="Kafka bootstrap servers [QWORKER_BOOTSTRAP_SERVERS]"),
     model: Optional[str] = typer.Option(None, help="Model directory [QWORKER_MODEL]"),
     group_id: Optional[str] = typer.Option(None, help="Consumer group [QWORKER_GROUP_ID]"),
-    http_port: Optional[int] = typer.Option(None, help="Probe/metrics port, -1 to disable [QWORKER_HTTP_PORT]"),
+    http_port: Optional[int] = typer.Option(None, help="Probe/metrics port, 0 = any free port, -1 to disable [QWORKER_HTTP_PORT]"),
     drain_timeout_s: Optional[float] = typer.Option(None, help="SIGTERM drain budget [QWORKER_DRAIN_TIMEOUT_S]"),
     max_waiting_jobs: Optional[int] = typer.Option(None, help="Queued-job bound before pausing [QWORKER_MAX_WAITING_JOBS]"),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV cache size, e.g. 512MiB [QWORKER_KV_CACHE_MEMORY]"),
@@ -61,8 +61,14 @@ def run(
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
     from qworker.worker import serve
+    from qworker.worker.app import StartupError
 
-    raise typer.Exit(asyncio.run(serve(settings)))
+    try:
+        code = asyncio.run(serve(settings))
+    except StartupError as e:  # a misconfiguration: one line, no traceback
+        typer.echo(f"qworker: {e}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
 
 
 @app.command()

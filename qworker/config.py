@@ -64,6 +64,10 @@ class WorkerSettings(BaseModel):
     commit_interval_ms: int = 500
     stream_interval_ms: int = 50
     cancel_ttl_s: float = 600.0
+    # The largest record the worker produces (uncompressed key + value + headers). Match the
+    # broker's message.max.bytes (Kafka's default is about 1 MB): a completion over it is
+    # answered with error 'result_too_large' instead of being retried forever.
+    max_message_bytes: int = Field(1_000_000, ge=16_384)
 
     # --- engine ---
     model: str | None = None  # model directory
@@ -145,7 +149,7 @@ class WorkerSettings(BaseModel):
             "compression_type": self.compression_type,
             "linger_ms": self.linger_ms,
             "request_timeout_ms": self.request_timeout_ms,
-            "max_request_size": 8 * 2**20,
+            "max_request_size": self.max_message_bytes,
         }
 
     def consumer_options(self) -> dict[str, Any]:

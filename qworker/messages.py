@@ -13,7 +13,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -24,9 +24,42 @@ MAX_STOP = 16
 MAX_N = 16
 MAX_LOGPROBS = 20
 INT64_MAX = 2**63 - 1
+# Echoed metadata is bounded so that every answer stays serialisable (pydantic refuses to
+# serialise past 255 levels) and small next to the message size limit.
+MAX_METADATA_DEPTH = 32  # nested objects/arrays, the metadata object itself included
+MAX_METADATA_BYTES = 64 * 1024  # as compact JSON
 
 JobId = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, description="Job id: the idempotency key and the Kafka key of every message about the job.")]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+def check_metadata(value: Any) -> Any:
+    """Raises ValueError when ``value`` nests deeper than ``MAX_METADATA_DEPTH`` containers or
+    its JSON exceeds ``MAX_METADATA_BYTES``. Iterative: a hostile depth must not recurse."""
+    if value is None:
+        return value
+    stack = [(value, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (dict, list)):
+            if depth > MAX_METADATA_DEPTH:
+                raise ValueError(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels")
+            stack.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
+    size = len(_json(value))
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is {size} bytes of JSON, more than {MAX_METADATA_BYTES}")
+    return value
+
+
+def bounded_metadata(value: Any) -> dict[str, Any] | None:
+    """``value`` when it is a dict within the metadata bounds, else None (for echoing the
+    metadata of a job that failed validation)."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        return check_metadata(value)
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 class _Strict(BaseModel):
@@ -88,7 +121,16 @@ class Job(_Strict):
         allow_inf_nan=False,
         description="Unix time in seconds after which the job is not worth starting; error 'deadline_exceeded'.",
     )
-    metadata: dict[str, Any] | None = Field(None, description="Echoed back on the completion or error.")
+    metadata: dict[str, Any] | None = Field(
+        None,
+        description=f"Echoed back on the completion or error. At most {MAX_METADATA_DEPTH} levels of nested objects/arrays "
+        f"and {MAX_METADATA_BYTES} bytes as compact JSON; else error 'invalid_job'.",
+    )
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _bounded_metadata(cls, v: Any) -> Any:
+        return check_metadata(v)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> Job:
@@ -116,7 +158,11 @@ class _Out(BaseModel):
         description="Which run produced this: the worker's consumer-group generation when the run "
         "started. A rerun (after a crash or rebalance) has a higher attempt; drop events of lower ones.",
     )
-    run_id: str = Field("", description="Unique per run; a completion's run_id names the stream events that belong to it.")
+    run_id: str = Field(
+        "",
+        description="Unique per run; a completion's run_id names the stream events that belong to it (a stream "
+        "replayed after a delivery failure the broker may or may not have applied gets a fresh run_id).",
+    )
 
 
 class Delta(_Out):
@@ -183,7 +229,7 @@ class ErrorInfo(BaseModel):
 
     code: str = Field(
         description="invalid_job | invalid_prompt | invalid_sampling | prompt_too_long | deadline_exceeded | "
-        "wrong_model | engine_error (or another engine InvalidRequestError code)"
+        "wrong_model | result_too_large | internal_error | engine_error (or another engine InvalidRequestError code)"
     )
     message: str
     retryable: bool = Field(description="True when resubmitting the same job may succeed.")
@@ -204,13 +250,17 @@ class Cancel(_Strict):
     reason: str | None = Field(None, max_length=1000)
 
 
-# DLQ records keep the original key and value bytes; these headers say why and where from.
-DLQ_HEADER_ERROR = "qworker.dlq.error"  # machine code: not_json | not_object | no_id
+# DLQ records keep the original key, value and headers byte for byte (null stays null); these
+# headers, appended after the original ones, say why and where from. A header whose key is not
+# UTF-8 cannot be produced again: such records (code bad_headers) carry the original headers in
+# DLQ_HEADER_RAW_HEADERS instead (JSON list of [key, value] pairs, hex-encoded, value null when null).
+DLQ_HEADER_ERROR = "qworker.dlq.error"  # machine code: empty | not_json | not_object | no_id | bad_headers
 DLQ_HEADER_MESSAGE = "qworker.dlq.message"
 DLQ_HEADER_TOPIC = "qworker.source.topic"
 DLQ_HEADER_PARTITION = "qworker.source.partition"
 DLQ_HEADER_OFFSET = "qworker.source.offset"
 DLQ_HEADER_TIMESTAMP = "qworker.source.timestamp"
+DLQ_HEADER_RAW_HEADERS = "qworker.source.raw_headers"
 
 # One schema per message type (file name ``<name>.v<version>.json``).
 MESSAGE_TYPES: dict[str, type[BaseModel]] = {
@@ -228,7 +278,10 @@ def dumps(msg: BaseModel) -> bytes:
     Echoed ``metadata`` may hold what orjson refuses (integers beyond 64 bits, lone surrogates);
     the stdlib encoder writes those as valid JSON instead of failing the job.
     """
-    data = msg.model_dump(mode="json")
+    return _json(msg.model_dump(mode="json"))
+
+
+def _json(data: Any) -> bytes:
     try:
         return orjson.dumps(data)
     except (TypeError, orjson.JSONEncodeError):

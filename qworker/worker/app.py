@@ -25,24 +25,31 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
-
-from qworker.config import WorkerSettings
 from pydantic import BaseModel
 
-from qworker.messages import Completion, dumps
+from qworker.config import WorkerSettings
+from qworker.messages import Completion, JobError, dumps
 from qworker.worker import consumer as kc
 from qworker.worker.admission import Admission, PendingQueue
 from qworker.worker.cancellation import CancelRegistry, CancelWatcher
 from qworker.worker.decode import Invalid, Unparseable, Valid, decode
-from qworker.worker.dlq import dlq_headers
+from qworker.worker.dlq import dlq_headers, raw_headers_header, with_original
 from qworker.worker.jobs import JobRunner, JobState, cancelled_completion, error_message
 from qworker.worker.offsets import OffsetTracker
-from qworker.worker.publisher import DeliveryAborted, Publisher
+from qworker.worker.publisher import DeliveryAborted, DeliveryRefused, Publisher, record_size
 from qworker.worker.stats import WorkerStats
 from qworker.telemetry import EngineLiveness, TelemetryServer, Tracing, WorkerMetrics, configure_tracing
 from qworker.telemetry.job import JobTelemetry, Telemetry
 
 log = logging.getLogger("qworker.worker")
+
+# Room left in a record for headers (traceparent, tracestate) when checking a result's size.
+_HEADER_ROOM = 1024
+
+
+class StartupError(Exception):
+    """A misconfiguration found at start (e.g. the probe port is taken): the CLI prints the
+    one-line message and exits with status 2, no traceback."""
 
 
 class Worker:
@@ -67,6 +74,7 @@ class Worker:
         self.model_name = ""
         self.consumer: AIOKafkaConsumer | None = None
         self.producer: AIOKafkaProducer | None = None
+        self.publisher: Publisher | None = None
         self.pauser: kc.Pauser | None = None
         self.http: TelemetryServer | None = None
         self.metrics: WorkerMetrics | None = None
@@ -95,7 +103,10 @@ class Worker:
                 s.http_host,
                 s.http_port,
                 metrics=self.metrics,
-                liveness={"engine_loop": EngineLiveness(lambda: self.engine, s.liveness_timeout_s, busy=self._busy)},
+                liveness={
+                    "engine_loop": EngineLiveness(lambda: self.engine, s.liveness_timeout_s, busy=self._busy),
+                    "worker_loops": self.loops_alive,
+                },
                 readiness={
                     "model_loaded": lambda: self.engine is not None and bool(getattr(self.engine, "ready", False)),
                     "warmed_up": lambda: self.warmed_up,
@@ -103,7 +114,13 @@ class Worker:
                     "not_draining": lambda: not self.draining,
                 },
             )
-            await self.http.start()
+            try:
+                await self.http.start()
+            except OSError as e:
+                raise StartupError(
+                    f"cannot listen on {s.http_host}:{s.http_port} for probes/metrics ({e.strerror or e}); "
+                    "set QWORKER_HTTP_PORT to a free port (0 = any free port, -1 = no HTTP server)"
+                ) from e
         if self.engine is None:
             from qworker.engine import AsyncEngine
 
@@ -114,7 +131,15 @@ class Worker:
             await self.engine.start()
         if hasattr(self.engine, "stats"):
             self.metrics.attach_engine(self.engine.stats)
+        # A pod told to stop while it loads must never join the group: joining would take
+        # partitions from a healthy pod (whose runs would be abandoned and rerun) only to leave.
+        if self.draining:
+            log.info("stop requested during start: not joining the group")
+            return
         await self._warm_up()
+        if self.draining:
+            log.info("stop requested during warm-up: not joining the group")
+            return
         self.model_name = s.model_name or self.engine.model_name
         self.telemetry = Telemetry(tracing, self.metrics, group_id=s.group_id, model=self.model_name)
         self.model_names = {self.model_name, self.engine.model_name}
@@ -122,8 +147,11 @@ class Worker:
             self.model_names.add(os.path.basename(os.path.normpath(s.model)))
         self.producer = AIOKafkaProducer(**s.producer_options())
         await self.producer.start()
-        self.publisher = Publisher(self.producer, lambda: self.giving_up)
+        self.publisher = Publisher(self.producer, lambda: self.giving_up, s.max_message_bytes)
         self.runner = JobRunner(self.engine, self.publisher, s.tokens_topic, s.stream_interval_ms / 1000, self.model_name)
+        if self.draining:  # the last await before subscribing: check once more
+            log.info("stop requested during start: not joining the group")
+            return
         self.consumer = AIOKafkaConsumer(**s.consumer_options())
         self.consumer.subscribe([s.jobs_topic], listener=kc.Listener(self._on_revoked, self._on_assigned))
         await self.consumer.start()
@@ -135,8 +163,23 @@ class Worker:
             asyncio.create_task(self._admit_loop(), name="admit"),
             asyncio.create_task(self._commit_loop(), name="commit"),
         ]
+        for t in self._loops:
+            t.add_done_callback(self._loop_ended)
         self.ready = True
         log.info("worker %s up: model %s, jobs %s, group %s", s.client_id, self.model_name, s.jobs_topic, s.group_id)
+
+    def loops_alive(self) -> bool:
+        """Liveness: every background loop runs (before they start, and while stopping, there is
+        nothing to check). A loop that died leaves its partitions held and unanswered while the
+        consumer keeps heartbeating, so it must take /healthz down."""
+        if self._closed:
+            return True
+        loops_ok = all(not t.done() for t in self._loops)
+        return loops_ok and (self._cancel_watcher is None or self._cancel_watcher.alive())
+
+    def _loop_ended(self, t: asyncio.Task) -> None:
+        if not self._closed and not t.cancelled():
+            log.error("worker loop %s ended: %r; /healthz now fails", t.get_name(), t.exception())
 
     def request_stop(self) -> None:
         """Begin the drain (SIGTERM). Safe to call more than once."""
@@ -229,71 +272,137 @@ class Worker:
                 log.warning("poll failed: %r", e)
                 await asyncio.sleep(0.2)
                 continue
-            for tp, records in batches.items():
-                for rec in records:
-                    try:
-                        self._on_record(tp, rec)
-                    except Exception:  # noqa: BLE001 - one record must never kill the worker
-                        log.exception("record %s/%s@%s failed", tp.topic, tp.partition, rec.offset)
-            if batches:
-                self._wake.set()
+            except Exception as e:  # noqa: BLE001 - aiokafka could not decode a record (header key not UTF-8)
+                log.warning("poll: undecodable record (%r); dead-lettering it", e)
+                await self._skip_undecodable()
+                continue
+            await self._handle_records([(tp, rec) for tp, records in batches.items() for rec in records])
 
-    def _on_record(self, tp: TopicPartition, rec: Any) -> None:
+    async def _handle_records(self, records: list[tuple[TopicPartition, Any]]) -> None:
+        """Decode and register each record; then tokenize the new jobs off the event loop. The
+        poll loop waits for this, so one poll's work (at most ``max_waiting_jobs`` records) is
+        done before the next fetch: the loop stays responsive and memory stays bounded."""
+        fresh: list[JobState] = []
+        for tp, rec in records:
+            try:
+                st = self._on_record(tp, rec)
+            except Exception:  # noqa: BLE001 - one record must never kill the worker
+                log.exception("record %s/%s@%s failed", tp.topic, tp.partition, rec.offset)
+                continue
+            if st is not None:
+                fresh.append(st)
+        if fresh:
+            for st, err in zip(fresh, await asyncio.to_thread(lambda: [self._precheck(st) for st in fresh])):
+                self._queue(st, err)
+        if records:
+            self._wake.set()
+
+    async def _skip_undecodable(self) -> None:
+        """aiokafka raises for a whole partition when one record's header key is not UTF-8.
+        Read the raw records up to that one, handle the good ones, dead-letter the bad one and
+        seek past it; otherwise the partition would never be answered again."""
+        from qworker.worker.rawfetch import undecodable
+
+        assert self.consumer is not None
+        try:
+            found = await undecodable(self.consumer, sorted(self.consumer.assignment(), key=lambda tp: (tp.topic, tp.partition)))
+        except KafkaError as e:
+            log.warning("raw fetch failed: %r", e)
+            await asyncio.sleep(0.2)
+            return
+        if not found:
+            await asyncio.sleep(0.2)
+            return
+        for tp, recs in found.items():
+            *good, bad = recs
+            await self._handle_records([(tp, r) for r in good])
+            if tp in self.consumer.assignment() and self.tracker.add(tp, bad.offset):
+                self.stats.records += 1
+                keys = ", ".join(k.hex() for k, _ in bad.raw_headers if not _utf8(k))
+                headers = [raw_headers_header(bad.raw_headers)] + dlq_headers("bad_headers", f"header key(s) not UTF-8 (hex): {keys}", tp.topic, tp.partition, bad.offset, bad.timestamp)
+                self.stats.dlq += 1
+                tele = self._job_telemetry("", tp, bad, time.time(), headers=None)
+                self._publish_side(self.settings.dlq_topic, bad.key, bad.value, headers, [(tp, bad.offset)], tele, ("dlq", "bad_headers"))
+            self.consumer.seek(tp, bad.offset + 1)
+
+    def _on_record(self, tp: TopicPartition, rec: Any) -> JobState | None:
+        """Answer at once what can be answered without the tokenizer; returns a new job (already
+        registered in ``self.jobs``, so duplicates and cancels find it) that needs ``_precheck``."""
         if tp not in self.consumer.assignment():
-            return  # revoked while this batch was being handled
+            return None  # revoked while this batch was being handled
         if not self.tracker.add(tp, rec.offset):
             self.stats.refetched += 1
-            return
+            return None
         self.stats.records += 1
         now = time.time()
         d = decode(rec.value)
         if isinstance(d, Unparseable):
-            headers = dlq_headers(d.code, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp)
+            # the original key, value and headers byte for byte (null stays null), then ours
+            headers = with_original(rec.headers, dlq_headers(d.code, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp))
             self.stats.dlq += 1
             tele = self._job_telemetry("", tp, rec, now)
-            self._publish_side(self.settings.dlq_topic, rec.key, rec.value or b"", headers, [(tp, rec.offset)], tele, ("dlq", d.code))
-            return
+            self._publish_side(self.settings.dlq_topic, rec.key, rec.value, headers, [(tp, rec.offset)], tele, ("dlq", d.code))
+            return None
         if isinstance(d, Invalid):
             self.stats.errors += 1
             msg = error_message(d.job_id, "invalid_job", d.message, retryable=False, metadata=d.metadata, attempt=self.generation)
             tele = self._job_telemetry(d.job_id, tp, rec, now)
-            self._publish_side(self.settings.completions_topic, d.job_id, dumps(msg), None, [(tp, rec.offset)], tele, ("error", "invalid_job"))
-            return
+            self._publish_side(self.settings.completions_topic, d.job_id, self._encode(msg), None, [(tp, rec.offset)], tele, ("error", "invalid_job"))
+            return None
         assert isinstance(d, Valid)
         job = d.job
         holder = self.jobs.get(job.id)
         if holder is not None:
             holder.waiters.append((tp, rec.offset))
             self.stats.duplicates += 1
-            return
+            return None
         ts = rec.timestamp / 1000 if rec.timestamp and rec.timestamp > 0 else now
         st = JobState(job=job, tp=tp, offset=rec.offset, produced_at=min(ts, now), received_at=now)
         st.attempt = self.generation
         st.tele = self._job_telemetry(job.id, tp, rec, now)
         if job.id in self.cancels:
             self._finish_now(st, cancelled_completion(st, self.model_name))
-            return
-        err = self._precheck(st)
+            return None
+        err = self._quick_check(st)
         if err is not None:
             self._finish_now(st, err)
-            return
+            return None
         self.jobs[job.id] = st
-        self.pending.push(job.priority, st)
+        return st
+
+    def _queue(self, st: JobState, err: BaseModel | None) -> None:
+        """After tokenizing: queue the job, or answer it. It may have been abandoned (revoke)
+        or cancelled meanwhile."""
+        if self.jobs.get(st.job.id) is not st:
+            return  # abandoned while tokenizing: the partition's new owner answers it
+        if err is None and st.job.id in self.cancels:
+            err = cancelled_completion(st, self.model_name)
+        if err is not None:
+            self._forget(st)
+            self._finish_now(st, err)
+            return
+        self.pending.push(st.job.priority, st)
         st.tele.queued()
 
-    def _job_telemetry(self, job_id: str, tp: TopicPartition, rec: Any, received_at: float) -> JobTelemetry:
+    def _job_telemetry(self, job_id: str, tp: TopicPartition, rec: Any, received_at: float, headers: Any = ...) -> JobTelemetry:
         assert self.telemetry is not None
-        return self.telemetry.job(job_id, tp.topic, tp.partition, rec.offset, rec.key, rec.headers, received_at)
+        return self.telemetry.job(job_id, tp.topic, tp.partition, rec.offset, rec.key, rec.headers if headers is ... else headers, received_at)
 
-    def _precheck(self, st: JobState) -> BaseModel | None:
-        """Reject at once what can never run. Fills ``prompt_ids`` and ``params``."""
-        from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
-
+    def _quick_check(self, st: JobState) -> BaseModel | None:
         job = st.job
         if job.model is not None and job.model not in self.model_names:
             return error_message(st, "wrong_model", f"this worker serves {self.model_name!r}, not {job.model!r}", retryable=False)
         if job.deadline is not None and time.time() > job.deadline:
             return error_message(st, "deadline_exceeded", f"deadline {job.deadline} passed before the job started", retryable=False)
+        return None
+
+    def _precheck(self, st: JobState) -> BaseModel | None:
+        """Reject what can never run. Fills ``prompt_ids`` and ``params``. Runs in a worker
+        thread (tokenizing a 4 MB prompt takes seconds): it touches only ``st`` and the
+        engine's thread-safe tokenizer, checks and capacity snapshot."""
+        from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
+
+        job = st.job
         try:
             st.params = SamplingParams(**job.sampling.engine_kwargs())
             st.prompt_ids = list(self.engine.encode(job.prompt_input()))
@@ -339,10 +448,22 @@ class Worker:
             st.task = asyncio.create_task(self._run(st), name=f"job:{st.job.id}")
 
     async def _run(self, st: JobState) -> None:
+        """Invariant: the run ends with exactly one published answer (completion or error) and
+        its records marked done, or, when abandoned, with nothing published and its records
+        left uncommitted for the partition's next owner."""
+        topic = self.settings.completions_topic
         try:
-            result = await self.runner.run(st)
-            with st.tele.publish(self.settings.completions_topic) as headers:
-                await self.publisher.deliver(self.settings.completions_topic, st.job.id, dumps(result), headers or None)
+            try:
+                result: BaseModel = await self.runner.run(st)
+            except DeliveryRefused as e:  # a stream event the broker will never take
+                result = error_message(st, "result_too_large", f"a stream event was refused: {e}"[:2000], retryable=False)
+            except (asyncio.CancelledError, DeliveryAborted):
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug must still answer the job
+                log.exception("job %s: unexpected failure", st.job.id)
+                result = error_message(st, "internal_error", f"{type(e).__name__}: {e}"[:2000], retryable=False)
+            with st.tele.publish(topic) as headers:
+                result = await self._deliver_answer(topic, st.job.id, result, headers or None)
         except (asyncio.CancelledError, DeliveryAborted):
             # Abandoned (revoke, drain timeout): no completion, offsets stay uncommitted, the
             # partition's next owner reruns the job with a higher attempt.
@@ -350,14 +471,55 @@ class Worker:
             self._forget(st)
             st.tele.outcome("abandoned")
             return
-        except Exception:  # noqa: BLE001
-            log.exception("job %s: unexpected failure", st.job.id)
-            self._forget(st)
-            st.tele.outcome("error", "internal")
-            return
         self._count(result)
         self._done(st)
         st.tele.outcome(*_outcome(result), partition=st.tp.partition, offset=st.offset, output_tokens=st.generated)
+
+    def _encode(self, msg: BaseModel, headers: list | None = None) -> bytes:
+        return self._encoded(msg, headers)[1]
+
+    def _encoded(self, msg: BaseModel, headers: list | None = None) -> tuple[BaseModel, bytes]:
+        """The answer's bytes, never unsendable: a result that cannot be serialised or exceeds
+        ``max_message_bytes`` is replaced by a small error saying so (``internal_error`` /
+        ``result_too_large`` with both sizes), whose metadata is dropped if even that is too big."""
+        key = getattr(msg, "job_id", "")
+        limit = self.settings.max_message_bytes - _HEADER_ROOM
+        try:
+            data = dumps(msg)
+        except Exception as e:  # noqa: BLE001 - e.g. metadata pydantic cannot serialise
+            msg, data = self._replace(msg, "internal_error", f"could not serialise the result: {type(e).__name__}: {e}"[:2000]), b""
+        else:
+            size = record_size(key, data, headers)
+            if size <= limit:
+                return msg, data
+            msg = self._replace(msg, "result_too_large", f"the result is {size} bytes; the limit (max_message_bytes) is {self.settings.max_message_bytes}")
+        try:
+            data = dumps(msg)
+        except Exception:  # noqa: BLE001
+            data = b""
+        if not data or record_size(key, data, headers) > limit:
+            assert isinstance(msg, JobError)
+            msg = msg.model_copy(update={"metadata": None})
+            data = dumps(msg)
+        return msg, data
+
+    @staticmethod
+    def _replace(msg: BaseModel, code: str, message: str) -> JobError:
+        info = {"code": code, "message": message, "retryable": False}
+        return JobError.model_validate({"job_id": getattr(msg, "job_id", ""), "attempt": getattr(msg, "attempt", 0), "run_id": getattr(msg, "run_id", ""), "error": info, "metadata": getattr(msg, "metadata", None)})
+
+    async def _deliver_answer(self, topic: str, key: str, msg: BaseModel, headers: list | None) -> BaseModel:
+        """Deliver a final answer; returns what was published (an error may replace it)."""
+        assert self.publisher is not None
+        msg, data = self._encoded(msg, headers)
+        try:
+            await self.publisher.deliver(topic, key, data, headers)
+        except DeliveryRefused as e:  # e.g. a broker limit below ours: answer with a small error
+            small = self._replace(msg, "result_too_large", f"the broker refused the result: {e}"[:2000])
+            small = small.model_copy(update={"metadata": None})
+            await self.publisher.deliver(topic, key, dumps(small), headers)
+            return small
+        return msg
 
     def _count(self, msg: BaseModel) -> None:
         if isinstance(msg, Completion):
@@ -382,35 +544,40 @@ class Worker:
 
     def _finish_now(self, st: JobState, msg: BaseModel) -> None:
         """Publish an immediate answer (error or early cancel) for a job that never runs."""
+        msg, data = self._encoded(msg)
         self._count(msg)
-        self._publish_side(self.settings.completions_topic, st.job.id, dumps(msg), None, st.offsets(), st.tele, _outcome(msg))
+        self._publish_side(self.settings.completions_topic, st.job.id, data, None, st.offsets(), st.tele, _outcome(msg))
 
     def _publish_side(
         self,
         topic: str,
         key: bytes | str | None,
-        value: bytes,
+        value: bytes | None,
         headers: list | None,
         offsets: list[tuple[TopicPartition, int]],
         tele: JobTelemetry | None = None,
         outcome: tuple[str, str | None] | None = None,
     ) -> None:
         """Publish in the background; once acknowledged, mark ``offsets`` done and record the
-        job's ``outcome`` (outcome, error code) on ``tele``."""
-        if isinstance(key, bytes):
-            key = key.decode("utf-8", "replace")
+        job's ``outcome`` (outcome, error code) on ``tele``. ``key`` and ``value`` go out as
+        given (a DLQ copy keeps the original bytes, None included)."""
 
         async def go() -> None:
             try:
-                if tele is None:
-                    await self.publisher.deliver(topic, key or "", value, headers)
+                if tele is None or topic == self.settings.dlq_topic:
+                    # a DLQ copy keeps the original headers as they were (no traceparent swap)
+                    await self.publisher.deliver(topic, key, value, headers)
                 else:
                     with tele.publish(topic, headers) as h:
-                        await self.publisher.deliver(topic, key or "", value, h or None)
+                        await self.publisher.deliver(topic, key, value, h or None)
             except DeliveryAborted:
                 if tele is not None:
                     tele.outcome("abandoned")
                 return  # stays uncommitted
+            except DeliveryRefused as e:
+                # never deliverable (e.g. a DLQ copy over the broker's limit): retrying would pin
+                # the partition; log loudly and move on, as the record cannot be answered anyway
+                log.error("%s refused the record for %s: %r; committing past it", topic, offsets, e)
             for tp, off in offsets:
                 self.tracker.done(tp, off)
             if tele is not None and outcome is not None:
@@ -421,9 +588,11 @@ class Worker:
         t.add_done_callback(self._side.discard)
 
     # ------------------------------------------------------------------ cancellation
-    async def cancel(self, job_id: str) -> None:
-        """A cancel request: abort the job if we hold it; remember it in case it arrives later."""
-        self.cancels.add(job_id)
+    async def cancel(self, job_id: str, made_at: float | None = None) -> None:
+        """A cancel request made at Unix time ``made_at``: abort the job if we hold it;
+        remember it (for ``cancel_ttl_s`` from ``made_at``) in case the job arrives later."""
+        if not self.cancels.add(job_id, made_at):
+            return  # older than the TTL: a pod that read it in time would have forgotten it too
         st = self.jobs.get(job_id)
         if st is None:
             return
@@ -431,9 +600,13 @@ class Worker:
             if self.pending.remove(st):
                 self._forget(st)
                 self._finish_now(st, cancelled_completion(st, self.model_name))
-            return
+            return  # still tokenizing: ``_queue`` sees the cancel in the registry
         st.cancel_requested = True
-        await self.engine.abort(st.request_id)
+        # Before the run called generate() the engine does not know the id: the runner sees
+        # the flag and answers "cancelled" without starting. After it, commands reach the
+        # engine thread in order, so this abort follows the request's "add".
+        if st.in_engine and not st.gen_done:
+            await self.engine.abort(st.request_id)
 
     # ------------------------------------------------------------------ rebalance
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
@@ -475,8 +648,9 @@ class Worker:
                 assert self.telemetry is not None
                 heir.tele = self.telemetry.job(st.job.id, tp.topic, tp.partition, off, st.job.id, None, st.received_at)
                 self.jobs[st.job.id] = heir
-                self.pending.push(st.job.priority, heir)
-                heir.tele.queued()
+                # still tokenizing when abandoned: the heir tokenizes here (rare: a duplicate on
+                # another partition during a revoke)
+                self._queue(heir, self._precheck(heir) if st.params is None else None)
         for tp in lost:
             self.tracker.drop(tp)
 
@@ -548,3 +722,11 @@ async def serve(settings: WorkerSettings, engine: Any | None = None) -> int:
     await w.wait_stop_requested()
     await w.stop()
     return 0
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

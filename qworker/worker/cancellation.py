@@ -24,26 +24,42 @@ log = logging.getLogger(__name__)
 
 
 class CancelRegistry:
-    """Recently cancelled job ids, bounded in size and age."""
+    """Recently cancelled job ids, bounded in size and age.
+
+    Age counts from when the cancel was *produced* (the record's timestamp, wall-clock
+    seconds), not from when this pod read it: a pod that starts later and rereads the topic
+    must honour exactly the cancels an older pod would still honour, no older ones."""
 
     def __init__(self, ttl_s: float, max_size: int = 100_000):
         self.ttl_s, self.max_size = ttl_s, max_size
         self._ids: OrderedDict[str, float] = OrderedDict()
 
-    def add(self, job_id: str, now: float | None = None) -> None:
-        self._ids[job_id] = time.monotonic() if now is None else now
-        self._ids.move_to_end(job_id)
+    def add(self, job_id: str, at: float | None = None) -> bool:
+        """Remember a cancel made at Unix time ``at`` (default now); False if already expired."""
+        at = time.time() if at is None else at
+        if time.time() - at > self.ttl_s:
+            return False
+        if at >= self._ids.get(job_id, float("-inf")):
+            self._ids[job_id] = at
+            self._ids.move_to_end(job_id)
         while len(self._ids) > self.max_size:
             self._ids.popitem(last=False)
+        return True
 
     def __contains__(self, job_id: str) -> bool:
         t = self._ids.get(job_id)
         if t is None:
             return False
-        if time.monotonic() - t > self.ttl_s:
+        if time.time() - t > self.ttl_s:
             del self._ids[job_id]
             return False
         return True
+
+
+def record_time(rec: object) -> float:
+    """A record's timestamp in Unix seconds (now when the broker gave none)."""
+    ts = getattr(rec, "timestamp", None)
+    return ts / 1000 if isinstance(ts, int) and ts > 0 else time.time()
 
 
 def parse_cancel(key: bytes | None, value: bytes | None) -> str | None:
@@ -62,7 +78,11 @@ def parse_cancel(key: bytes | None, value: bytes | None) -> str | None:
 
 
 class CancelWatcher:
-    def __init__(self, topic: str, consumer_options: dict[str, Any], on_cancel: Callable[[str], Awaitable[None]], ttl_s: float):
+    """Reads the cancel topic and calls ``on_cancel(job_id, made_at)`` for each cancel younger
+    than the TTL. ``alive()`` is False once the reader died (it feeds /healthz): a silent
+    reader would let cancelled jobs run on unnoticed."""
+
+    def __init__(self, topic: str, consumer_options: dict[str, Any], on_cancel: Callable[[str, float], Awaitable[None]], ttl_s: float):
         opts = {k: v for k, v in consumer_options.items() if k not in ("group_id", "session_timeout_ms", "heartbeat_interval_ms", "max_poll_interval_ms", "rebalance_timeout_ms")}
         self.consumer = AIOKafkaConsumer(group_id=None, enable_auto_commit=False, **{k: v for k, v in opts.items() if k != "enable_auto_commit"})
         self.topic, self.on_cancel, self.ttl_s = topic, on_cancel, ttl_s
@@ -92,6 +112,9 @@ class CancelWatcher:
                 await self.consumer.seek_to_end(tp)
         return True
 
+    def alive(self) -> bool:
+        return self._task is None or not self._task.done()
+
     async def _run(self) -> None:
         while True:
             try:
@@ -107,15 +130,40 @@ class CancelWatcher:
                 log.warning("cancel reader: %r", e)
                 await asyncio.sleep(0.5)
                 continue
+            except Exception as e:  # noqa: BLE001 - e.g. a header key aiokafka cannot decode
+                log.warning("cancel reader: undecodable record (%r); skipping it", e)
+                await self._skip_undecodable()
+                continue
             for records in batches.values():
                 for rec in records:
-                    job_id = parse_cancel(rec.key, rec.value)
-                    if job_id:
-                        self.seen += 1
-                        try:
-                            await self.on_cancel(job_id)
-                        except Exception:  # noqa: BLE001
-                            log.exception("cancel of %s failed", job_id)
+                    await self._handle(rec)
+
+    async def _handle(self, rec: Any) -> None:
+        job_id = parse_cancel(rec.key, rec.value)
+        if job_id:
+            self.seen += 1
+            try:
+                await self.on_cancel(job_id, record_time(rec))
+            except Exception:  # noqa: BLE001
+                log.exception("cancel of %s failed", job_id)
+
+    async def _skip_undecodable(self) -> None:
+        """Handle the records up to the undecodable one (a cancel's headers do not matter) and
+        seek past it; without this the reader would stop at that record for good."""
+        from qworker.worker.rawfetch import undecodable
+
+        try:
+            found = await undecodable(self.consumer, sorted(self.consumer.assignment()))
+        except KafkaError as e:
+            log.warning("cancel reader: raw fetch failed: %r", e)
+            await asyncio.sleep(0.5)
+            return
+        if not found:
+            await asyncio.sleep(0.5)
+        for tp, recs in found.items():
+            for rec in recs:
+                await self._handle(rec)
+            self.consumer.seek(tp, recs[-1].offset + 1)
 
     async def stop(self) -> None:
         if self._task is not None:

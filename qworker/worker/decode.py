@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from qworker.messages import MAX_ID_LEN, Job, loads
+from qworker.messages import MAX_ID_LEN, Job, bounded_metadata, loads
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class Invalid:
 class Unparseable:
     """Cannot be answered (no id to key a reply by): goes to the DLQ with these reasons."""
 
-    code: str  # empty | not_json | not_object | no_id
+    code: str  # empty | not_json | not_object | no_id (bad_headers: see rawfetch)
     message: str
 
 
@@ -68,7 +68,7 @@ def decode(value: bytes | None) -> Decoded:
     try:
         return Valid(Job.model_validate(data))
     except ValidationError as e:
-        meta = data.get("metadata")
-        return Invalid(data["id"], summarize(e), meta if isinstance(meta, dict) else None)
+        # echo the metadata only when it is itself valid: it must not make the answer unsendable
+        return Invalid(data["id"], summarize(e), bounded_metadata(data.get("metadata")))
     except (ValueError, TypeError, RecursionError) as e:  # pathological input: never kill the worker
         return Invalid(data["id"], f"invalid job: {str(e)[:500]}", None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from qworker.messages import Choice, Completion, ErrorInfo, Job, JobError, Timin
 from qworker.telemetry.genai import CHAT, TEXT_COMPLETION
 from qworker.telemetry.job import NULL_JOB
 from qworker.worker.publisher import Publisher
-from qworker.worker.stream import StreamCoalescer
+from qworker.worker.stream import StreamCoalescer, StreamSender
 
 
 @dataclass(eq=False)
@@ -33,6 +34,8 @@ class JobState:
     request_id: str = ""
     task: asyncio.Task | None = None
     cancel_requested: bool = False
+    in_engine: bool = False  # generate() was called: the engine has (or is about to have) the request
+    gen_done: bool = False  # the engine stream ended: a cancel can no longer change the result
     generated: int = 0
     tele: Any = NULL_JOB  # qworker.telemetry.job.JobTelemetry: spans, metrics, outcome log line
 
@@ -56,6 +59,7 @@ class JobState:
         self.run_id = uuid.uuid4().hex[:16]
         # Unique per run: an aborted run of the same job may still be unwinding in the engine.
         self.request_id = f"{self.job.id}#{self.run_id}"
+        self.in_engine = self.gen_done = self.cancel_requested = False
 
 
 def error_message(state_or_id: JobState | str, code: str, message: str, retryable: bool, metadata: dict | None = None, attempt: int = 0, run_id: str = "") -> JobError:
@@ -91,100 +95,117 @@ class _Acc:
 
 
 class JobRunner:
-    """Runs a job on the engine. Returns the final message, or raises CancelledError when the
-    run is abandoned (revoke, drain timeout): then nothing is published and nothing committed."""
+    """Runs a job on the engine. Returns the final message, or raises CancelledError /
+    DeliveryAborted when the run is abandoned (revoke, drain timeout): then nothing is published
+    and nothing committed. Engine failures become error messages; publishing problems are
+    never mistaken for engine failures (a stalled broker only delays a healthy job)."""
 
     def __init__(self, engine: Any, publisher: Publisher, tokens_topic: str, stream_interval_s: float, model_name: str):
         self.engine, self.publisher = engine, publisher
         self.tokens_topic, self.interval_s, self.model_name = tokens_topic, stream_interval_s, model_name
+        try:
+            self._deadline_kw = "deadline" in inspect.signature(engine.generate).parameters
+        except (TypeError, ValueError):
+            self._deadline_kw = False
+
+    async def _tick(self, stream: StreamSender) -> None:
+        # flushes the tail of a burst when no further token arrives for a while
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if stream.coalescer.due():
+                await stream.flush()
 
     async def run(self, state: JobState) -> Completion | JobError:
         job = state.job
+        tele = state.tele
+        if state.cancel_requested:  # cancelled after admission, before the engine heard of it
+            return cancelled_completion(state, self.model_name)
         accs = {i: _Acc() for i in range(job.sampling.n)}
         want_logprobs = job.sampling.logprobs is not None
-        coalescer = StreamCoalescer(job.id, state.attempt, state.run_id, self.interval_s) if job.stream else None
-        sent: list[tuple[bytes, asyncio.Future]] = []
-        lock = asyncio.Lock()
-
-        async def flush() -> None:
-            async with lock:  # one flush at a time keeps events in seq order on the wire
-                if coalescer is None:
-                    return
-                for ev in coalescer.take():
-                    data = dumps(ev)
-                    sent.append((data, await self.publisher.send(self.tokens_topic, job.id, data, stream_headers)))
-
-        async def ticker() -> None:
-            # flushes the tail of a burst when no further token arrives for a while
-            while True:
-                await asyncio.sleep(self.interval_s)
-                if coalescer is not None and coalescer.due():
-                    await flush()
-
-        tick = asyncio.create_task(ticker()) if coalescer is not None else None
+        stream = None
+        if job.stream:
+            # one traceparent for every delta event of the run
+            stream = StreamSender(self.publisher, self.tokens_topic, StreamCoalescer(job.id, state.attempt, state.run_id, self.interval_s), tele.stream_headers() or None)
+        tick = asyncio.create_task(self._tick(stream)) if stream is not None else None
         last = None
         cached = 0
-        tele = state.tele
         tele.generating(CHAT if job.messages is not None else TEXT_COMPLETION, job.sampling, stream=job.stream)
-        stream_headers = tele.stream_headers() or None  # one traceparent for every delta event of the run
+        kw = {"deadline": job.deadline} if self._deadline_kw and job.deadline is not None else {}
+        gen = self.engine.generate(state.request_id, state.prompt_ids, state.params, priority=job.priority, **kw)
+        state.in_engine = True  # from here a cancel must reach the engine (commands stay ordered)
+        aborted = False
         try:
-            try:
-                async for out in self.engine.generate(state.request_id, state.prompt_ids, state.params, priority=job.priority):
-                    tele.on_output(out)
-                    last = out
-                    cached = max(cached, out.num_cached_tokens or 0)
-                    for c in out.outputs:
-                        acc = accs.setdefault(c.index, _Acc())
-                        acc.text.append(c.text)
-                        acc.token_ids.extend(c.token_ids)
-                        state.generated += len(c.token_ids)
-                        if c.finish_reason is not None:
-                            acc.finish_reason = c.finish_reason
-                        if want_logprobs and c.logprobs:
-                            acc.logprobs = (acc.logprobs or []) + [{str(k): float(v) for k, v in lp.items()} for lp in c.logprobs]
-                        if coalescer is not None:
-                            coalescer.add(c.index, c.text, list(c.token_ids))
-                    if coalescer is not None and coalescer.due():
-                        await flush()
-                    if out.finished:
-                        break
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a failed request must get an error, not silence
-                tele.failed(e)
-                code = getattr(e, "code", None)
-                if code:  # InvalidRequestError raised lazily by the engine
-                    return error_message(state, code, str(e), retryable=False)
-                return error_message(state, "engine_error", f"{type(e).__name__}: {e}", retryable=True)
+            while True:
+                try:
+                    out = await anext(gen)
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a failed request must get an error, not silence
+                    tele.failed(e)
+                    code = getattr(e, "code", None)
+                    if code:  # InvalidRequestError raised lazily by the engine
+                        return error_message(state, code, str(e), retryable=False)
+                    return error_message(state, "engine_error", f"{type(e).__name__}: {e}", retryable=True)
+                tele.on_output(out)
+                last = out
+                cached = max(cached, out.num_cached_tokens or 0)
+                for c in out.outputs:
+                    acc = accs.setdefault(c.index, _Acc())
+                    acc.text.append(c.text)
+                    acc.token_ids.extend(c.token_ids)
+                    state.generated += len(c.token_ids)
+                    if c.finish_reason is not None:
+                        acc.finish_reason = c.finish_reason
+                    if want_logprobs and c.logprobs:
+                        acc.logprobs = (acc.logprobs or []) + [{str(k): float(v) for k, v in lp.items()} for lp in c.logprobs]
+                    if stream is not None:
+                        stream.coalescer.add(c.index, c.text, list(c.token_ids))
+                if out.finished:
+                    break
+                if state.cancel_requested and not aborted:
+                    # a cancel that raced the engine learning of the request: abort again (idempotent)
+                    aborted = True
+                    await self.engine.abort(state.request_id)
+                if stream is not None and stream.coalescer.due():
+                    await stream.flush()
         finally:
+            state.gen_done = True
+            await gen.aclose()  # aborts the request when it did not finish
             if tick is not None:
                 tick.cancel()
+                (res,) = await asyncio.gather(tick, return_exceptions=True)
+                if isinstance(res, Exception):
+                    raise res  # a publishing failure in the ticker (stopping, refused)
+        reasons = {a.finish_reason for a in accs.values()}
+        # Cancelled only when the abort actually cut a choice short: a cancel that arrives after
+        # the last token leaves a complete result, which stands (status and reasons agree).
+        cancelled = state.cancel_requested and bool(reasons & {None, "abort"})
         tele.generated(
             last,
             finish_reasons=[a.finish_reason or "abort" for _, a in sorted(accs.items())],
             input_tokens=state.prompt_len,
             output_tokens=sum(len(a.token_ids) for a in accs.values()),
             cached_tokens=cached,
-            aborted="cancelled" if state.cancel_requested else None,
+            aborted="cancelled" if cancelled else None,
         )
-        await flush()
-        # The stream must be complete before the completion is acknowledged and the offset moves.
-        await self.publisher.settle(self.tokens_topic, job.id, sent)
-
-        reasons = {a.finish_reason for a in accs.values()}
-        if state.cancel_requested:
-            status = "cancelled"
-        elif "abort" in reasons or None in reasons:
+        if stream is not None:
+            # The stream must be complete before the completion is acknowledged and the offset moves.
+            await stream.settle()
+            state.run_id = stream.run_id  # a replayed stream has a fresh run id
+        if not cancelled and reasons & {None, "abort"}:
+            code = getattr(last, "error_code", None) if last is not None else None
             err = getattr(last, "error", None) if last is not None else None
+            if code == "deadline_exceeded":
+                return error_message(state, "deadline_exceeded", err or f"deadline {job.deadline} passed before the engine started the job", retryable=False)
             return error_message(state, "engine_error", err or "the engine aborted the request", retryable=True)
-        else:
-            status = "ok"
         choices = [
             Choice(
                 index=i,
                 text="".join(a.text),
                 token_ids=a.token_ids,
-                finish_reason="cancelled" if status == "cancelled" and a.finish_reason in (None, "abort") else a.finish_reason,  # type: ignore[arg-type]
+                finish_reason="cancelled" if cancelled and a.finish_reason in (None, "abort") else a.finish_reason,  # type: ignore[arg-type]
                 logprobs=a.logprobs,
             )
             for i, a in sorted(accs.items())
@@ -193,7 +214,7 @@ class JobRunner:
             job_id=job.id,
             attempt=state.attempt,
             run_id=state.run_id,
-            status=status,
+            status="cancelled" if cancelled else "ok",
             model=self.model_name,
             choices=choices,
             usage=Usage(prompt_tokens=state.prompt_len, completion_tokens=sum(len(c.token_ids) for c in choices), cached_tokens=cached),

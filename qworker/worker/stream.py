@@ -1,11 +1,18 @@
-"""Coalesce a job's token deltas into stream events (one per choice per flush interval)."""
+"""Coalesce a job's token deltas into stream events and publish them without gaps or repeats."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
-from qworker.messages import Delta
+from aiokafka.errors import KafkaError
+
+from qworker.messages import Delta, dumps
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -17,15 +24,17 @@ class _Buf:
 class StreamCoalescer:
     """Buffers deltas per choice; ``take`` turns them into ``Delta`` events with consecutive ``seq``.
 
-    ``seq`` counts events of one run from 0 with no gaps, so a reader can tell a missing event
-    from a late one. The first tokens go out at once (time to first token matters); later ones
-    wait until ``interval_s`` has passed since the previous flush.
+    ``seq`` counts events of one ``run_id`` from 0 with no gaps, so a reader can tell a missing
+    event from a late one. The first tokens go out at once (time to first token matters); later
+    ones wait until ``interval_s`` has passed since the previous flush. Everything taken is
+    remembered per choice, so ``restart`` can replay the stream under a fresh ``run_id``.
     """
 
     def __init__(self, job_id: str, attempt: int, run_id: str, interval_s: float):
         self.job_id, self.attempt, self.run_id, self.interval_s = job_id, attempt, run_id, interval_s
         self.seq = 0
         self._bufs: dict[int, _Buf] = {}
+        self._taken: dict[int, _Buf] = {}
         self._last_flush = float("-inf")
 
     def add(self, index: int, text: str, token_ids: list[int]) -> None:
@@ -39,15 +48,76 @@ class StreamCoalescer:
         now = time.monotonic() if now is None else now
         return bool(self._bufs) and now - self._last_flush >= self.interval_s
 
+    def _event(self, index: int, b: _Buf) -> Delta:
+        ev = Delta(job_id=self.job_id, attempt=self.attempt, run_id=self.run_id, index=index, seq=self.seq, text="".join(b.text), token_ids=list(b.token_ids))
+        self.seq += 1
+        return ev
+
     def take(self, now: float | None = None) -> list[Delta]:
         """All buffered deltas as events (empty when nothing is buffered)."""
         events = []
         for index in sorted(self._bufs):
             b = self._bufs[index]
-            events.append(
-                Delta(job_id=self.job_id, attempt=self.attempt, run_id=self.run_id, index=index, seq=self.seq, text="".join(b.text), token_ids=b.token_ids)
-            )
-            self.seq += 1
+            events.append(self._event(index, b))
+            t = self._taken.setdefault(index, _Buf())
+            t.text.extend(b.text)
+            t.token_ids.extend(b.token_ids)
         self._bufs.clear()
         self._last_flush = time.monotonic() if now is None else now
         return events
+
+    def restart(self, run_id: str) -> list[Delta]:
+        """Start the stream again as ``run_id``: one event per choice carrying everything taken
+        so far (seq from 0); later ``take`` calls continue that numbering."""
+        self.run_id, self.seq = run_id, 0
+        return [self._event(index, b) for index, b in sorted(self._taken.items())]
+
+
+class StreamSender:
+    """Publishes one run's delta events in ``seq`` order.
+
+    Invariant: for the ``run_id`` a completion names, each ``seq`` from 0 up is on the topic
+    exactly once, with nothing missing. A send that could not even be enqueued is retried (it
+    never reached the broker). A send whose acknowledgement failed is ambiguous: the broker may
+    have written it anyway (a stalled broker times out, then appends the request it had read),
+    so resending it could repeat a ``seq``. ``settle`` therefore replays the whole stream under a
+    fresh ``run_id`` instead; events of the abandoned id are stale, like those of an aborted run.
+    """
+
+    def __init__(self, publisher, topic: str, coalescer: StreamCoalescer, headers: list | None):
+        self.publisher, self.topic, self.coalescer, self.headers = publisher, topic, coalescer, headers
+        self._sent: list[asyncio.Future] = []
+        self._lock = asyncio.Lock()
+        self.restarts = 0
+
+    @property
+    def run_id(self) -> str:
+        return self.coalescer.run_id
+
+    async def _send_all(self, events: list[Delta]) -> None:
+        for ev in events:
+            self._sent.append(await self.publisher.send(self.topic, ev.job_id, dumps(ev), self.headers))
+
+    async def flush(self) -> None:
+        async with self._lock:  # one flush at a time keeps events in seq order on the wire
+            await self._send_all(self.coalescer.take())
+
+    async def settle(self) -> None:
+        """Flush the rest and wait until every event of the current ``run_id`` is acknowledged."""
+        await self.flush()
+        while True:
+            async with self._lock:
+                sent, self._sent = self._sent, []
+                failed = None
+                for fut in sent:
+                    try:
+                        await fut
+                    except KafkaError as e:
+                        failed = e
+                if failed is None:
+                    return
+                self.restarts += 1
+                new_id = uuid.uuid4().hex[:16]
+                log.warning("stream %s/%s: delivery failed (%r); replaying it as run %s", self.coalescer.job_id, self.run_id, failed, new_id)
+                await self.publisher.wait_retry(self.topic, failed, 0.2)  # raises when stopping
+                await self._send_all(self.coalescer.restart(new_id))
