@@ -21,7 +21,9 @@ install: $(STAMP)
 $(MODEL_DIR)/config.json: | $(STAMP)
 	$(PY) -m qworker.model.fetch $(MODEL_DIR)
 
+# the conversion checks the weights' sha256; --verify checks a folder made earlier as well
 model: $(MODEL_DIR)/config.json
+	$(PY) -m qworker.model.fetch --verify $(MODEL_DIR)
 
 test: install model
 	QWORKER_TEST_MODEL=$(MODEL_DIR) $(PY) -m pytest -q -p no:cacheprovider
