@@ -4,11 +4,10 @@ Weights are plain tensors; q/k/v and gate/up projections are fused into one matm
 on every device a few large matmuls beat many small ones. Only the rows that need logits go
 through the final norm and the LM head.
 
-Every projection is stored as the right operand of ``x @ w`` (``[in, out]``). On CPU that layout is
-materialised: for the 8-64-row inputs of decode steps the CPU sgemm is 2-4x faster with a
-row-major ``[in, out]`` operand than with the transposed ``[out, in]`` view ``F.linear`` passes
-(this model, 2-core AVX-512 VM: 106 ms vs 30 ms for one batch-16 pass over the 30 layers; the
-same at 96+ rows). On CUDA it stays a transposed view, which cuBLAS takes as is.
+Every projection is a :class:`~qworker.model.linear.Linear`: on CUDA ``x @ w`` with ``w`` the
+checkpoint's weight as a free transposed view (cuBLAS takes it as is); on CPU oneDNN with the
+weight packed once at load, or ``x @ w`` with a row-major ``[in, out]`` copy where oneDNN is
+unavailable or slower (chosen at start-up, see :mod:`qworker.model.linear`).
 """
 
 from __future__ import annotations
@@ -21,18 +20,18 @@ from transformers import PretrainedConfig
 
 import kernels
 from qworker.model.attention import AttentionMetadata, PagedAttention
+from qworker.model.linear import Linear, cpu_linear_backend
 from qworker.model.rope import RotaryEmbedding
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear  # q, k, v fused (with their biases, Qwen2)
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear  # gate and up fused
+    down: Linear
 
 
 class LlamaModel:
@@ -59,9 +58,26 @@ class LlamaModel:
         self.norm = weights.pop("model.norm.weight")
         lm_head = weights.pop("lm_head.weight", None)
         lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
-        # a tied head gets its own [in, out] copy on CPU; the embedding keeps its rows for lookups
-        self.lm_head = _right_operand(lm_head, device)
-        self.layers = [self._take_layer(weights, i, device) for i in range(self.num_layers)]
+        raw = [self._take_layer(weights, i) for i in range(self.num_layers)]
+        if device.type == "cuda":
+            self.linear_backend = "transposed"
+        else:
+            # a few layers' projections are enough for the start-up timing (and more than the cache)
+            sample = [w for layer in raw[:2] for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+            self.linear_backend = cpu_linear_backend(dtype, sample)
+        # a tied head gets its own copy in the GEMM layout; the embedding keeps its rows for lookups
+        self.lm_head = Linear(lm_head, None, self.linear_backend)
+        self.layers = []
+        for layer in raw:
+            self.layers.append(LayerWeights(
+                input_norm=layer["input_norm"],
+                qkv=Linear(layer["qkv"], layer["qkv_bias"], self.linear_backend),
+                o=Linear(layer["o"], None, self.linear_backend),
+                post_norm=layer["post_norm"],
+                gate_up=Linear(layer["gate_up"], None, self.linear_backend),
+                down=Linear(layer["down"], None, self.linear_backend),
+            ))
+            layer.clear()  # the [out, in] originals go as each layer is converted
         self.rope = RotaryEmbedding(config, self.head_dim, max_positions, device, dtype, backend)
         self.attn = PagedAttention(backend, scale=self.head_dim**-0.5)
         triton = backend == "triton"
@@ -70,19 +86,20 @@ class LlamaModel:
         self.swiglu = kernels.silu_and_mul_ref if triton else kernels.silu_and_mul_cpu
 
     @staticmethod
-    def _take_layer(w: dict[str, torch.Tensor], i: int, device: torch.device) -> LayerWeights:
+    def _take_layer(w: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor | None]:
+        """Layer ``i``'s tensors, projections fused and still ``[out, in]``."""
         p = f"model.layers.{i}."
         q, k, v = (w.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
         biases = [w.pop(f"{p}self_attn.{n}_proj.bias", None) for n in "qkv"]
-        return LayerWeights(
-            input_norm=w.pop(f"{p}input_layernorm.weight"),
-            qkv=_right_operand(torch.cat([q, k, v]), device),
-            qkv_bias=torch.cat(biases) if biases[0] is not None else None,
-            o=_right_operand(w.pop(f"{p}self_attn.o_proj.weight"), device),
-            post_norm=w.pop(f"{p}post_attention_layernorm.weight"),
-            gate_up=_right_operand(torch.cat([w.pop(f"{p}mlp.gate_proj.weight"), w.pop(f"{p}mlp.up_proj.weight")]), device),
-            down=_right_operand(w.pop(f"{p}mlp.down_proj.weight"), device),
-        )
+        return {
+            "input_norm": w.pop(f"{p}input_layernorm.weight"),
+            "qkv": torch.cat([q, k, v]),
+            "qkv_bias": torch.cat(biases) if biases[0] is not None else None,
+            "o": w.pop(f"{p}self_attn.o_proj.weight"),
+            "post_norm": w.pop(f"{p}post_attention_layernorm.weight"),
+            "gate_up": torch.cat([w.pop(f"{p}mlp.gate_proj.weight"), w.pop(f"{p}mlp.up_proj.weight")]),
+            "down": w.pop(f"{p}mlp.down_proj.weight"),
+        }
 
     @torch.inference_mode()
     def forward(
@@ -99,23 +116,16 @@ class LlamaModel:
         residual = None  # the running sum of the residual stream; h is the latest branch output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = norm(h, layer.input_norm, self.eps, residual)
-            qkv = x @ layer.qkv
-            if layer.qkv_bias is not None:
-                qkv += layer.qkv_bias
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.reshape(T, self.num_kv_heads, self.head_dim)
             self.rope(positions, q, k)  # in place, in the qkv buffer
             attn = self.attn(q, k, v, k_cache, v_cache, meta)
-            h = attn.reshape(T, self.q_size) @ layer.o
+            h = layer.o(attn.reshape(T, self.q_size))
             x, residual = norm(h, layer.post_norm, self.eps, residual)
-            h = self.swiglu(x @ layer.gate_up) @ layer.down
+            h = layer.down(self.swiglu(layer.gate_up(x)))
         x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
-        return (x @ self.lm_head).float()
+        return self.lm_head(x).float()
 
-
-def _right_operand(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``weight`` ([out, in], as checkpoints store it) as the ``[in, out]`` operand of ``x @ w``:
-    contiguous on CPU (see the module docstring), a free transposed view on CUDA."""
-    return weight.t() if device.type == "cuda" else weight.t().contiguous()

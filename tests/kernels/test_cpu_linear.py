@@ -1,0 +1,73 @@
+"""The model's CPU GEMM paths (qworker.model.linear): oneDNN with the weight packed once and
+``x @ w`` give F.linear's result for every row count, with and without bias; the start-up choice
+honours QWORKER_CPU_LINEAR and falls back where oneDNN is missing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qworker.model import linear
+from qworker.model.linear import Linear
+
+HAS_ONEDNN = linear.onednn_supported(torch.float32)[0]
+
+
+@pytest.mark.parametrize("backend", ["matmul", "transposed", pytest.param("onednn", marks=pytest.mark.skipif(not HAS_ONEDNN, reason="no oneDNN"))])
+@pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(seed, backend, rows, bias):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    x = torch.randn(rows, 40, generator=gen)
+    lin = Linear(w, b, backend)
+    with torch.inference_mode():
+        y = lin(x)
+    assert y.shape == (rows, 96) and y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.dense_out_in(), w, rtol=0, atol=0)
+    assert (lin.in_features, lin.out_features) == (40, 96)
+
+
+def test_forced_backend(monkeypatch):
+    sample = [torch.randn(32, 16)]
+    monkeypatch.setenv("QWORKER_CPU_LINEAR", "matmul")
+    assert linear.cpu_linear_backend(torch.float32, sample) == "matmul"
+    monkeypatch.setenv("QWORKER_CPU_LINEAR", "bogus")
+    with pytest.raises(ValueError, match="QWORKER_CPU_LINEAR"):
+        linear.cpu_linear_backend(torch.float32, sample)
+    monkeypatch.setenv("QWORKER_CPU_LINEAR", "onednn")
+    if HAS_ONEDNN:
+        assert linear.cpu_linear_backend(torch.float32, sample) == "onednn"
+    # float16 is not a oneDNN linear dtype here: forcing it is an error, auto falls back
+    with pytest.raises(RuntimeError, match="oneDNN linear is unavailable"):
+        linear.cpu_linear_backend(torch.float16, sample)
+    monkeypatch.setenv("QWORKER_CPU_LINEAR", "auto")
+    assert linear.cpu_linear_backend(torch.float16, sample) == "matmul"
+
+
+def test_auto_choice_is_measured_once(monkeypatch):
+    if not HAS_ONEDNN:
+        pytest.skip("no oneDNN")
+    monkeypatch.delenv("QWORKER_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(linear, "_choices", {})
+    calls = []
+
+    def fake(dtype, sample, **kw):
+        calls.append(dtype)
+        return {"onednn": 3.0, "matmul": 1.0}  # oneDNN clearly slower: the fallback wins
+
+    monkeypatch.setattr(linear, "measure_backends", fake)
+    sample = [torch.randn(32, 16)]
+    assert linear.cpu_linear_backend(torch.float32, sample) == "matmul"
+    assert linear.cpu_linear_backend(torch.float32, sample) == "matmul"
+    assert calls == [torch.float32]
+
+
+def test_measure_backends_times_both():
+    if not HAS_ONEDNN:
+        pytest.skip("no oneDNN")
+    t = linear.measure_backends(torch.float32, [torch.randn(64, 32), torch.randn(32, 64)], rows=(4,), rounds=1)
+    assert set(t) == {"onednn", "matmul"} and all(v > 0 for v in t.values())
