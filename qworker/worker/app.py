@@ -631,11 +631,15 @@ class Worker:
 
     def _abandon(self, lost: set[TopicPartition]) -> None:
         """Abort the lost partitions' unfinished jobs without committing them: the new owner
-        reruns them. A run whose waiters sit on partitions we keep is requeued for them."""
+        reruns them. A queued job whose waiters sit on partitions we keep is requeued for them.
+        A *running* job with such waiters keeps running and answers them: aborting it could
+        race its delivery (the completion already acknowledged) and run it a second time here."""
         for st in list(self.jobs.values()):
             st.waiters = [w for w in st.waiters if w[0] not in lost]
             if st.tp not in lost:
                 continue
+            if st.admitted and st.waiters:
+                continue  # its record on the lost partition is the new owner's; done() ignores it
             if st.admitted:
                 st.task.cancel()  # its run records the outcome
             else:

@@ -36,7 +36,9 @@ async def create_topics(s: WorkerSettings, partitions: int = 8, replication: int
 
 
 async def producer_for(s: WorkerSettings) -> AIOKafkaProducer:
-    p = AIOKafkaProducer(**{**s.producer_options(), "linger_ms": 2})
+    # jobs may be larger than results (a prompt may reach 4 M characters): the broker's and the
+    # jobs topic's limits decide, not the worker's max_message_bytes
+    p = AIOKafkaProducer(**{**s.producer_options(), "linger_ms": 2, "max_request_size": 8 * 2**20})
     await p.start()
     return p
 

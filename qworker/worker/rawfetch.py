@@ -93,14 +93,14 @@ def parse(tp: TopicPartition, data: bytes) -> list[RawRecord]:
     return out
 
 
-async def fetch_raw(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = 8 * 2**20) -> list[RawRecord]:
+async def fetch_raw(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = 8 * 2**20, max_wait_ms: int = 100) -> list[RawRecord]:
     """The records of ``tp`` from ``offset`` on, as far as one fetch of ``max_bytes`` reaches.
     Uses the consumer's client (a private attribute: aiokafka offers no raw fetch)."""
     client = consumer._client  # noqa: SLF001
     node = client.cluster.leader_for_partition(tp)
     if node is None or node < 0:
         return []
-    req = FetchRequest(0, 1, max_bytes, 0, [(tp.topic, [(tp.partition, offset, max_bytes)])])
+    req = FetchRequest(max_wait_ms, 1, max_bytes, 0, [(tp.topic, [(tp.partition, offset, max_bytes)])])
     resp = await client.send(node, req)
     out: list[RawRecord] = []
     for _topic, parts in resp.topics:

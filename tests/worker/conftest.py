@@ -147,22 +147,20 @@ async def committed(s: WorkerSettings, partitions: int = 4) -> dict[int, int | N
 
 async def partition_ends(s: WorkerSettings, partitions: int = 4) -> dict[int, int]:
     """One past the last record of each jobs partition, by reading them (Tansu's ListOffsets
-    under-reports after batched produce)."""
+    under-reports after batched produce). Raw fetches: a record aiokafka cannot decode (a
+    header key that is not UTF-8) must not stop the count."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from qworker.worker.rawfetch import fetch_raw
 
     c = AIOKafkaConsumer(bootstrap_servers=s.bootstrap_servers, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=20)
     await c.start()
     try:
-        tps = [TopicPartition(s.jobs_topic, p) for p in range(partitions)]
-        c.assign(tps)
-        await c.seek_to_beginning(*tps)
+        await c.topics()
         ends = {p: 0 for p in range(partitions)}
-        idle = time.monotonic()
-        while time.monotonic() - idle < 0.5:
-            for tp, recs in (await c.getmany(timeout_ms=100)).items():
-                if recs:
-                    ends[tp.partition] = recs[-1].offset + 1
-                    idle = time.monotonic()
+        for p in range(partitions):
+            while recs := await fetch_raw(c, TopicPartition(s.jobs_topic, p), ends[p], max_wait_ms=20):
+                ends[p] = recs[-1].offset + 1
         return ends
     finally:
         await c.stop()
