@@ -174,9 +174,11 @@ async def test_deep_metadata_and_failed_result_get_errors(topics, results: Resul
     try:
         await submit(topics, [{"id": "deep", "prompt": "x", "metadata": nested(300)}, {"id": "deep40", "prompt": "x", "metadata": nested(40)}])
         await submit(topics, [job("ok32", max_tokens=2, metadata=nested(32)), job("boom", max_tokens=2)])
-        await results.wait(lambda: len(results.completions) == 4, 30)
+        # the engine's vocabulary check (not the schema) rejects this one
+        await submit(topics, [{"id": "vocab", "prompt": "x", "sampling": {"stop_token_ids": [49152]}}])
+        await results.wait(lambda: len(results.completions) == 5, 30)
         code = {k: (v[0]["error"]["code"] if v[0]["type"] == "error" else v[0]["status"]) for k, v in results.completions.items()}
-        assert code == {"deep": "invalid_job", "deep40": "invalid_job", "ok32": "ok", "boom": "internal_error"}
+        assert code == {"deep": "invalid_job", "deep40": "invalid_job", "ok32": "ok", "boom": "internal_error", "vocab": "invalid_sampling"}
         assert "metadata" in results.completions["deep"][0]["error"]["message"]
         assert results.completions["ok32"][0]["metadata"] == nested(32)
         await wait_committed(topics)
