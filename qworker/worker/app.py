@@ -456,6 +456,8 @@ class Worker:
             try:
                 result: BaseModel = await self.runner.run(st)
             except DeliveryRefused as e:  # a stream event the broker will never take
+                if not e.too_large:
+                    raise
                 result = error_message(st, "result_too_large", f"a stream event was refused: {e}"[:2000], retryable=False)
             except (asyncio.CancelledError, DeliveryAborted):
                 raise
@@ -470,6 +472,13 @@ class Worker:
             self.stats.abandoned += 1
             self._forget(st)
             st.tele.outcome("abandoned")
+            return
+        except DeliveryRefused as e:
+            # Nothing can be published for it (e.g. not authorised for the topic): leave its
+            # records uncommitted rather than commit past an unanswered job; an operator must act.
+            log.error("job %s: no answer can be published: %s", st.job.id, e)
+            self._forget(st)
+            st.tele.outcome("error", "undeliverable")
             return
         self._count(result)
         self._done(st)
@@ -515,6 +524,8 @@ class Worker:
         try:
             await self.publisher.deliver(topic, key, data, headers)
         except DeliveryRefused as e:  # e.g. a broker limit below ours: answer with a small error
+            if not e.too_large:
+                raise
             small = self._replace(msg, "result_too_large", f"the broker refused the result: {e}"[:2000])
             small = small.model_copy(update={"metadata": None})
             await self.publisher.deliver(topic, key, dumps(small), headers)
@@ -575,9 +586,14 @@ class Worker:
                     tele.outcome("abandoned")
                 return  # stays uncommitted
             except DeliveryRefused as e:
-                # never deliverable (e.g. a DLQ copy over the broker's limit): retrying would pin
-                # the partition; log loudly and move on, as the record cannot be answered anyway
-                log.error("%s refused the record for %s: %r; committing past it", topic, offsets, e)
+                if not e.too_large:  # not authorised, no such topic: stays uncommitted
+                    log.error("%s refused the record for %s: %s; leaving it uncommitted", topic, offsets, e)
+                    if tele is not None:
+                        tele.outcome("error", "undeliverable")
+                    return
+                # only a DLQ copy can be too large (answers are bounded): retrying would pin the
+                # partition, and the record cannot be answered anyway; log loudly and move on
+                log.error("%s refused the record for %s: %s; committing past it", topic, offsets, e)
             for tp, off in offsets:
                 self.tracker.done(tp, off)
             if tele is not None and outcome is not None:

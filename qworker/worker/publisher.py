@@ -41,7 +41,12 @@ class DeliveryAborted(Exception):
 
 class DeliveryRefused(Exception):
     """The broker (or the producer's size check) refuses the record for good: retrying would
-    block the job's partition forever. The caller publishes a small error in its place."""
+    block the job's partition forever. The caller publishes a small error in its place when
+    ``too_large``; otherwise (topic missing, not authorised) nothing can be published."""
+
+    def __init__(self, message: str, too_large: bool):
+        super().__init__(message)
+        self.too_large = too_large
 
 
 def record_size(key: Key, value: bytes | None, headers: Headers) -> int:
@@ -68,7 +73,8 @@ class Publisher:
     async def wait_retry(self, what: str, e: BaseException, backoff: float) -> float:
         self.failures += 1
         if isinstance(e, PERMANENT_ERRORS):
-            raise DeliveryRefused(f"{what}: {e!r}") from e
+            too_large = isinstance(e, (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError))
+            raise DeliveryRefused(f"{what}: {e!r}", too_large) from e
         if self.giving_up():
             raise DeliveryAborted(f"{what}: {e!r}") from e
         log.warning("delivery to %s failed (%r); retrying in %.1fs", what, e, backoff)
@@ -83,7 +89,7 @@ class Publisher:
         partition), so a job's stream events and completion stay ordered."""
         kb = key.encode("utf-8") if isinstance(key, str) else key
         if not self.fits(kb, value, headers):
-            raise DeliveryRefused(f"{topic}: record of {record_size(kb, value, headers)} bytes exceeds max_message_bytes={self.max_message_bytes}")
+            raise DeliveryRefused(f"{topic}: record of {record_size(kb, value, headers)} bytes exceeds max_message_bytes={self.max_message_bytes}", True)
         backoff = 0.1
         while True:
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import orjson
@@ -153,3 +154,88 @@ def test_examples_validate() -> None:
     for name, data in schemas_gen.examples().items():
         MESSAGE_TYPES[name.split(".")[0]].model_validate_json(orjson.dumps(data))
     assert Job.model_validate_json(orjson.dumps(schemas_gen.examples()["job.chat"])).messages
+
+
+def test_coalescer_restart_replays_everything_taken() -> None:
+    c = StreamCoalescer("j", 0, "r1", interval_s=0.0)
+    c.add(0, "he", [1, 2])
+    c.add(1, "x", [9])
+    c.take()
+    c.add(0, "llo", [3])
+    c.take()
+    c.add(0, "!", [4])  # still buffered: goes out with the next take, after the replay
+    replay = c.restart("r2")
+    assert [(e.run_id, e.index, e.seq, e.text, e.token_ids) for e in replay] == [("r2", 0, 0, "hello", [1, 2, 3]), ("r2", 1, 1, "x", [9])]
+    assert [(e.run_id, e.seq, e.text) for e in c.take()] == [("r2", 2, "!")]
+
+
+def test_cancel_registry_ttl_from_the_record_time() -> None:
+    import time
+
+    r = CancelRegistry(ttl_s=10)
+    assert not r.add("old", at=time.time() - 11) and "old" not in r  # expired before it was read
+    assert r.add("new", at=time.time() - 9) and "new" in r
+
+
+def test_metadata_bounds() -> None:
+    from qworker.messages import MAX_METADATA_BYTES, MAX_METADATA_DEPTH
+
+    def nest(n: int) -> dict:
+        d: dict = {}
+        for _ in range(n - 1):
+            d = {"a": d}
+        return d
+
+    ok = {"id": "x", "prompt": "p", "metadata": nest(MAX_METADATA_DEPTH)}
+    assert isinstance(decode(orjson.dumps(ok)), Valid)
+    for meta in (nest(MAX_METADATA_DEPTH + 1), nest(300), {"a": [[[[]]]] * 2, "b": nest(MAX_METADATA_DEPTH)}, {"s": "x" * MAX_METADATA_BYTES}):
+        d = decode(json.dumps({"id": "x", "prompt": "p", "metadata": meta}).encode())
+        assert isinstance(d, Invalid) and "metadata" in d.message and d.metadata is None, meta
+
+
+async def test_publisher_never_retries_a_permanent_error() -> None:
+    from aiokafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
+
+    from qworker.worker.publisher import DeliveryRefused, Publisher
+
+    class Producer:
+        calls = 0
+
+        async def send(self, topic, value=None, key=None, headers=None):
+            self.calls += 1
+            if self.calls == 1:
+                raise KafkaTimeoutError()  # a full buffer: transient, retried
+            raise MessageSizeTooLargeError()  # the broker's limit: permanent
+
+    p = Producer()
+    pub = Publisher(p, lambda: False, max_message_bytes=100_000)  # type: ignore[arg-type]
+    with pytest.raises(DeliveryRefused) as e:
+        await pub.deliver("t", "k", b"v")
+    assert e.value.too_large and p.calls == 2
+    with pytest.raises(DeliveryRefused):  # over our own limit: refused before any send
+        await pub.deliver("t", "k", b"x" * 100_001)
+    assert p.calls == 2
+
+
+def test_rawfetch_parses_what_aiokafka_cannot() -> None:
+    from aiokafka import TopicPartition
+    from aiokafka.record.default_records import _DefaultRecordBatchBuilderPy
+
+    from qworker.worker.rawfetch import parse
+
+    class RawKey(str):
+        def encode(self, *a, **k):  # type: ignore[override]
+            return b"\xff\xfe"
+
+    data = b""
+    for codec, base in ((0, 0), (4, 2)):  # plain, then zstd
+        b = _DefaultRecordBatchBuilderPy(2, codec, 0, -1, -1, -1, 1 << 20)
+        b.append(0, 1000, b"k", b"v", [("h", None)])
+        b.append(1, 1001, None, None, [(RawKey("xx"), b"\x00")])
+        buf = b.build()
+        buf[0:8] = base.to_bytes(8, "big")  # the broker assigns the base offset
+        data += bytes(buf)
+    recs = parse(TopicPartition("t", 0), data + data[:20])  # a truncated batch at the end is skipped
+    assert [(r.offset, r.timestamp, r.key, r.value, r.raw_headers, r.decodable) for r in recs] == [
+        (0, 1000, b"k", b"v", [(b"h", None)], True), (1, 1001, None, None, [(b"\xff\xfe", b"\x00")], False)] * 1 + [
+        (2, 1000, b"k", b"v", [(b"h", None)], True), (3, 1001, None, None, [(b"\xff\xfe", b"\x00")], False)]
