@@ -1,0 +1,189 @@
+"""What a request asks its output to be: one JSON schema, JSON object, regex, choice or grammar.
+
+Field names follow vLLM's ``StructuredOutputsParams`` (formerly ``GuidedDecodingParams``):
+``json`` (a JSON Schema, dict or JSON text), ``regex``, ``choice``, ``grammar`` (EBNF in
+xgrammar's dialect, llama.cpp GBNF-like, root rule ``root``) and ``json_object``; exactly one of
+them is set. ``strict`` and ``disable_any_whitespace`` only shape ``json``/``json_object`` output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from qworker.engine.sampling_params import InvalidRequestError
+
+ERROR_CODE = "invalid_structured_output"
+MAX_SPEC_CHARS = 1 << 20  # a spec larger than 1 MiB of text is refused before it is compiled
+MAX_CHOICES = 1024
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+# JSON Schema keywords xgrammar 0.2.8 accepts but does not enforce (measured: a violating
+# instance is accepted by the compiled grammar). A schema using one is refused, so that every
+# output that finishes validates against the schema it was asked for.
+UNENFORCED_KEYWORDS = frozenset(
+    {"not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
+     "dependentRequired", "dependentSchemas", "dependencies", "oneOf"}
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "unevaluatedItems", "additionalItems", "propertyNames", "items")
+_SCHEMA_LISTS = ("anyOf", "allOf", "prefixItems", "items")
+
+
+class StructuredOutputError(InvalidRequestError):
+    """A spec that can never be served (bad input, unsupported feature, compile timeout); not retryable."""
+
+    def __init__(self, message: str):
+        super().__init__(ERROR_CODE, message)
+
+
+@dataclass(slots=True, frozen=True, eq=False)
+class StructuredOutputsParams:
+    """Validated at construction; ``key`` is a sha256 over a canonical JSON form (the cache key).
+
+    ``strict`` (json only): True (default) never generates a property or item the schema does not
+    name, even where the schema would allow extra ones (xgrammar's ``strict_mode``); False follows
+    the schema's own ``additionalProperties``. ``disable_any_whitespace``: compact JSON, no free
+    whitespace between tokens (small models otherwise tend to spend their budget on newlines).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    strict: bool = True
+    disable_any_whitespace: bool = False
+    key: str = field(init=False, repr=False)
+    schema: dict | None = field(init=False, repr=False)  # ``json`` parsed
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in KINDS if (getattr(self, k) if k != "json_object" else self.json_object is True) not in (None, False)]
+        if len(set_) != 1:
+            raise StructuredOutputError(f"exactly one of {', '.join(KINDS)} must be set, got {set_ or 'none'}")
+        if not isinstance(self.strict, bool) or not isinstance(self.disable_any_whitespace, bool):
+            raise StructuredOutputError("strict and disable_any_whitespace must be booleans")
+        kind = set_[0]
+        value: object = True
+        schema = None
+        if kind == "json":
+            schema = _parse_schema(self.json)
+            check_schema_supported(schema)
+            value = schema
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise StructuredOutputError("json_object must be true")
+        elif kind in ("regex", "grammar"):
+            text = getattr(self, kind)
+            if not isinstance(text, str) or not text:
+                raise StructuredOutputError(f"{kind} must be a non-empty string")
+            if len(text) > MAX_SPEC_CHARS:
+                raise StructuredOutputError(f"{kind} is {len(text)} characters; at most {MAX_SPEC_CHARS}")
+            value = text
+        else:
+            choices = _check_choices(self.choice)
+            object.__setattr__(self, "choice", choices)
+            value = sorted(set(choices))  # order and repeats do not change the language
+        shape = {"strict": self.strict, "compact": self.disable_any_whitespace} if kind in ("json", "json_object") else {}
+        canon = json.dumps({"kind": kind, "value": value, **shape}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        object.__setattr__(self, "schema", schema)
+        object.__setattr__(self, "key", hashlib.sha256(canon.encode()).hexdigest())
+
+    @property
+    def kind(self) -> str:
+        for k in KINDS:
+            if k == "json_object":
+                if self.json_object:
+                    return k
+            elif getattr(self, k) is not None:
+                return k
+        raise AssertionError("validated in __post_init__")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StructuredOutputsParams) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+
+
+def _parse_schema(value: object) -> dict:
+    if isinstance(value, str):
+        if len(value) > MAX_SPEC_CHARS:
+            raise StructuredOutputError(f"json schema is {len(value)} characters; at most {MAX_SPEC_CHARS}")
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise StructuredOutputError(f"json schema is not valid JSON: {e}") from e
+    if isinstance(value, bool):  # true / false are valid schemas, but not useful ones
+        raise StructuredOutputError("json schema must be an object, not a boolean")
+    if not isinstance(value, dict):
+        raise StructuredOutputError(f"json schema must be an object, got {type(value).__name__}")
+    try:
+        size = len(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise StructuredOutputError(f"json schema is not JSON-serialisable: {e}") from e
+    if size > MAX_SPEC_CHARS:
+        raise StructuredOutputError(f"json schema is {size} characters; at most {MAX_SPEC_CHARS}")
+    return value
+
+
+def check_schema_supported(schema: object, path: str = "#") -> None:
+    """Raise for a keyword in ``UNENFORCED_KEYWORDS`` anywhere a subschema can be (property
+    names and ``enum``/``const`` values are data, not keywords, and are not looked into)."""
+    if not isinstance(schema, dict):
+        return
+    for kw in sorted(UNENFORCED_KEYWORDS & schema.keys()):
+        if kw == "uniqueItems" and schema[kw] is False:
+            continue
+        hint = " (use anyOf)" if kw == "oneOf" else ""
+        raise StructuredOutputError(f"JSON Schema keyword {kw!r} at {path} is not supported by the structured-output backend{hint}")
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        raise StructuredOutputError(f"JSON Schema 'allOf' with more than one subschema at {path} is not supported by the structured-output backend")
+    for kw in _SCHEMA_MAPS:
+        sub = schema.get(kw)
+        if isinstance(sub, dict):
+            for name, s in sub.items():
+                check_schema_supported(s, f"{path}/{kw}/{name}")
+    for kw in _SCHEMA_ONE:
+        check_schema_supported(schema.get(kw), f"{path}/{kw}")
+    for kw in _SCHEMA_LISTS:
+        sub = schema.get(kw)
+        if isinstance(sub, list):
+            for i, s in enumerate(sub):
+                check_schema_supported(s, f"{path}/{kw}/{i}")
+
+
+def _check_choices(choices: object) -> tuple[str, ...]:
+    if isinstance(choices, str) or not isinstance(choices, Iterable):
+        raise StructuredOutputError("choice must be a list of strings")
+    out = tuple(choices)
+    if not out or len(out) > MAX_CHOICES:
+        raise StructuredOutputError(f"choice must hold 1 to {MAX_CHOICES} strings, got {len(out)}")
+    if not all(isinstance(c, str) and c for c in out):
+        raise StructuredOutputError("every choice must be a non-empty string")
+    if sum(len(c) for c in out) > MAX_SPEC_CHARS:
+        raise StructuredOutputError(f"choices total more than {MAX_SPEC_CHARS} characters")
+    return out
+
+
+def choice_to_ebnf(choices: Iterable[str]) -> str:
+    """An EBNF grammar whose language is exactly the given strings."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in sorted(set(choices)))
+
+
+def _ebnf_literal(s: str) -> str:
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
