@@ -214,9 +214,11 @@ async def test_deadline_checked_when_the_engine_would_start_the_job(topics, resu
     eng = await engines(128, max_num_seqs=1)
     w = await started(topics, eng)
     try:
-        await submit(topics, [job("long", max_tokens=300)])
+        # 900 tokens one step at a time (seconds) ...
+        await submit(topics, [job("long", max_tokens=900)])
         await results.wait(lambda: "long" in w.jobs and w.jobs["long"].generated > 0, 20)
-        await submit(topics, [job("late", max_tokens=5, deadline=time.time() + 1.0)])
+        # ... while this one, handed to the engine at once, would start only after them
+        await submit(topics, [job("late", max_tokens=5, deadline=time.time() + 0.5)])
         await results.wait(lambda: "late" in w.jobs and w.jobs["late"].admitted, 10, "late handed to the engine")
         await results.wait(lambda: {"long", "late"} <= set(results.completions), 60)
         [late] = results.completions["late"]
@@ -320,7 +322,7 @@ async def test_large_prompts_do_not_block_the_loop(topics, results: Results, eng
         await submit(topics, [Job(id=f"big{i}", prompt=prompt, sampling=Sampling(max_tokens=1)) for i in range(3)])
         await results.wait(lambda: len(results.completions) == 3, 60)
         assert all(v[0]["error"]["code"] == "prompt_too_long" for v in results.completions.values())
-        assert worst < 0.5, f"the event loop stalled for {worst:.2f}s"
+        assert worst < 1.0, f"the event loop stalled for {worst:.2f}s"  # inline tokenizing: about 5 s
     finally:
         t.cancel()
         await w.stop()
