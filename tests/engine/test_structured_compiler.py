@@ -58,6 +58,25 @@ def test_second_compile_of_the_same_schema_is_a_cache_hit(ti):
     assert (st["grammar_compilations"], st["grammar_cache_hits"]) == (1, 1)
 
 
+def test_admission_validate_then_engine_submit_counts_one_lookup(ti):
+    svc = GrammarCompilerService(ti)
+    for _ in range(2):  # two jobs with one schema: the worker validates, the engine submits
+        spec = StructuredOutputsParams(json=SCHEMA)
+        svc.validate(spec)
+        assert svc.submit(spec, admitted=True).ready
+    st = svc.stats()
+    assert (st["grammar_compilations"], st["grammar_cache_hits"]) == (1, 1)
+
+
+def test_cache_byte_bound(ti):
+    svc = GrammarCompilerService(ti, cache_max_bytes=1)
+    a, b = StructuredOutputsParams(regex="a+"), StructuredOutputsParams(regex="b+")
+    svc.validate(a)
+    svc.validate(b)  # over the byte bound: the older entry goes, the newest always stays
+    assert svc.cached(b.key) and not svc.cached(a.key)
+    assert svc.stats()["grammar_cache_bytes"] == svc.validate(b).memory_size_bytes
+
+
 def test_identical_specs_in_flight_share_one_compile():
     gate = threading.Event()
     calls = []
@@ -98,6 +117,8 @@ def test_lru_cache_is_bounded(ti):
         (StructuredOutputsParams(json={"type": "string", "pattern": "(ab"}), "parenthesis is not closed"),
         (StructuredOutputsParams(regex="(abc"), "invalid regex: Regex parsing error at position 5: The parenthesis is not closed."),
         (StructuredOutputsParams(regex="a{3,1}"), "Lower bound is larger than upper bound"),
+        (StructuredOutputsParams(regex="(?=a)a"), "Lookahead is not supported yet"),
+        (StructuredOutputsParams(regex=r"\bword\b"), "Word boundary is not supported yet"),
         (StructuredOutputsParams(grammar='root ::= "a" | '), "invalid grammar: EBNF parser error at line 1"),
         (StructuredOutputsParams(grammar="root ::= undefined_rule"), 'Rule "undefined_rule" is not defined'),
         (StructuredOutputsParams(grammar='start ::= "a"'), 'The root rule with name "root" is not found'),

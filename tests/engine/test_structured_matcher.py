@@ -268,6 +268,19 @@ def test_batched_apply_touches_only_constrained_rows(svc):
         bm.apply(logits, [(0, states[0]), (0, states[1])])
 
 
+def test_fill_overlapped_with_the_forward_pass_gives_the_same_mask(svc):
+    states = [StructuredState(grammar(svc, json={"type": "string", "maxLength": 8})), StructuredState(grammar(svc, regex=r"\d+"))]
+    assert states[0].matcher.accept_string('"Jo')  # a state whose fill costs milliseconds
+    rows = [(0, states[0]), (2, states[1])]
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    sync = logits.clone()
+    StructuredBitmask(VOCAB).apply(sync, rows)
+    bm = StructuredBitmask(VOCAB)
+    fut = bm.start_fill(3, rows)  # ... the model would run here ...
+    bm.apply(logits, rows, filled=fut)
+    assert torch.equal(logits, sync)
+
+
 def test_masked_greedy_picks_the_best_allowed_token(svc):
     s = StructuredState(grammar(svc, choice=["yes", "no"]))
     logits = torch.zeros(1, VOCAB)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import xgrammar as xgr
@@ -20,8 +21,15 @@ from qworker.engine.structured.matcher import StructuredState
 
 
 class StructuredBitmask:
-    """One per engine. ``mask_seconds`` / ``mask_steps`` / ``masked_rows`` count the host time of
-    fill + apply (on CUDA the apply is only launched, not waited for)."""
+    """One per engine. ``mask_seconds`` / ``mask_steps`` / ``masked_rows`` count the host time the
+    caller spends in ``apply`` (fill, or waiting for a ``start_fill``, plus the apply itself; on
+    CUDA the apply is only launched, not waited for).
+
+    Fill cost depends on the grammar state, not only on the vocabulary: most states take
+    microseconds (xgrammar precomputes their masks), but some cost milliseconds per row (measured
+    with xgrammar 0.2.8 on this CPU: inside a JSON string with a small ``maxLength``, 2-18 ms).
+    ``start_fill`` overlaps the fill with the model's forward pass (xgrammar releases the GIL).
+    """
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", max_threads: int = 1):
         self.vocab_size = vocab_size
@@ -30,6 +38,7 @@ class StructuredBitmask:
         self._batch = xgr.BatchGrammarMatcher(max_threads)
         self._host = torch.empty((0, self.width), dtype=torch.int32)
         self._dev: torch.Tensor | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self.mask_seconds = 0.0
         self.last_mask_seconds = 0.0
         self.mask_steps = 0
@@ -51,15 +60,25 @@ class StructuredBitmask:
                 s.fill(bm, r)
         return bm
 
-    def apply(self, logits: torch.Tensor, constrained: Sequence[tuple[int, StructuredState]]) -> None:
-        """Mask ``logits [rows, vocab]`` in place for the constrained ``(row, state)`` pairs."""
+    def start_fill(self, num_rows: int, constrained: Sequence[tuple[int, StructuredState]]) -> Future[torch.Tensor]:
+        """``fill`` on a helper thread, to run while the model computes the logits; hand the
+        future to ``apply(..., filled=)``. The states must not advance until then."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="structured-bitmask")
+        return self._pool.submit(self.fill, num_rows, list(constrained))
+
+    def apply(self, logits: torch.Tensor, constrained: Sequence[tuple[int, StructuredState]], filled: Future[torch.Tensor] | None = None) -> None:
+        """Mask ``logits [rows, vocab]`` in place for the constrained ``(row, state)`` pairs
+        (filling their rows now, or taking a ``start_fill`` made for the same rows)."""
         if not constrained:
             return
         t0 = time.perf_counter()
         rows = [r for r, _ in constrained]
         if len(set(rows)) != len(rows):
             raise ValueError("each constrained row may appear once (forks sample from their own repeated rows)")
-        bm = self.fill(logits.shape[0], constrained)
+        bm = filled.result() if filled is not None else self.fill(logits.shape[0], constrained)
+        if bm.shape[0] < logits.shape[0]:
+            raise ValueError(f"the bitmask was filled for {bm.shape[0]} rows, the logits have {logits.shape[0]}")
         vocab = min(logits.shape[-1], self.vocab_size)
         if logits.shape[-1] > self.vocab_size:  # ids past the grammar's vocabulary are never allowed
             logits[rows, self.vocab_size :] = float("-inf")

@@ -61,7 +61,7 @@ def make_compile_fn(tokenizer_info: xgr.TokenizerInfo, max_threads: int = 1) -> 
 
 
 class _Job:
-    __slots__ = ("spec", "deadline", "event", "result", "error", "holds_slot", "started")
+    __slots__ = ("spec", "deadline", "event", "result", "error", "holds_slot")
 
     def __init__(self, spec: StructuredOutputsParams, deadline: float):
         self.spec = spec
@@ -70,18 +70,18 @@ class _Job:
         self.result: xgr.CompiledGrammar | None = None
         self.error: StructuredOutputError | None = None
         self.holds_slot = False
-        self.started = False
 
 
 class CompileHandle:
     """One request's view of a compile. Non-blocking properties, safe to poll every step."""
 
-    __slots__ = ("spec", "deadline", "_job", "_service", "_result", "_error")
+    __slots__ = ("spec", "timeout_s", "deadline", "_job", "_service", "_result", "_error")
 
-    def __init__(self, service: GrammarCompilerService, spec: StructuredOutputsParams, deadline: float, job: _Job | None = None,
+    def __init__(self, service: GrammarCompilerService, spec: StructuredOutputsParams, timeout_s: float, job: _Job | None = None,
                  result: xgr.CompiledGrammar | None = None, error: StructuredOutputError | None = None):
         self.spec = spec
-        self.deadline = deadline
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
         self._service = service
         self._job = job
         self._result = result
@@ -101,7 +101,7 @@ class CompileHandle:
             self._result, self._error, self._job = job.result, job.error, None
             return True
         if time.monotonic() >= self.deadline:
-            self._error = StructuredOutputError(f"grammar compilation did not finish within {self._service.timeout_s:g} s")
+            self._error = StructuredOutputError(f"grammar compilation did not finish within {self.timeout_s:g} s")
             self._job = None
             self._service._on_timeout()
             return True
@@ -136,10 +136,13 @@ class CompileHandle:
 
 class GrammarCompilerService:
     """``max_workers`` compiles at once (threads, started per compile); ``cache_size`` compiled
-    specs kept (LRU); ``timeout_s`` per request; ``compile_fn`` replaceable for tests."""
+    specs kept (LRU), and at most ``cache_max_bytes`` of compiled grammar (xgrammar's
+    ``memory_size_bytes``; None: no byte bound); ``timeout_s`` per request; ``compile_fn``
+    replaceable for tests."""
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo | None = None, *, cache_size: int = 128, timeout_s: float = 10.0,
-                 max_workers: int = 2, max_background: int = 2, compile_fn: CompileFn | None = None, xgr_threads: int = 1):
+                 max_workers: int = 2, max_background: int = 2, compile_fn: CompileFn | None = None, xgr_threads: int = 1,
+                 cache_max_bytes: int | None = None):
         if compile_fn is None:
             if tokenizer_info is None:
                 raise ValueError("need a tokenizer_info or a compile_fn")
@@ -148,6 +151,8 @@ class GrammarCompilerService:
             raise ValueError("cache_size and max_workers must be >= 1, max_background >= 0, timeout_s > 0")
         self.tokenizer_info = tokenizer_info
         self.cache_size = cache_size
+        self.cache_max_bytes = cache_max_bytes
+        self._cache_bytes = 0
         self.timeout_s = timeout_s
         self.max_workers = max_workers
         self.max_background = max_background
@@ -165,27 +170,33 @@ class GrammarCompilerService:
         self.compile_seconds = 0.0
 
     # -- the API -------------------------------------------------------------------------------
-    def submit(self, spec: StructuredOutputsParams, timeout_s: float | None = None) -> CompileHandle:
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+    def submit(self, spec: StructuredOutputsParams, timeout_s: float | None = None, *, admitted: bool = False) -> CompileHandle:
+        """``admitted``: this request's spec was already looked up by ``validate`` at admission;
+        the engine's own look-up is then not counted as a second cache hit."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not timeout > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         with self._lock:
             hit = self._cache.get(spec.key)
             if hit is not None:
                 self._cache.move_to_end(spec.key)
-                self.cache_hits += 1
+                self.cache_hits += not admitted
                 if isinstance(hit, StructuredOutputError):
-                    return CompileHandle(self, spec, deadline, error=StructuredOutputError(str(hit)))
-                return CompileHandle(self, spec, deadline, result=hit)
+                    return CompileHandle(self, spec, timeout, error=StructuredOutputError(str(hit)))
+                return CompileHandle(self, spec, timeout, result=hit)
+            handle = CompileHandle(self, spec, timeout)
             job = self._inflight.get(spec.key)
             if job is not None:
-                self.cache_hits += 1
-                job.deadline = max(job.deadline, deadline)
+                self.cache_hits += not admitted
+                job.deadline = max(job.deadline, handle.deadline)
             else:
-                job = _Job(spec, deadline)
+                job = _Job(spec, handle.deadline)
                 self._inflight[spec.key] = job
                 self._queue.append(job)
+            handle._job = job
             self._reap_locked()
             self._dispatch_locked()
-        return CompileHandle(self, spec, deadline, job=job)
+        return handle
 
     def validate(self, spec: StructuredOutputsParams, timeout_s: float | None = None) -> xgr.CompiledGrammar:
         """Blocking: compile (or hit the cache) and return the grammar, or raise
@@ -204,6 +215,7 @@ class GrammarCompilerService:
                 "grammar_compile_timeouts": self.timeouts,
                 "grammar_compile_seconds": self.compile_seconds,
                 "grammar_cache_size": len(self._cache),
+                "grammar_cache_bytes": self._cache_bytes,
                 "grammar_compiles_queued": len(self._queue),
                 "grammar_compiles_running": self._slots_used,
                 "grammar_compiles_background": self._background,
@@ -236,11 +248,21 @@ class GrammarCompilerService:
             if now >= job.deadline:  # nobody waits for it any more: never start it
                 del self._inflight[job.spec.key]
                 continue
-            job.started = True
             job.holds_slot = True
             self._slots_used += 1
             self.compilations += 1
             threading.Thread(target=self._run, args=(job,), name="grammar-compile", daemon=True).start()
+
+    def _store_locked(self, key: str, value: xgr.CompiledGrammar | StructuredOutputError) -> None:
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._cache_bytes -= _size(old)
+        self._cache[key] = value
+        self._cache_bytes += _size(value)
+        limit = self.cache_max_bytes
+        while len(self._cache) > self.cache_size or (limit is not None and self._cache_bytes > limit and len(self._cache) > 1):
+            _, evicted = self._cache.popitem(last=False)
+            self._cache_bytes -= _size(evicted)
 
     def _run(self, job: _Job) -> None:
         t0 = time.perf_counter()
@@ -255,10 +277,7 @@ class GrammarCompilerService:
             self._inflight.pop(job.spec.key, None)
             if error is not None:
                 self.compile_failures += 1
-            self._cache[job.spec.key] = result if error is None else error
-            self._cache.move_to_end(job.spec.key)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._store_locked(job.spec.key, result if error is None else error)
             if job.holds_slot:
                 job.holds_slot = False
                 self._slots_used -= 1
@@ -268,3 +287,7 @@ class GrammarCompilerService:
             job.event.set()
             self._reap_locked()
             self._dispatch_locked()
+
+
+def _size(value: object) -> int:
+    return value.memory_size_bytes if isinstance(value, xgr.CompiledGrammar) else 0
