@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -103,10 +102,6 @@ class JobRunner:
     def __init__(self, engine: Any, publisher: Publisher, tokens_topic: str, stream_interval_s: float, model_name: str):
         self.engine, self.publisher = engine, publisher
         self.tokens_topic, self.interval_s, self.model_name = tokens_topic, stream_interval_s, model_name
-        try:
-            self._deadline_kw = "deadline" in inspect.signature(engine.generate).parameters
-        except (TypeError, ValueError):
-            self._deadline_kw = False
 
     async def _tick(self, stream: StreamSender) -> None:
         # flushes the tail of a burst when no further token arrives for a while
@@ -130,8 +125,9 @@ class JobRunner:
         last = None
         cached = 0
         tele.generating(CHAT if job.messages is not None else TEXT_COMPLETION, job.sampling, stream=job.stream)
-        kw = {"deadline": job.deadline} if self._deadline_kw and job.deadline is not None else {}
-        gen = self.engine.generate(state.request_id, state.prompt_ids, state.params, priority=job.priority, **kw)
+        # the engine checks the deadline when it would first schedule the request: a job that
+        # waited in the engine's queue past it ends "abort" with error_code deadline_exceeded
+        gen = self.engine.generate(state.request_id, state.prompt_ids, state.params, priority=job.priority, deadline=job.deadline)
         state.in_engine = True  # from here a cancel must reach the engine (commands stay ordered)
         aborted = False
         try:

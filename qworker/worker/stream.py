@@ -34,7 +34,7 @@ class StreamCoalescer:
         self.job_id, self.attempt, self.run_id, self.interval_s = job_id, attempt, run_id, interval_s
         self.seq = 0
         self._bufs: dict[int, _Buf] = {}
-        self._taken: dict[int, _Buf] = {}
+        self._taken: dict[int, list[tuple[str, list[int]]]] = {}  # per choice, per event taken
         self._last_flush = float("-inf")
 
     def add(self, index: int, text: str, token_ids: list[int]) -> None:
@@ -48,8 +48,8 @@ class StreamCoalescer:
         now = time.monotonic() if now is None else now
         return bool(self._bufs) and now - self._last_flush >= self.interval_s
 
-    def _event(self, index: int, b: _Buf) -> Delta:
-        ev = Delta(job_id=self.job_id, attempt=self.attempt, run_id=self.run_id, index=index, seq=self.seq, text="".join(b.text), token_ids=list(b.token_ids))
+    def _event(self, index: int, text: str, token_ids: list[int]) -> Delta:
+        ev = Delta(job_id=self.job_id, attempt=self.attempt, run_id=self.run_id, index=index, seq=self.seq, text=text, token_ids=token_ids)
         self.seq += 1
         return ev
 
@@ -58,19 +58,33 @@ class StreamCoalescer:
         events = []
         for index in sorted(self._bufs):
             b = self._bufs[index]
-            events.append(self._event(index, b))
-            t = self._taken.setdefault(index, _Buf())
-            t.text.extend(b.text)
-            t.token_ids.extend(b.token_ids)
+            ev = self._event(index, "".join(b.text), list(b.token_ids))
+            events.append(ev)
+            self._taken.setdefault(index, []).append((ev.text, ev.token_ids))
         self._bufs.clear()
         self._last_flush = time.monotonic() if now is None else now
         return events
 
-    def restart(self, run_id: str) -> list[Delta]:
-        """Start the stream again as ``run_id``: one event per choice carrying everything taken
-        so far (seq from 0); later ``take`` calls continue that numbering."""
+    def restart(self, run_id: str, max_event_bytes: int = 256 * 1024) -> list[Delta]:
+        """Start the stream again as ``run_id``: per choice, everything taken so far, in as few
+        events as keep each under about ``max_event_bytes`` (seq from 0); later ``take`` calls
+        continue that numbering."""
         self.run_id, self.seq = run_id, 0
-        return [self._event(index, b) for index, b in sorted(self._taken.items())]
+        events = []
+        for index, pieces in sorted(self._taken.items()):
+            text: list[str] = []
+            ids: list[int] = []
+            size = 0
+            for t, tids in pieces:
+                n = len(t.encode("utf-8", "surrogatepass")) + 12 * len(tids)  # JSON digits and commas, generously
+                if (text or ids) and size + n > max_event_bytes:
+                    events.append(self._event(index, "".join(text), ids))
+                    text, ids, size = [], [], 0
+                text.append(t)
+                ids.extend(tids)
+                size += n
+            events.append(self._event(index, "".join(text), ids))
+        return events
 
 
 class StreamSender:

@@ -239,3 +239,13 @@ def test_rawfetch_parses_what_aiokafka_cannot() -> None:
     assert [(r.offset, r.timestamp, r.key, r.value, r.raw_headers, r.decodable) for r in recs] == [
         (0, 1000, b"k", b"v", [(b"h", None)], True), (1, 1001, None, None, [(b"\xff\xfe", b"\x00")], False)] * 1 + [
         (2, 1000, b"k", b"v", [(b"h", None)], True), (3, 1001, None, None, [(b"\xff\xfe", b"\x00")], False)]
+
+
+def test_coalescer_restart_splits_a_long_stream() -> None:
+    c = StreamCoalescer("j", 0, "r1", interval_s=0.0)
+    for i in range(10):
+        c.add(0, "ab", [i, i])
+        c.take()
+    replay = c.restart("r2", max_event_bytes=60)  # 2 bytes of text + 24 for two ids per piece: two pieces per event
+    assert [e.seq for e in replay] == [0, 1, 2, 3, 4]
+    assert "".join(e.text for e in replay) == "ab" * 10 and sum((e.token_ids for e in replay), []) == [i for i in range(10) for _ in (0, 1)]
