@@ -110,10 +110,11 @@ def test_json_schema_walks_validate(svc, bias, schema, compact):
 
 def test_json_object_walks_parse_as_objects(svc, bias):
     g = grammar(svc, json_object=True)
-    gen = random.Random(3)
-    ids, done = walk(StructuredState(g), gen, bias, max_steps=300)
-    if done:
+    for seed in range(3):
+        ids, done = walk(StructuredState(g), random.Random(seed), bias, max_steps=300)
+        assert done
         assert isinstance(json.loads(tokenizer().decode(ids)), dict)
+    assert not StructuredState(g).matcher.accept_string("[1]")  # an object, not any JSON value
 
 
 @pytest.mark.parametrize("regex", [r"\d{3}-\d{4}", r"(cat|dog)s? [a-z]{2,5}!", r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6})?", r"-?(0|[1-9]\d{0,3})\.\d{2}"])

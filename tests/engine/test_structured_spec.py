@@ -8,7 +8,14 @@ import json
 import pytest
 
 from qworker.engine.sampling_params import InvalidRequestError
-from qworker.engine.structured import ERROR_CODE, GuidedDecodingParams, StructuredOutputError, StructuredOutputsParams, choice_to_ebnf
+from qworker.engine.structured import (
+    ERROR_CODE,
+    GuidedDecodingParams,
+    StructuredOutputError,
+    StructuredOutputsParams,
+    choice_to_ebnf,
+    from_response_format,
+)
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
 
@@ -85,3 +92,34 @@ def test_choice_grammar_escapes():
     g = choice_to_ebnf(['say "hi"', "back\\slash", "new\nline"])
     assert '"say \\"hi\\""' in g and '"back\\\\slash"' in g and '"new\\x0aline"' in g
     assert g.startswith("root ::= ")
+
+
+def test_response_format_shapes():
+    assert from_response_format(None) is None and from_response_format({"type": "text"}) is None
+    assert from_response_format({"type": "json_object"}) == StructuredOutputsParams(json_object=True)
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    assert from_response_format(rf) == StructuredOutputsParams(json=SCHEMA, strict=True)
+    rf["json_schema"]["strict"] = False
+    assert from_response_format(rf).strict is False
+    assert from_response_format({"type": "regex", "regex": "a+"}) == StructuredOutputsParams(regex="a+")
+    assert from_response_format({"type": "choice", "choice": ["x", "y"]}).choice == ("x", "y")
+    assert from_response_format({"type": "grammar", "grammar": 'root ::= "a"'}).kind == "grammar"
+
+
+@pytest.mark.parametrize(
+    ("rf", "words"),
+    [
+        ("json", "must be an object"),
+        ({"type": "xml"}, "must be one of"),
+        ({"type": "json_schema"}, "needs a 'json_schema' object"),
+        ({"type": "json_schema", "json_schema": {"schema": SCHEMA, "stric": True}}, "unknown fields ['stric']"),
+        ({"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}, "strict must be a boolean"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "bogus-but-ours-to-find", "oneOf": []}}}, "'oneOf'"),
+        ({"type": "regex"}, "needs a 'regex' field"),
+        ({"type": "regex", "regex": "a", "choice": ["a"]}, "unknown fields ['choice']"),
+    ],
+)
+def test_response_format_errors(rf, words):
+    with pytest.raises(StructuredOutputError) as e:
+        from_response_format(rf)
+    assert e.value.code == ERROR_CODE and words in str(e.value)

@@ -9,7 +9,8 @@ compiler service (``compiler.py``), per-sequence state (``matcher.py``), batched
    ``Request.grammar: CompileHandle | None = None``; ``Sequence.structured: StructuredState |
    None = None`` (both dataclasses have slots: the fields must be declared). The spec validates
    itself at construction and raises ``StructuredOutputError`` (an ``InvalidRequestError``, code
-   ``invalid_structured_output``); ``SamplingParams.validate`` only checks the type.
+   ``invalid_structured_output``); ``SamplingParams.validate`` only checks the type. The
+   worker turns a job's ``response_format`` into one with ``from_response_format(rf)``.
 1. ``LLMEngine.__init__``: ``self.tokenizer_info = build_tokenizer_info(self.tokenizer,
    self.vocab_size, self.eos_token_ids)`` (the logits width, not ``len(tokenizer)``; the engine's
    EOS set becomes the grammar's stop tokens; special tokens are blanked so the grammar never
@@ -73,6 +74,7 @@ from qworker.engine.structured.spec import (
     StructuredOutputError,
     StructuredOutputsParams,
     choice_to_ebnf,
+    from_response_format,
 )
 from qworker.engine.structured.tokenizer_info import build_tokenizer_info, load_tokenizer_info, model_vocab_size
 
@@ -89,6 +91,7 @@ __all__ = [
     "build_tokenizer_info",
     "choice_to_ebnf",
     "compiler_message",
+    "from_response_format",
     "load_tokenizer_info",
     "make_compile_fn",
     "model_vocab_size",

@@ -111,6 +111,43 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
+def from_response_format(rf: object) -> StructuredOutputsParams | None:
+    """A job's ``response_format`` -> spec (None for plain text). OpenAI's shapes:
+    ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}``; and a proposal for qworker's own: ``{"type": "regex",
+    "regex": str}``, ``{"type": "choice", "choice": [str]}``, ``{"type": "grammar", "grammar":
+    str}``. An absent ``strict`` means True here: decoding is constrained either way, and strict
+    only keeps the model from inventing properties the schema does not name."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise StructuredOutputError("response_format must be an object with a string 'type'")
+    kind = rf["type"]
+    extra = set(rf) - {"type", kind}
+    if extra:
+        raise StructuredOutputError(f"response_format of type {kind!r} has unknown fields {sorted(extra)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise StructuredOutputError("response_format json_schema needs a 'json_schema' object with a 'schema'")
+        unknown = set(js) - {"name", "description", "schema", "strict"}
+        if unknown:
+            raise StructuredOutputError(f"response_format json_schema has unknown fields {sorted(unknown)}")
+        strict = js.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise StructuredOutputError("response_format json_schema.strict must be a boolean")
+        return StructuredOutputsParams(json=js["schema"], strict=True if strict is None else strict)
+    if kind in ("regex", "choice", "grammar"):
+        if kind not in rf:
+            raise StructuredOutputError(f"response_format of type {kind!r} needs a {kind!r} field")
+        return StructuredOutputsParams(**{kind: rf[kind]})
+    raise StructuredOutputError(f"response_format type must be one of text, json_object, json_schema, regex, choice, grammar; got {kind!r}")
+
+
 def _parse_schema(value: object) -> dict:
     if isinstance(value, str):
         if len(value) > MAX_SPEC_CHARS:
