@@ -678,8 +678,11 @@ class Worker:
     async def _commit_loop(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.settings.commit_interval_ms / 1000)
-            await self._commit()
-            self._observe()
+            try:
+                await self._commit()
+                self._observe()
+            except Exception:  # noqa: BLE001 - offsets must keep moving whatever one round hit
+                log.exception("commit round failed")
 
     async def _commit(self) -> None:
         assigned = self.consumer.assignment()
