@@ -22,6 +22,7 @@ from qworker.worker.client import cancel, submit
 
 from .conftest import REPO, Results, committed, stream_text, wait_committed
 from .test_flow import Offline, engines, job, offline, one_torch_thread, started  # noqa: F401 - fixtures
+from .test_outage import check_commits_delivered
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -129,6 +130,7 @@ async def test_broker_stall_only_delays(broker, topics, results: Results, engine
                 assert len(c["choices"][0]["token_ids"]) == 1000
             assert all(n == 1 for n in per_attempt.values()), per_attempt
         await wait_committed(s, timeout=30)
+        await check_commits_delivered(s)
         assert w.loops_alive()
     finally:
         await w.stop()
