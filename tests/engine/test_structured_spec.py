@@ -43,6 +43,17 @@ def test_key_is_canonical():
     assert len({StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json=reordered)}) == 1
 
 
+def test_the_spec_keeps_its_own_copy_of_the_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    s = StructuredOutputsParams(json=schema)
+    key = s.key
+    schema["properties"]["a"]["type"] = "string"
+    assert s.schema["properties"]["a"]["type"] == "integer" and s.key == key
+    assert StructuredOutputsParams(json_object=True, strict=False) == StructuredOutputsParams(json_object=True)
+    with pytest.raises(StructuredOutputError, match="not JSON-serialisable"):
+        StructuredOutputsParams(json={"type": "number", "maximum": float("nan")})
+
+
 def test_frozen_and_slots():
     s = StructuredOutputsParams(regex="a")
     with pytest.raises(dataclasses.FrozenInstanceError):

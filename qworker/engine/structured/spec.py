@@ -57,7 +57,7 @@ class StructuredOutputsParams:
     strict: bool = True
     disable_any_whitespace: bool = False
     key: str = field(init=False, repr=False)
-    schema: dict | None = field(init=False, repr=False)  # ``json`` parsed
+    schema: dict | None = field(init=False, repr=False)  # ``json`` parsed (a private copy)
 
     def __post_init__(self) -> None:
         set_ = [k for k in KINDS if (getattr(self, k) if k != "json_object" else self.json_object is True) not in (None, False)]
@@ -86,7 +86,9 @@ class StructuredOutputsParams:
             choices = _check_choices(self.choice)
             object.__setattr__(self, "choice", choices)
             value = sorted(set(choices))  # order and repeats do not change the language
-        shape = {"strict": self.strict, "compact": self.disable_any_whitespace} if kind in ("json", "json_object") else {}
+        shape = {"compact": self.disable_any_whitespace} if kind in ("json", "json_object") else {}
+        if kind == "json":
+            shape["strict"] = self.strict
         canon = json.dumps({"kind": kind, "value": value, **shape}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         object.__setattr__(self, "schema", schema)
         object.__setattr__(self, "key", hashlib.sha256(canon.encode()).hexdigest())
@@ -161,12 +163,12 @@ def _parse_schema(value: object) -> dict:
     if not isinstance(value, dict):
         raise StructuredOutputError(f"json schema must be an object, got {type(value).__name__}")
     try:
-        size = len(json.dumps(value))
+        text = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise StructuredOutputError(f"json schema is not JSON-serialisable: {e}") from e
-    if size > MAX_SPEC_CHARS:
-        raise StructuredOutputError(f"json schema is {size} characters; at most {MAX_SPEC_CHARS}")
-    return value
+    if len(text) > MAX_SPEC_CHARS:
+        raise StructuredOutputError(f"json schema is {len(text)} characters; at most {MAX_SPEC_CHARS}")
+    return json.loads(text)  # a private copy: the caller's dict may change, the key must not
 
 
 def check_schema_supported(schema: object, path: str = "#") -> None:
