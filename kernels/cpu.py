@@ -6,7 +6,7 @@ The torch reference (:func:`kernels.reference.paged_decode_attention_ref`) must 
 sequence's pages into a contiguous copy before one SDPA call; on a CPU that copy costs as much as
 the attention itself (decode is memory-bound, and the gather reads and writes the whole context
 once more). ``csrc/paged_decode.c`` walks the block table instead, as the Triton kernel does on
-the GPU, and reads an fp16 cache as well as an fp32 one. ``csrc/elementwise.c`` replaces the 2-15
+the GPU, and reads an fp16 or bf16 cache as well as an fp32 one. ``csrc/elementwise.c`` replaces the 2-15
 small torch ops per norm, rotary, KV write or SwiGLU, whose dispatch cost dominates at decode
 batch sizes. The sources are compiled on first use with the system C compiler (``-O3
 -march=native -fopenmp``, about a second) into a per-user cache (``$QWORKER_KERNEL_CACHE``, else
@@ -69,6 +69,8 @@ _SIGNATURES = {
     "qw_paged_decode_f16": (_DECODE_ARGS, ctypes.c_int),
     "qw_store_kv_f32": (_STORE_ARGS, ctypes.c_int),
     "qw_store_kv_f16": (_STORE_ARGS, ctypes.c_int),
+    "qw_paged_decode_bf16": (_DECODE_ARGS, ctypes.c_int),
+    "qw_store_kv_bf16": (_STORE_ARGS, ctypes.c_int),
     "qw_add_rms_norm_f32": ([_P, _P, _P, _P, _P, _I64, _I32, _F32, _I32], None),
     "qw_rope_f32": ([_P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], None),
     "qw_silu_mul_f32": ([_P, _P, _I64, _I32, _I32], None),
@@ -128,7 +130,7 @@ def cpu_kernels_available() -> bool:
     return _library() is not None
 
 
-_SUFFIX = {torch.float32: "f32", torch.float16: "f16"}
+_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 def _cache_fn(name: str, cache_dtype: torch.dtype):
@@ -177,7 +179,7 @@ def paged_decode_attention_cpu(
 
 
 def _covered(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
-    """Inputs the C kernel handles: fp32 queries and output, an fp32 or fp16 cache, on CPU, dense
+    """Inputs the C kernel handles: fp32 queries and output, an fp32, fp16 or bf16 cache, on CPU, dense
     per-row layouts."""
     tensors = [q, k_cache, v_cache] + ([out] if out is not None else [])
     if any(t.device.type != "cpu" for t in tensors) or q.dtype != torch.float32 or v_cache.dtype != k_cache.dtype:

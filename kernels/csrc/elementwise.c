@@ -2,7 +2,7 @@
  * The CPU engine's per-layer elementwise work, one call each instead of the 2-15 small torch ops
  * it takes otherwise (at decode batch sizes each torch op costs ~10 us of dispatch for a few
  * microseconds of arithmetic, and a 30-layer model runs ~40 of them per layer per step).
- * fp32 activations, contiguous rows; the KV write also into an fp16 cache.
+ * fp32 activations, contiguous rows; the KV write also into an fp16 or a bf16 cache.
  */
 #include <math.h>
 #include <stdint.h>
@@ -100,6 +100,32 @@ static void silu_mul_row(const float *restrict g, const float *restrict u, float
 void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= (1 << 16))
     for (int64_t t = 0; t < T; t++) silu_mul_row(gate_up + t * 2 * I, gate_up + t * 2 * I + I, out + t * I, I);
+}
+
+/* fp32 -> bf16, rounded to nearest even as torch's .to(torch.bfloat16) (NaN stays a quiet NaN) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* qw_store_kv_f32 for a bf16 cache (the CPU engine's kv_cache_dtype="bfloat16"). */
+int qw_store_kv_bf16(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
+                     uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T, int HD, int64_t num_slots) {
+    if (!slots_in_range(slots, T, num_slots)) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const float *restrict k = key + t * key_stride, *restrict v = value + t * value_stride;
+        uint16_t *restrict kd = k_cache + slot * HD, *restrict vd = v_cache + slot * HD;
+        for (int i = 0; i < HD; i++) {
+            kd[i] = f32_to_bf16(k[i]);
+            vd[i] = f32_to_bf16(v[i]);
+        }
+    }
+    return 0;
 }
 
 #if defined(__AVX2__) && defined(__F16C__)

@@ -15,8 +15,8 @@
  * order and finish each page for every head the item owns before the next one, so every page
  * is read from memory once, as one contiguous run (block_size * Hkv * D floats): scores
  * (q . k) for all heads, a softmax per query head, then the weighted sum of V rows.
- * q, out and all arithmetic are fp32; the cache is fp32 or fp16 (converted on load, F16C),
- * one copy of paged_decode_impl.h each.
+ * q, out and all arithmetic are fp32; the cache is fp32, fp16 (converted on load, F16C) or
+ * bf16 (converted on load: a 16-bit shift), one copy of paged_decode_impl.h each.
  *
  * Built by kernels/cpu.py with -O3 -march=native -fopenmp and loaded with ctypes. libgomp is the
  * same library torch loaded (same soname), so this code and torch share one OpenMP thread pool.
@@ -59,3 +59,23 @@
 #undef FN
 #endif
 
+/* bf16 cache (half the traffic as well; the upper 16 bits of an fp32): qw_paged_decode_bf16 */
+#define KV_T uint16_t
+#ifdef QW_AVX
+#define LOAD8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+#define LOAD1(p) qw_bf16_to_f32(*(p))
+#define FN(name) QW_CAT(name, bf16)
+static inline float qw_bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#include "paged_decode_impl.h"
+#undef KV_T
+#ifdef QW_AVX
+#undef LOAD8
+#endif
+#undef LOAD1
+#undef FN

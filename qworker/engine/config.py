@@ -13,9 +13,11 @@ class EngineConfig:
     model: str
     device: str = "auto"  # "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
     dtype: str = "auto"  # "float32", "bfloat16", "float16", or "auto" (fp32 on CPU, bf16 on CUDA)
-    # KV cache element type: "auto" (the model's dtype), "float32" or "float16". An fp16 cache on
-    # an fp32 CPU model holds twice the tokens in the same memory and halves decode attention's
-    # memory traffic, at the cost of rounding K/V to half precision (greedy outputs can then
+    # On CPU "bfloat16" needs AVX512_BF16 or AMX (else a clear error): bf16 weights and GEMMs
+    # (fp32 accumulation), fp32 activations between them, a bf16 KV cache unless kv_cache_dtype says.
+    # KV cache element type: "auto" (the model's dtype), "float32", "float16" or "bfloat16". A
+    # 16-bit cache on an fp32 CPU model holds twice the tokens in the same memory and halves
+    # decode attention's memory traffic, at the cost of rounding K/V (greedy outputs can then
     # differ from an fp32 reference where the top two tokens are close). CPU only.
     kv_cache_dtype: str = "auto"
     block_size: int = 16
@@ -41,8 +43,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.scheduling_policy not in ("priority", "fcfs"):
             raise ValueError(f"scheduling_policy must be 'priority' or 'fcfs', got {self.scheduling_policy!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32 or float16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

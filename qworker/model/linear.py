@@ -46,15 +46,19 @@ _choices: dict[tuple, str] = {}
 
 
 class Linear:
-    """One projection, called as ``linear(x)`` with ``x`` ``[T, in]`` -> ``[T, out]``."""
+    """One projection, called as ``linear(x)`` with ``x`` ``[T, in]`` -> ``[T, out]``.
 
-    __slots__ = ("backend", "in_features", "out_features", "weight", "bias")
+    With ``act_dtype`` (the CPU bf16 mode: bf16 weights, fp32 activations) the input is rounded to
+    the weight's dtype for the GEMM (fp32 accumulation) and the output returned in ``act_dtype``."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str):
+    __slots__ = ("backend", "in_features", "out_features", "weight", "bias", "act_dtype")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str, act_dtype: torch.dtype | None = None):
         """``weight``: ``[out, in]`` as checkpoints store it; it is kept only in the path's layout."""
         self.backend = backend
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.act_dtype = act_dtype if act_dtype is not None and act_dtype != weight.dtype else None
         if backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         elif backend == "matmul":
@@ -65,6 +69,11 @@ class Linear:
             raise ValueError(f"unknown linear backend {backend!r}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_dtype is not None:
+            return self._gemm(x.to(self.weight.dtype)).to(self.act_dtype)
+        return self._gemm(x)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         y = x @ self.weight
@@ -103,6 +112,24 @@ def onednn_supported(dtype: torch.dtype) -> tuple[bool, str]:
     if not torch.allclose(y, ref, rtol=tol, atol=tol):
         return False, "oneDNN linear gave wrong results on the start-up check"
     return True, ""
+
+
+def check_cpu_bf16() -> None:
+    """``dtype="bfloat16"`` on CPU needs bf16 GEMM hardware (AVX512_BF16 or AMX) and oneDNN's bf16
+    linear; anywhere else bf16 GEMMs are emulated and several times slower than fp32, so this
+    raises a ValueError saying so. ``QWORKER_CPU_BF16=force`` skips the check (tests, or to
+    measure the slow path)."""
+    if os.environ.get("QWORKER_CPU_BF16") == "force":
+        return
+    cpu = torch.cpu
+    hw = [name for name, probe in (("AVX512_BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+          if getattr(cpu, probe, lambda: False)()]
+    ok, why = onednn_supported(torch.bfloat16)
+    if hw and ok:
+        return
+    detail = why if hw else f"this CPU has neither AVX512_BF16 nor AMX (torch's CPU capability: {torch.backends.cpu.get_cpu_capability()})"
+    raise ValueError(f"dtype='bfloat16' on CPU needs bf16 GEMM hardware (AVX512_BF16 or AMX) and oneDNN's bf16 linear: {detail}. "
+                     "Use dtype='float32' (the CPU default); kv_cache_dtype='bfloat16' or 'float16' still halves the KV cache.")
 
 
 def cpu_linear_backend(dtype: torch.dtype, sample: list[torch.Tensor]) -> str:

@@ -54,10 +54,15 @@ class LlamaModel:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-        self.embed = weights.pop("model.embed_tokens.weight")
-        self.norm = weights.pop("model.norm.weight")
+        # CPU bf16: bf16 weights and GEMMs (oneDNN, fp32 accumulation), fp32 activations between
+        # them (norms, rotary, attention and the residual stream in fp32, as the C kernels want)
+        self.act_dtype = torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+        act = self.act_dtype
+        embed = weights.pop("model.embed_tokens.weight")
+        self.embed = embed.to(act)  # the lookup table
+        self.norm = weights.pop("model.norm.weight").to(act)
         lm_head = weights.pop("lm_head.weight", None)
-        lm_head = self.embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
+        lm_head = embed if lm_head is None or getattr(config, "tie_word_embeddings", False) else lm_head
         raw = [self._take_layer(weights, i) for i in range(self.num_layers)]
         if device.type == "cuda":
             self.linear_backend = "transposed"
@@ -66,19 +71,20 @@ class LlamaModel:
             sample = [w for layer in raw[:2] for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
             self.linear_backend = cpu_linear_backend(dtype, sample)
         # a tied head gets its own copy in the GEMM layout; the embedding keeps its rows for lookups
-        self.lm_head = Linear(lm_head, None, self.linear_backend)
+        self.lm_head = Linear(lm_head, None, self.linear_backend, act)
+        del embed, lm_head
         self.layers = []
         for layer in raw:
             self.layers.append(LayerWeights(
-                input_norm=layer["input_norm"],
-                qkv=Linear(layer["qkv"], layer["qkv_bias"], self.linear_backend),
-                o=Linear(layer["o"], None, self.linear_backend),
-                post_norm=layer["post_norm"],
-                gate_up=Linear(layer["gate_up"], None, self.linear_backend),
-                down=Linear(layer["down"], None, self.linear_backend),
+                input_norm=layer["input_norm"].to(act),
+                qkv=Linear(layer["qkv"], layer["qkv_bias"], self.linear_backend, act),
+                o=Linear(layer["o"], None, self.linear_backend, act),
+                post_norm=layer["post_norm"].to(act),
+                gate_up=Linear(layer["gate_up"], None, self.linear_backend, act),
+                down=Linear(layer["down"], None, self.linear_backend, act),
             ))
             layer.clear()  # the [out, in] originals go as each layer is converted
-        self.rope = RotaryEmbedding(config, self.head_dim, max_positions, device, dtype, backend)
+        self.rope = RotaryEmbedding(config, self.head_dim, max_positions, device, act, backend)
         self.attn = PagedAttention(backend, scale=self.head_dim**-0.5)
         triton = backend == "triton"
         # fused residual-add + RMSNorm: the Triton kernel, or the C kernel on CPU

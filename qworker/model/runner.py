@@ -13,6 +13,7 @@ import torch
 from qworker.model.attention import AttentionMetadata
 from qworker.model.batch import Batch
 from qworker.model.kv_cache import KVCache, bytes_per_block
+from qworker.model.linear import check_cpu_bf16
 from qworker.model.llama import LlamaModel
 from qworker.model.loader import load_config, load_state_dict, resolve_device, resolve_dtype
 
@@ -22,6 +23,8 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", kernel_backend: str | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            check_cpu_bf16()  # a clear error where bf16 GEMMs would be emulated
         self.kv_dtype = self.dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype, self.device)
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             # the Triton kernels are only checked with a cache of the model's dtype

@@ -105,6 +105,21 @@ def test_fp16_cache_matches_oracle(seed, bs, hkv, g, d):
     assert_close(out, exact.float(), torch.float32, f"fp16 cache lens={lens}")
 
 
+@pytest.mark.parametrize("bs,hkv,g,d", [(16, 3, 3, 64), (32, 2, 4, 128)])
+def test_bf16_cache_matches_oracle(seed, bs, hkv, g, d):
+    """A bf16 cache with fp32 queries (``kv_cache_dtype="bfloat16"``): exact up to fp32 rounding
+    against the oracle on the same bf16 values."""
+    gen = generator(seed)
+    lens = random_lens(gen, 5, bs, 6 * bs)
+    batch = make_paged_batch(gen, lens=lens, q_lens=[1] * len(lens), block_size=bs, num_kv_heads=hkv, group=g,
+                             head_dim=d, dtype=torch.float32, device="cpu")
+    kb, vb = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
+    out = poisoned_like(batch.q)
+    paged_decode_attention_cpu(batch.q, kb, vb, batch.block_tables, batch.seq_lens, batch.scale, out=out)
+    exact = oracle_attention(type(batch)(**{**batch.__dict__, "k_cache": kb.double(), "v_cache": vb.double()}))
+    assert_close(out, exact.float(), torch.float32, f"bf16 cache lens={lens}")
+
+
 def test_out_of_range_block_ids_raise_before_reading(seed):
     """A live block-table entry outside the cache is refused (IndexError, like the reference's
     indexing), never read; padding entries past a sequence's pages are still ignored."""

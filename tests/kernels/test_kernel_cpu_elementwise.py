@@ -104,6 +104,25 @@ def test_store_kv_into_fp16_cache(seed):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+def test_store_kv_into_bf16_cache(seed):
+    """Rounding to bf16 is torch's (nearest even, infinities kept), bit for bit; a NaN stays a NaN
+    (torch's own bit pattern for it differs between its scalar and vector paths)."""
+    gen = generator(seed)
+    T, Hkv, D, blocks, bs = 21, 3, 64, 8, 16
+    key = torch.randn(T, Hkv, D, generator=gen) * 100
+    value = torch.randn(T, Hkv, D, generator=gen) * 1e-3
+    key[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0e38])
+    value[1, 1, :3] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -0.0])  # ties to even
+    slots = torch.randperm(blocks * bs, generator=gen)[:T]
+    caches = [torch.zeros((blocks, bs, Hkv, D), dtype=torch.bfloat16) for _ in range(4)]
+    store_kv_cpu(key, value, caches[0], caches[1], slots)
+    store_kv_ref(key, value, caches[2], caches[3], slots)
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        nan = b.isnan()
+        assert torch.equal(a.isnan(), nan)
+        assert torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])
+
+
 def test_without_a_compiler_everything_falls_back(tmp_path):
     """No compiler (CC=false, an empty cache): a warning, then the torch references, same results."""
     import subprocess
