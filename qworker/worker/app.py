@@ -255,28 +255,37 @@ class Worker:
 
     # ------------------------------------------------------------------ polling
     async def _poll_loop(self) -> None:
-        assert self.consumer is not None and self.pauser is not None and self._wake is not None
+        """Never ends before ``stop``: a poll loop that dies leaves its partitions held and
+        unanswered (the consumer keeps heartbeating), so every round's failure is contained."""
         while not self._closed:
-            want_pause = self.draining or self.admission.should_pause(len(self.pending), self.pauser.paused)
             try:
-                if self.pauser.apply(want_pause):
-                    self.stats.pause_events += 1
-            except (KafkaError, AssertionError) as e:  # assignment changing under us: next round
-                log.debug("pause/resume skipped: %r", e)
-            room = max(1, self.settings.max_waiting_jobs - len(self.pending))
-            try:
-                # Polling continues while paused: it keeps this member alive in the group
-                # (max_poll_interval_ms) however long the engine works.
-                batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
-            except KafkaError as e:
-                log.warning("poll failed: %r", e)
+                await self._poll_once()
+            except Exception:  # noqa: BLE001 - logged; the next round starts afresh
+                log.exception("poll round failed")
                 await asyncio.sleep(0.2)
-                continue
-            except Exception as e:  # noqa: BLE001 - aiokafka could not decode a record (header key not UTF-8)
-                log.warning("poll: undecodable record (%r); dead-lettering it", e)
-                await self._skip_undecodable()
-                continue
-            await self._handle_records([(tp, rec) for tp, records in batches.items() for rec in records])
+
+    async def _poll_once(self) -> None:
+        assert self.consumer is not None and self.pauser is not None and self._wake is not None
+        want_pause = self.draining or self.admission.should_pause(len(self.pending), self.pauser.paused)
+        try:
+            if self.pauser.apply(want_pause):
+                self.stats.pause_events += 1
+        except (KafkaError, AssertionError) as e:  # assignment changing under us: next round
+            log.debug("pause/resume skipped: %r", e)
+        room = max(1, self.settings.max_waiting_jobs - len(self.pending))
+        try:
+            # Polling continues while paused: it keeps this member alive in the group
+            # (max_poll_interval_ms) however long the engine works.
+            batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
+        except KafkaError as e:
+            log.warning("poll failed: %r", e)
+            await asyncio.sleep(0.2)
+            return
+        except Exception as e:  # noqa: BLE001 - aiokafka could not decode a record (header key not UTF-8)
+            log.warning("poll: undecodable record (%r); dead-lettering it", e)
+            await self._skip_undecodable()
+            return
+        await self._handle_records([(tp, rec) for tp, records in batches.items() for rec in records])
 
     async def _handle_records(self, records: list[tuple[TopicPartition, Any]]) -> None:
         """Decode and register each record; then tokenize the new jobs off the event loop. The

@@ -132,7 +132,11 @@ class CancelWatcher:
                 continue
             except Exception as e:  # noqa: BLE001 - e.g. a header key aiokafka cannot decode
                 log.warning("cancel reader: undecodable record (%r); skipping it", e)
-                await self._skip_undecodable()
+                try:
+                    await self._skip_undecodable()
+                except Exception:  # noqa: BLE001 - a dead reader would silently drop every later cancel
+                    log.exception("cancel reader: skipping failed")
+                    await asyncio.sleep(0.5)
                 continue
             for records in batches.values():
                 for rec in records:
