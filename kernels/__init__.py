@@ -24,6 +24,7 @@ import importlib.util
 import torch
 
 from .cpu import (
+    argmax_rows_cpu,
     cpu_kernels_available,
     paged_decode_attention_cpu,
     rms_norm_cpu,
@@ -45,6 +46,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 __all__ = [
     "HAS_TRITON",
+    "argmax_rows_cpu",
     "cpu_kernels_available",
     "paged_decode_attention_cpu",
     "rms_norm_cpu",

@@ -74,6 +74,7 @@ _SIGNATURES = {
     "qw_add_rms_norm_f32": ([_P, _P, _P, _P, _P, _I64, _I32, _F32, _I32], None),
     "qw_rope_f32": ([_P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], None),
     "qw_silu_mul_f32": ([_P, _P, _I64, _I32, _I32], None),
+    "qw_argmax_rows_f32": ([_P, _I64, _I64, _I64, _P, _I32], None),
 }
 
 
@@ -276,6 +277,20 @@ def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     T, two_i = gate_up.shape
     out = torch.empty((T, two_i // 2), dtype=gate_up.dtype)
     lib.qw_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def argmax_rows_cpu(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for fp32 ``[rows, cols]`` CPU logits (rows contiguous), as int64:
+    the first index of each row's maximum, or of its first NaN, like torch. Torch's argmax
+    reduction runs at ~1 GB/s here (6.6 ms for 64 x 49152 on one core); this reads at memory speed."""
+    lib = _library()
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or logits.stride(1) != 1 or logits.shape[1] == 0):
+        return logits.argmax(dim=-1)
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.qw_argmax_rows_f32(logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
 
 

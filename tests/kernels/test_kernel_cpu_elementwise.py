@@ -152,3 +152,26 @@ def test_store_kv_refuses_out_of_range_slots(seed):
     with pytest.raises(IndexError):
         store_kv_cpu(key, value, caches[0], caches[1], torch.tensor([0, 5, 48, 1]))  # 48 = 3 * 16
     assert not caches[0].any() and not caches[1].any()
+
+
+@pytest.mark.parametrize("cols", [1, 7, 8, 15, 16, 17, 1000, 49152])
+def test_argmax_rows_matches_torch(seed, cols):
+    """First index of the maximum (ties, -inf rows, a row of equal values), first NaN when there
+    is one, rows of a wider (strided) buffer."""
+    from kernels import argmax_rows_cpu
+
+    gen = generator(seed)
+    x = torch.randn(9, cols + 3, generator=gen)[:, :cols]  # row stride cols + 3
+    x[1] = 0.25  # all equal: index 0
+    x[2] = -float("inf")
+    if cols > 4:
+        x[3, 2] = x[3, cols - 1] = 50.0  # a tie: the first
+        x[4, cols // 2] = float("nan")
+        x[4, cols - 1] = float("nan")
+        x[5, -1] = float("nan")
+        x[6, 0] = float("inf")
+        x[7, 1] = -0.0
+        x[7, 2:] = -1.0
+        x[7, 0] = 0.0
+    assert torch.equal(argmax_rows_cpu(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows_cpu(x[:0]), x[:0].argmax(dim=-1))
