@@ -7,21 +7,23 @@
 #ifdef QW_AVX
 
 /* scores[t] = scale * q . k_t for n <= 8 consecutive tokens (k rows token_stride apart);
- * D is a multiple of 8. */
+ * D is a multiple of 8. The 8 tokens' dot products run interleaved, one accumulator each, so
+ * that 8 independent FMA chains hide the FMA latency and each q vector is loaded once for all 8
+ * (one token at a time, the 4-deep chains of a 64-wide dot product left the FMA units idle most
+ * of the time). Tokens past n re-read row n - 1 (valid memory); their sums are dropped. */
 static inline void FN(score_tokens)(const float *restrict q, const KV_T *restrict k, int64_t token_stride,
                                 int n, int D, float scale, float *restrict scores) {
     __m256 r[8];
+    const KV_T *kt[8];
+#pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
-        if (t >= n) { r[t] = _mm256_setzero_ps(); continue; }
-        const KV_T *kt = k + t * token_stride;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int d = 0;
-        for (; d + 16 <= D; d += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LOAD8(kt + d), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), LOAD8(kt + d + 8), a1);
-        }
-        if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LOAD8(kt + d), a0);
-        r[t] = _mm256_add_ps(a0, a1);
+        r[t] = _mm256_setzero_ps();
+        kt[t] = k + (t < n ? t : n - 1) * token_stride;
+    }
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) r[t] = _mm256_fmadd_ps(qd, LOAD8(kt[t] + d), r[t]);
     }
     /* transpose-and-add: lane t of the result is the sum of r[t]'s lanes */
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
