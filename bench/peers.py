@@ -209,7 +209,7 @@ def worker_qworker(job: dict) -> dict:
     from qworker import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(job["model"], dtype=job["dtype"], kv_cache_memory=int(job["kv_memory_mib"] * MiB))
+    llm = LLM(job["model"], dtype=job["dtype"], kv_cache_memory=int(job["kv_memory_mib"] * MiB), **job.get("engine_args", {}))
     load = time.perf_counter() - start
     warm = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2
     llm.generate(job["warmup"], warm)
@@ -223,7 +223,8 @@ def worker_qworker(job: dict) -> dict:
     seconds, outs = report.run_threaded(timed)  # the engine steps in its own thread, as in the worker
     m = llm.engine.runner.model
     return {"seconds": seconds, "load_s": load, "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "detail": {"linear_backend": getattr(m, "linear_backend", ""), "dtype": str(m.dtype), "kv_memory_mib": job["kv_memory_mib"]}}
+            "detail": {"linear_backend": getattr(m, "linear_backend", ""), "dtype": str(m.dtype), "kv_memory_mib": job["kv_memory_mib"],
+                       "engine_args": job.get("engine_args", {}), "preemptions": llm.stats()["preemptions_swap"] + llm.stats()["preemptions_recompute"]}}
 
 
 def worker_vllm(job: dict, eager: bool) -> dict:
@@ -338,6 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-memory-mib", type=float, default=1024, help="qworker's KV memory (vLLM gets VLLM_CPU_KVCACHE_SPACE=1 GiB)")
     ap.add_argument("--cache-dir", default=None, help="where the peers are set up (default $XDG_CACHE_HOME/qworker/peers)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                    help="a qworker EngineConfig field for this run, e.g. max_num_batched_tokens=2048 (repeatable)")
     ap.add_argument("--setup-only", action="store_true", help="install/build the chosen peers and exit")
     args = ap.parse_args(argv)
     peers = [p for p in args.peers.split(",") if p]
@@ -364,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     items = workloads.mixed(tok, num=num, seed=args.seed, prompt_range=(16, max_prompt), output_range=(min(32, max_out), max_out))
     warm = workloads.mixed(tok, num=2, seed=args.seed + 1, prompt_range=(8, 16), output_range=(8, 8))
-    job = {"model": str(model_dir), "dtype": args.dtype, "kv_memory_mib": args.kv_memory_mib,
+    job = {"model": str(model_dir), "dtype": args.dtype, "kv_memory_mib": args.kv_memory_mib, "engine_args": _engine_args(args.engine_arg),
            "prompts": [it.prompt_ids for it in items], "max_tokens": [it.max_tokens for it in items], "warmup": [w.prompt_ids for w in warm]}
     result = report.meta(args.device, args.dtype)
     result["workload"] = {"requests": num, "prompt_tokens": sum(map(len, job["prompts"])), "useful_output_tokens": sum(job["max_tokens"]),
@@ -403,6 +406,17 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _engine_args(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name] = value
+    return out
+
+
 def markdown(r: dict) -> str:
     w = r["workload"]
     lines = [report_header(r), "",
@@ -417,6 +431,11 @@ def markdown(r: dict) -> str:
     from bench import report
 
     lines.append(report.table(["system", "useful tokens/s", "seconds", "load s", "qworker / system", "outputs identical to qworker's"], rows))
+    q = r["systems"].get("qworker")
+    if q:
+        d = q["detail"]
+        lines += ["", f"qworker: {d['dtype']}, linears {d['linear_backend']}, {d['kv_memory_mib']:.0f} MiB KV, "
+                      f"engine args {d.get('engine_args') or 'defaults'}, {d.get('preemptions', 0)} preemptions"]
     return "\n".join(lines)
 
 
