@@ -130,3 +130,13 @@ def test_online(tiny_model_dir, tmp_path):
     assert run["output_tokens_per_s"] > 0 and run["worker_ttft_s"]["n"] == 4
     assert r["worker_exit_code"] == 0
     assert r["target"]["engine_ttft_p50_s"] > 0 and r["engine_at_target"]["requests"] == 4
+
+
+def test_gemm_paths(tiny_model_dir, tmp_path, capsys):
+    from bench import gemm_paths
+
+    r = gemm_paths.main(["--model", str(tiny_model_dir), "--quick", "--rows", "1,4", "--hints", "none,16", "--rounds", "1", "--out", str(tmp_path)])
+    assert r == _json(tmp_path, "gemm_paths") | {"rows": r["rows"]}
+    assert set(r["rows"]) == {1, 4}
+    assert set(r["rows"][4]["ms"]) == {"x @ w", "F.linear", "oneDNN hint=None", "oneDNN hint=16"}
+    assert "| rows |" in capsys.readouterr().out
