@@ -48,11 +48,17 @@ def run(
     option: list[str] = typer.Option([], "--option", "-o", help="Any other setting as KEY=VALUE (e.g. -o session_timeout_ms=6000)"),
 ) -> None:
     """Run the worker until SIGTERM (which drains, commits and exits 0)."""
-    settings = _settings(
-        bootstrap_servers, model=model, group_id=group_id, http_port=http_port, drain_timeout_s=drain_timeout_s,
-        max_waiting_jobs=max_waiting_jobs, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
-        **_parse_options(option),
-    )
+    from pydantic import ValidationError
+
+    try:
+        settings = _settings(
+            bootstrap_servers, model=model, group_id=group_id, http_port=http_port, drain_timeout_s=drain_timeout_s,
+            max_waiting_jobs=max_waiting_jobs, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
+            **_parse_options(option),
+        )
+    except ValidationError as e:  # a misconfiguration: one line naming the variable, no traceback
+        typer.echo(f"qworker: {WorkerSettings.explain(e)}", err=True)
+        raise typer.Exit(2) from None
     if settings.log_format == "json":
         from qworker.telemetry import configure_json_logging
 

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "QWORKER_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -61,9 +61,10 @@ class WorkerSettings(BaseModel):
     max_poll_interval_ms: int = 300_000
     fetch_max_wait_ms: int = 100
     request_timeout_ms: int = 30_000
-    commit_interval_ms: int = 500
-    stream_interval_ms: int = 50
-    cancel_ttl_s: float = 600.0
+    # at least 1 ms: 0 would turn the commit loop and a streaming job's ticker into busy loops
+    commit_interval_ms: int = Field(500, ge=1)
+    stream_interval_ms: int = Field(50, ge=1)
+    cancel_ttl_s: float = Field(600.0, ge=0)
     # The largest record the worker produces (uncompressed key + value + headers). Match the
     # broker's message.max.bytes (Kafka's default is about 1 MB): a completion over it is
     # answered with error 'result_too_large' instead of being retried forever.
@@ -87,12 +88,21 @@ class WorkerSettings(BaseModel):
     admission_reserve_tokens: int = Field(256, ge=0)
     drain_timeout_s: float = 120.0
     http_host: str = "0.0.0.0"
-    http_port: int = 8080  # 0: any free port; -1: no HTTP server
+    http_port: int = Field(8080, ge=-1, le=65535)  # 0: any free port; -1: no HTTP server
     # /healthz fails when the engine loop made no progress for this long while jobs run; it
     # must exceed the longest step (a full prefill batch on a slow device)
     liveness_timeout_s: float = Field(120.0, gt=0)
     log_level: str = "INFO"
     log_format: Literal["json", "text"] = "json"  # json: one object per line, with trace ids
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        import logging
+
+        if not isinstance(logging.getLevelName(v.upper()), int):
+            raise ValueError(f"not a log level: {v!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+        return v
 
     @field_validator("kv_cache_memory", "swap_space", mode="before")
     @classmethod
@@ -115,6 +125,18 @@ class WorkerSettings(BaseModel):
                 values[name] = env[key]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(values)
+
+    @classmethod
+    def explain(cls, err: ValidationError) -> str:
+        """One line naming each bad setting by its environment variable (what an operator sets)."""
+        parts = []
+        for e in err.errors(include_url=False):
+            name = str(e["loc"][0]) if e["loc"] else ""
+            var = ENV_PREFIX + name.upper() if name in cls.model_fields else name or "settings"
+            given = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+            msg = e["msg"].removeprefix("Value error, ")
+            parts.append(f"{var}: {msg}{given}" if name in cls.model_fields else f"unknown setting {name!r}")
+        return "invalid settings: " + "; ".join(parts)
 
     def engine_config(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncEngine.from_model`` (only what was set)."""

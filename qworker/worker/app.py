@@ -24,7 +24,7 @@ from dataclasses import asdict
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from pydantic import BaseModel
 
 from qworker.config import WorkerSettings
@@ -125,7 +125,9 @@ class Worker:
             from qworker.engine import AsyncEngine
 
             if not s.model:
-                raise ValueError("no model: set QWORKER_MODEL or --model")
+                raise StartupError("no model: set QWORKER_MODEL or --model to the model directory")
+            if not os.path.isfile(os.path.join(s.model, "config.json")):
+                raise StartupError(f"QWORKER_MODEL={s.model!r} is not a model directory (no config.json there)")
             # in a thread: the probe server must keep answering while the weights load
             self.engine = await asyncio.to_thread(AsyncEngine.from_model, s.model, **s.engine_config())
             await self.engine.start()
@@ -146,7 +148,7 @@ class Worker:
         if s.model:
             self.model_names.add(os.path.basename(os.path.normpath(s.model)))
         self.producer = AIOKafkaProducer(**s.producer_options())
-        await self.producer.start()
+        await self._connect(self.producer)
         self.publisher = Publisher(self.producer, lambda: self.giving_up, s.max_message_bytes)
         self.runner = JobRunner(self.engine, self.publisher, s.tokens_topic, s.stream_interval_ms / 1000, self.model_name)
         if self.draining:  # the last await before subscribing: check once more
@@ -154,7 +156,7 @@ class Worker:
             return
         self.consumer = AIOKafkaConsumer(**s.consumer_options())
         self.consumer.subscribe([s.jobs_topic], listener=kc.Listener(self._on_revoked, self._on_assigned))
-        await self.consumer.start()
+        await self._connect(self.consumer)
         self.pauser = kc.Pauser(self.consumer)
         self._cancel_watcher = CancelWatcher(s.cancel_topic, s.consumer_options(), self.cancel, s.cancel_ttl_s)
         await self._cancel_watcher.start()
@@ -167,6 +169,20 @@ class Worker:
             t.add_done_callback(self._loop_ended)
         self.ready = True
         log.info("worker %s up: model %s, jobs %s, group %s", s.client_id, self.model_name, s.jobs_topic, s.group_id)
+
+    async def _connect(self, client: AIOKafkaProducer | AIOKafkaConsumer) -> None:
+        """Start a Kafka client; a broker that cannot be reached at all is a startup error (one
+        line naming the setting), not a traceback."""
+        try:
+            await client.start()
+        except KafkaConnectionError as e:
+            with contextlib.suppress(Exception):
+                await client.stop()
+            if client is self.producer:
+                self.producer = None
+            else:
+                self.consumer = None
+            raise StartupError(f"cannot reach Kafka at {self.settings.bootstrap_servers!r} ({e}); check QWORKER_BOOTSTRAP_SERVERS") from e
 
     def loops_alive(self) -> bool:
         """Liveness: every background loop runs (before they start, and while stopping, there is
@@ -242,6 +258,22 @@ class Worker:
         if self.http is not None:
             await self.http.stop()
         log.info("worker stopped: %s", self.stats)
+
+    async def close_after_failed_start(self) -> None:
+        """Quietly close whatever ``start`` opened before it failed (nothing was consumed, so
+        there is nothing to drain or commit)."""
+        self._closed = True
+        for t in self._loops:
+            t.cancel()
+        closers = [self._cancel_watcher.stop() if self._cancel_watcher is not None else None,
+                   self.consumer.stop() if self.consumer is not None else None,
+                   self.producer.stop() if self.producer is not None else None,
+                   self.engine.shutdown() if self._owns_engine and self.engine is not None else None,
+                   self.http.stop() if self.http is not None else None]
+        for c in closers:
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    await c
 
     async def _warm_up(self) -> None:
         """One tiny generation before taking jobs: the first step pays one-off costs (allocator,
@@ -750,7 +782,12 @@ async def serve(settings: WorkerSettings, engine: Any | None = None) -> int:
 
     w = Worker(settings, engine)
     shutdown.install(asyncio.get_running_loop(), w.request_stop, w.hurry)
-    await w.start()
+    try:
+        await w.start()
+    except BaseException:
+        # close what did start (probe server, producer, engine) before the error is reported
+        await w.close_after_failed_start()
+        raise
     await w.wait_stop_requested()
     await w.stop()
     return 0

@@ -36,8 +36,11 @@ class CancelRegistry:
 
     def add(self, job_id: str, at: float | None = None) -> bool:
         """Remember a cancel made at Unix time ``at`` (default now); False if already expired."""
-        at = time.time() if at is None else at
-        if time.time() - at > self.ttl_s:
+        now = time.time()
+        # a timestamp from the future (a producer's skewed clock) counts as now: else the cancel
+        # would outlive its TTL by the skew, on this pod only
+        at = now if at is None else min(at, now)
+        if now - at > self.ttl_s:
             return False
         if at >= self._ids.get(job_id, float("-inf")):
             self._ids[job_id] = at

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
+import orjson
 from aiokafka.errors import KafkaError
 
 from qworker.messages import Delta, dumps
@@ -76,7 +78,7 @@ class StreamCoalescer:
             ids: list[int] = []
             size = 0
             for t, tids in pieces:
-                n = len(t.encode("utf-8", "surrogatepass")) + 12 * len(tids)  # JSON digits and commas, generously
+                n = _json_len(t) + 12 * len(tids)  # as the text is escaped in JSON; ids' digits and commas, generously
                 if (text or ids) and size + n > max_event_bytes:
                     events.append(self._event(index, "".join(text), ids))
                     text, ids, size = [], [], 0
@@ -85,6 +87,20 @@ class StreamCoalescer:
                 size += n
             events.append(self._event(index, "".join(text), ids))
         return events
+
+
+def _json_len(text: str) -> int:
+    """Bytes ``text`` takes inside a JSON message as ``dumps`` writes it: control characters,
+    quotes and backslashes are escaped (``\\u0000`` is 6 bytes for 1), and lone surrogates make
+    ``dumps`` fall back to ASCII-only escapes."""
+    try:
+        return len(orjson.dumps(text)) - 2
+    except orjson.JSONEncodeError:
+        return len(json.dumps(text, ensure_ascii=True)) - 2
+
+
+# Room for a delta's envelope (ids, field names) and its headers (traceparent, tracestate).
+_ENVELOPE = 4096
 
 
 class StreamSender:
@@ -134,4 +150,6 @@ class StreamSender:
                 new_id = uuid.uuid4().hex[:16]
                 log.warning("stream %s/%s: delivery failed (%r); replaying it as run %s", self.coalescer.job_id, self.run_id, failed, new_id)
                 await self.publisher.wait_retry(self.topic, failed, 0.2)  # raises when stopping
-                await self._send_all(self.coalescer.restart(new_id))
+                # each replayed event must fit the size limit the original events were sent under
+            limit = getattr(self.publisher, "max_message_bytes", None) or 1_000_000
+            await self._send_all(self.coalescer.restart(new_id, max(1024, min(256 * 1024, limit - _ENVELOPE))))

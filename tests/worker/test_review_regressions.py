@@ -1,0 +1,161 @@
+"""Regression tests for defects found by the review of the issue-12 fixes. Each failed before
+its fix (see the docstrings); fast: units, in-process CLI runs and the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from qworker.messages import dumps
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------ configuration and start-up
+@pytest.mark.parametrize(
+    "env, var",
+    [
+        ({"QWORKER_MAX_WAITING_JOBS": "abc"}, "QWORKER_MAX_WAITING_JOBS"),
+        ({"QWORKER_KV_CACHE_MEMORY": "lots"}, "QWORKER_KV_CACHE_MEMORY"),
+        ({"QWORKER_LOG_LEVEL": "bogus"}, "QWORKER_LOG_LEVEL"),  # was a ValueError from logging
+        ({"QWORKER_STREAM_INTERVAL_MS": "0"}, "QWORKER_STREAM_INTERVAL_MS"),  # was a busy ticker
+        ({"QWORKER_COMMIT_INTERVAL_MS": "0"}, "QWORKER_COMMIT_INTERVAL_MS"),
+        ({"QWORKER_HTTP_PORT": "70000"}, "QWORKER_HTTP_PORT"),  # was an OverflowError at bind
+        ({"QWORKER_HTTP_PORT": "-1", "QWORKER_MODEL": "/nonexistent"}, "QWORKER_MODEL"),  # was a transformers traceback
+        ({"QWORKER_HTTP_PORT": "-1"}, "QWORKER_MODEL"),  # no model at all
+    ],
+)
+def test_misconfiguration_is_one_line_exit_2(env: dict, var: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a pydantic ValidationError / ValueError / OSError traceback, exit status 1."""
+    from qworker import cli
+
+    for k in ("QWORKER_MODEL", "QWORKER_HTTP_PORT", "QWORKER_LOG_LEVEL"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("QWORKER_LOG_FORMAT", "text")
+    monkeypatch.setenv("QWORKER_LOG_LEVEL", env.get("QWORKER_LOG_LEVEL", "ERROR"))
+    r = CliRunner().invoke(cli.app, ["run"])
+    err = r.stderr
+    assert r.exit_code == 2, (r.exit_code, err, r.exception)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert "Traceback" not in err and len(lines) == 1 and var in lines[0], err
+
+
+def test_unknown_option_is_one_line_exit_2() -> None:
+    from qworker import cli
+
+    r = CliRunner().invoke(cli.app, ["run", "-o", "bogus_setting=1"])
+    assert r.exit_code == 2 and "bogus_setting" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------ stream replay size
+async def test_replayed_stream_events_fit_max_message_bytes() -> None:
+    """A stream replayed after an ambiguous acknowledgement failure is regrouped into events of
+    up to 256 KiB, measured before JSON escaping. Before: with max_message_bytes=16 KiB (allowed)
+    every replay of a stream longer than 16 KiB was refused (a healthy job answered
+    result_too_large); with the default 1 MB, text of control characters (6 bytes each in JSON)
+    made 1.4 MB events."""
+    from aiokafka.errors import KafkaTimeoutError
+
+    from qworker.worker.publisher import Publisher
+    from qworker.worker.stream import StreamCoalescer, StreamSender
+
+    class Producer:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+            self.fail = True
+
+        async def send(self, topic, value=None, key=None, headers=None):
+            fut = asyncio.get_running_loop().create_future()
+            if self.fail:
+                fut.set_exception(KafkaTimeoutError())  # ambiguous: the stream is replayed
+            else:
+                self.sent.append(value)
+                fut.set_result(None)
+            return fut
+
+    for limit, piece in ((16_384, "word "), (1_000_000, "\x00" * 100)):
+        prod = Producer()
+        pub = Publisher(prod, lambda: False, max_message_bytes=limit)  # type: ignore[arg-type]
+        sender = StreamSender(pub, "t", StreamCoalescer("j", 0, "r0", 0.0), None)
+        text = []
+        for i in range(3000):
+            sender.coalescer.add(0, piece, [i])
+            text.append(piece)
+            await sender.flush()
+        prod.fail = False
+        await sender.settle()  # before: DeliveryRefused (too large)
+        from qworker.messages import loads
+
+        evs = [loads(v) for v in prod.sent]
+        assert all(e["run_id"] == sender.run_id != "r0" for e in evs)
+        assert [e["seq"] for e in evs] == list(range(len(evs)))
+        assert "".join(e["text"] for e in evs) == "".join(text)  # a reader reconstructs it exactly
+        assert max(len(v) for v in prod.sent) <= limit - 1024
+
+
+# ------------------------------------------------------------------ cancels
+async def test_cancel_stamped_in_the_future_expires_after_its_ttl() -> None:
+    """A cancel record whose timestamp is ahead of this pod's clock (a skewed producer, or a
+    CreateTime set by hand) was kept for TTL + skew: a job id cancelled an hour "from now"
+    stayed cancelled for an hour and ten minutes on this pod only."""
+    from qworker.worker.cancellation import CancelRegistry
+
+    reg = CancelRegistry(ttl_s=0.3)
+    assert reg.add("x", time.time() + 3600)
+    assert "x" in reg
+    await asyncio.sleep(0.4)
+    assert "x" not in reg
+
+
+# ------------------------------------------------------------------ raw fetch parser
+def test_rawfetch_agrees_with_aiokafka_on_valid_batches() -> None:
+    """Guard (held before the review too): every codec, transactional and control batches, log
+    append time, null keys/values/header values, a truncated last batch."""
+    from aiokafka import TopicPartition
+    from aiokafka.record.default_records import DefaultRecordBatchBuilder
+    from aiokafka.record.memory_records import MemoryRecords
+    from aiokafka.record.util import calc_crc32c
+
+    from qworker.worker.rawfetch import parse
+
+    rnd = random.Random(7)
+    tp = TopicPartition("t", 0)
+
+    def rb(n: int) -> bytes:
+        return bytes(rnd.getrandbits(8) for _ in range(n))
+
+    def set_attr(buf: bytearray, bit: int) -> None:
+        struct.pack_into(">h", buf, 21, struct.unpack_from(">h", buf, 21)[0] | bit)
+        struct.pack_into(">I", buf, 17, calc_crc32c(bytes(buf[21:])))
+
+    for _ in range(150):
+        data, base = b"", rnd.randint(0, 1000)
+        for _b in range(rnd.randint(1, 4)):
+            b = DefaultRecordBatchBuilder(2, rnd.randint(0, 4), rnd.random() < 0.3, rnd.choice([-1, 7]), -1, -1, 1 << 20)
+            for i in range(rnd.randint(1, 6)):
+                key = None if rnd.random() < 0.3 else rb(rnd.randint(0, 20))
+                val = None if rnd.random() < 0.3 else rb(rnd.randint(0, 300))
+                hdrs = [("".join(chr(rnd.randint(32, 0x2000)) for _ in range(rnd.randint(0, 5))), None if rnd.random() < 0.3 else rb(rnd.randint(0, 10))) for _ in range(rnd.randint(0, 3))]
+                b.append(i * rnd.choice([1, 2]), timestamp=rnd.randint(1, 2**41), key=key, value=val, headers=hdrs)
+            buf = bytearray(b.build())
+            struct.pack_into(">q", buf, 0, base)
+            if rnd.random() < 0.3:
+                set_attr(buf, 0x08)  # log append time
+            if rnd.random() < 0.15:
+                set_attr(buf, 0x20)  # control batch
+            data += bytes(buf)
+            base += 100
+        if rnd.random() < 0.3:
+            data = data[: rnd.randint(len(data) - 40, len(data))]
+        mr, ref = MemoryRecords(data), []
+        while (batch := mr.next_batch()) is not None:
+            if not batch.is_control_batch:
+                ref += [(r.offset, r.timestamp, r.key, r.value, [(k.encode(), v) for k, v in r.headers]) for r in batch]
+        assert [(r.offset, r.timestamp, r.key, r.value, r.raw_headers) for r in parse(tp, data)] == ref
