@@ -355,10 +355,15 @@ def main(argv: list[str] | None = None) -> dict:
     cache.mkdir(parents=True, exist_ok=True)
 
     setups: dict = {}
-    if "vllm" in peers or "vllm-eager" in peers:
-        setups["vllm"] = setup_vllm(cache)
-    if "llamacpp" in peers:
-        setups["llamacpp"] = setup_llamacpp(cache, model_dir)
+    failed: dict[str, str] = {}
+    for name, needs, fn in (("vllm", ("vllm", "vllm-eager"), lambda: setup_vllm(cache)),
+                            ("llamacpp", ("llamacpp",), lambda: setup_llamacpp(cache, model_dir))):
+        if any(p in peers for p in needs):
+            try:
+                setups[name] = fn()
+            except Exception as exc:  # noqa: BLE001 - reported; the other systems still run
+                log(f"{name}: setup failed: {exc}")
+                failed.update({p: f"setup failed: {exc}" for p in needs})
     if args.setup_only:
         return {"setup": {k: str(v) for k, v in setups.items()}}
 
@@ -378,18 +383,27 @@ def main(argv: list[str] | None = None) -> dict:
         job_path = Path(tmp) / "job.json"
         job_path.write_text(json.dumps(job))
         for peer in peers:
+            if peer in failed:
+                result["failed"] = {**result.get("failed", {}), peer: failed[peer]}
+                continue
             shm_before = _kmp_files()
-            if peer == "qworker":
-                r = run_worker(Path(sys.executable), "qworker", job_path)
-            elif peer in ("vllm", "vllm-eager"):
-                py = setups["vllm"]
-                r = run_worker(py, peer, job_path, env=vllm_env(py))
-            else:
-                server, gguf = setups["llamacpp"]
-                r = run_llamacpp(server, gguf, job, args.threads)
-            # Intel OpenMP leaves these behind when vLLM force-kills its engine process
-            for f in _kmp_files() - shm_before:
-                f.unlink(missing_ok=True)
+            try:
+                if peer == "qworker":
+                    r = run_worker(Path(sys.executable), "qworker", job_path)
+                elif peer in ("vllm", "vllm-eager"):
+                    py = setups["vllm"]
+                    r = run_worker(py, peer, job_path, env=vllm_env(py))
+                else:
+                    server, gguf = setups["llamacpp"]
+                    r = run_llamacpp(server, gguf, job, args.threads)
+            except Exception as exc:  # noqa: BLE001 - reported; the other systems still run
+                log(f"{peer}: failed: {exc}")
+                result["failed"] = {**result.get("failed", {}), peer: str(exc)[-1000:]}
+                continue
+            finally:
+                # Intel OpenMP leaves these behind when vLLM force-kills its engine process
+                for f in _kmp_files() - shm_before:
+                    f.unlink(missing_ok=True)
             r["tokens_per_s"] = result["workload"]["useful_output_tokens"] / r["seconds"]
             if any(len(t) != m for t, m in zip(r["tokens"], job["max_tokens"])):
                 r["length_mismatch"] = True
@@ -400,8 +414,6 @@ def main(argv: list[str] | None = None) -> dict:
         if ref is not None and name != "qworker":
             r["vs_qworker"] = compare(r["tokens"], ref["tokens"])
             r["qworker_ratio"] = ref["tokens_per_s"] / r["tokens_per_s"]
-    if not any(r for r in result["systems"].values()):
-        return result
     report.publish(result, "peers", args.out, plot, markdown)
     return result
 
@@ -431,6 +443,8 @@ def markdown(r: dict) -> str:
     from bench import report
 
     lines.append(report.table(["system", "useful tokens/s", "seconds", "load s", "qworker / system", "outputs identical to qworker's"], rows))
+    for name, why in r.get("failed", {}).items():
+        lines.append(f"\n{name} did not run: {why}")
     q = r["systems"].get("qworker")
     if q:
         d = q["detail"]

@@ -15,8 +15,13 @@ sys.path.insert(0, str(ROOT))
 from bench import peers  # noqa: E402
 
 
-def test_qworker_only(tiny_model_dir, tmp_path, capsys):
-    r = peers.main(["--model", str(tiny_model_dir), "--quick", "--peers", "qworker", "--num-requests", "4", "--max-output", "8",
+def test_qworker_only(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    def broken(*a):
+        raise RuntimeError("no compiler here")
+
+    # a peer whose setup fails is reported and skipped; the others still run
+    monkeypatch.setattr(peers, "setup_llamacpp", broken)
+    r = peers.main(["--model", str(tiny_model_dir), "--quick", "--peers", "qworker,llamacpp", "--num-requests", "4", "--max-output", "8",
                     "--kv-memory-mib", "8", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")])
     files = sorted((tmp_path / "out").glob("peers-*.json"))
     assert len(files) == 1 and files[0].with_suffix(".png").exists()
@@ -28,7 +33,9 @@ def test_qworker_only(tiny_model_dir, tmp_path, capsys):
     assert q["tokens_per_s"] == pytest.approx(r["workload"]["useful_output_tokens"] / q["seconds"])
     assert q["detail"]["linear_backend"] in ("onednn", "matmul")
     assert not (tmp_path / "cache" / peers.VLLM_PIN.replace("==", "-")).exists()  # nothing was set up
-    assert "| qworker |" in capsys.readouterr().out
+    assert "no compiler here" in r["failed"]["llamacpp"]
+    printed = capsys.readouterr().out
+    assert "| qworker |" in printed and "llamacpp did not run" in printed
 
 
 def test_compare_and_peer_names(tmp_path):
