@@ -308,7 +308,7 @@ class Worker:
         try:
             # Polling continues while paused: it keeps this member alive in the group
             # (max_poll_interval_ms) however long the engine works.
-            batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
+            batches = await kc.getmany(self.consumer, timeout_ms=100, max_records=room)
         except KafkaError as e:
             log.warning("poll failed: %r", e)
             await asyncio.sleep(0.2)

@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from qworker.messages import Cancel, loads
+from qworker.worker.consumer import getmany
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class CancelWatcher:
             await asyncio.sleep(1.0)
         while True:
             try:
-                batches = await self.consumer.getmany(timeout_ms=200, max_records=1000)
+                batches = await getmany(self.consumer, timeout_ms=200, max_records=1000)
             except KafkaError as e:
                 log.warning("cancel reader: %r", e)
                 await asyncio.sleep(0.5)

@@ -72,3 +72,32 @@ async def commit(consumer: AIOKafkaConsumer, tracker: OffsetTracker[TopicPartiti
         return 0, 1
     tracker.mark_committed(offsets)
     return 1, 0
+
+
+async def getmany(consumer: AIOKafkaConsumer, timeout_ms: int, max_records: int) -> dict[TopicPartition, list]:
+    """``consumer.getmany`` that never drops records when one partition cannot be decoded.
+
+    aiokafka drains the fetched partitions one after another and moves each one's position as it
+    goes; when a later partition raises (a header key that is not UTF-8), the records already
+    drained from earlier ones are lost with the exception, their positions already past them.
+    So: drain one partition per call (an error then loses nothing: the raising partition's
+    position has not moved, and what other partitions gave is returned first; the error recurs
+    on the next call), and wait for new data with ``max_records=1``, which returns as soon as
+    any one partition gave a record."""
+    out: dict[TopicPartition, list] = {}
+    left = max_records
+    for tp in sorted(consumer.assignment(), key=lambda t: (t.topic, t.partition)):
+        if left <= 0:
+            break
+        try:
+            recs = (await consumer.getmany(tp, timeout_ms=0, max_records=left)).get(tp, [])
+        except Exception:
+            if out:
+                return out  # hand over what was drained; this partition raises again next time
+            raise
+        if recs:
+            out[tp] = recs
+            left -= len(recs)
+    if out:
+        return out
+    return await consumer.getmany(timeout_ms=timeout_ms, max_records=1)

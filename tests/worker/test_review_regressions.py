@@ -159,3 +159,48 @@ def test_rawfetch_agrees_with_aiokafka_on_valid_batches() -> None:
             if not batch.is_control_batch:
                 ref += [(r.offset, r.timestamp, r.key, r.value, [(k.encode(), v) for k, v in r.headers]) for r in batch]
         assert [(r.offset, r.timestamp, r.key, r.value, r.raw_headers) for r in parse(tp, data)] == ref
+
+
+# ------------------------------------------------------------------ through the broker (tiny model)
+from .test_defects import RawKey, produce_raw  # noqa: E402
+from .test_flow import engines, job, one_torch_thread, started  # noqa: E402,F401 - fixtures
+from .conftest import Results, wait_committed  # noqa: E402
+
+
+async def _produce_to(s, topic: str, per_partition: dict[int, list[tuple[bytes, bytes, list]]]) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    p = AIOKafkaProducer(bootstrap_servers=s.bootstrap_servers, enable_idempotence=False, linger_ms=20)
+    await p.start()
+    try:
+        futs = [await p.send(topic, value=v, key=k, headers=h, partition=part) for part, recs in per_partition.items() for k, v, h in recs]
+        await asyncio.gather(*futs)
+    finally:
+        await p.stop()
+
+
+async def test_bad_header_on_one_partition_loses_no_record_of_another(topics, results: Results, engines) -> None:
+    """aiokafka's getmany drains partition after partition and advances each one's position;
+    when a later partition raises (a header key that is not UTF-8), the records already drained
+    from the earlier ones are dropped with the exception, positions moved past them. The worker
+    then skipped those jobs for good and committed past them (unanswered, committed) whenever one
+    fetch held the bad record and other partitions' jobs. Polling one partition at a time
+    (and waiting for data with max_records=1) leaves nothing drained to drop."""
+    bad_p = 3
+    eng = await engines()
+    ids: set[str] = set()
+    # two rounds, each a fresh worker whose first fetch holds every partition's records (a round
+    # where the bad partition comes first in aiokafka's buffer loses nothing, even before the fix)
+    for rnd in range(2):
+        good = {p: [(f"j{rnd}{p}-{i}".encode(), job(f"j{rnd}{p}-{i}", max_tokens=1).model_dump_json().encode(), []) for i in range(3)] for p in range(4) if p != bad_p}
+        await _produce_to(topics, topics.jobs_topic, good)
+        bad = job(f"bad{rnd}", max_tokens=1).model_dump_json().encode()
+        await produce_raw(topics, topics.jobs_topic, b"bad", bad, [(RawKey(b"\xff-bad"), b"v")], partition=bad_p)
+        ids |= {k.decode() for recs in good.values() for k, _, _ in recs}
+        w = await started(topics, eng)
+        try:
+            await results.wait(lambda: ids <= set(results.completions) and len(results.dlq) == rnd + 1, 20, "every good job answered, the bad one dead-lettered")
+            await wait_committed(topics)
+            assert w.loops_alive()
+        finally:
+            await w.stop()
