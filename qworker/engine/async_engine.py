@@ -3,6 +3,11 @@
 The engine steps in its own thread; the event loop only enqueues commands and receives outputs,
 so it never waits longer than it takes to hand over a step's outputs. Each ``generate()`` call is
 an async generator of deltas; closing or cancelling it aborts the request.
+
+Outputs go to the stream that added the request, not to whichever stream holds its id now: the
+engine thread keeps its own map from request id to the adding stream (``_listeners``), and an
+abort sent by a closing stream only touches the request that stream added. So an id can be reused
+at once after an abort.
 """
 
 from __future__ import annotations
@@ -17,19 +22,28 @@ from collections.abc import AsyncIterator
 from qworker.engine.config import EngineConfig
 from qworker.engine.llm_engine import Capacity, LLMEngine, Prompt
 from qworker.engine.output_processor import delta_output, final_output
-from qworker.engine.outputs import RequestOutput
+from qworker.engine.outputs import ERR_ENGINE, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}  # the event loop's: ids in flight
+        self._listeners: dict[str, _Stream] = {}  # the engine thread's: who added each request
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self.last_step_time = time.monotonic()
@@ -103,15 +117,14 @@ class AsyncEngine:
             raise ValueError(f"request {request_id!r} is already in flight")
         ids = self.engine.encode(prompt)
         self.engine.check(ids, params)
-        loop = asyncio.get_running_loop()
-        out_q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, out_q)
-        self._commands.put(("add", (request_id, ids, params, priority, deadline, prompt if isinstance(prompt, str) else None)))
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._commands.put(("add", (stream, request_id, ids, params, priority, deadline, prompt if isinstance(prompt, str) else None)))
         self._wake.set()
         finished = False
         try:
             while True:
-                item = await out_q.get()
+                item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -119,21 +132,23 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._commands.put(("abort", (request_id, stream)))
                 self._wake.set()
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        """Aborts the request now holding ``request_id``; its stream gets a last "abort" delta."""
+        self._commands.put(("abort", (request_id, None)))
         self._wake.set()
 
     # -- the engine thread -------------------------------------------------------------------------
-    def _emit(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+    def _emit(self, request_id: str, item: RequestOutput) -> None:
+        """Hands ``item`` to the stream that added the request; forgets the stream at the end."""
+        stream = self._listeners.pop(request_id, None) if item.finished else self._listeners.get(request_id)
+        if stream is not None:
+            stream.put(item)
 
     def _drain_commands(self) -> bool:
         while True:
@@ -146,21 +161,23 @@ class AsyncEngine:
                     self._abort(rid)
                 return False
             if kind == "add":
-                rid, ids, params, priority, deadline, text = arg
+                stream, rid, ids, params, priority, deadline, text = arg
                 try:
                     req = self.engine.add_request(rid, ids, params, priority, deadline)
                     req.prompt = text
+                    self._listeners[rid] = stream
                 except Exception as e:  # validated on the loop side already; report, keep serving
-                    self._emit(rid, e)
+                    stream.put(e)
             elif kind == "abort":
-                self._abort(arg)
+                rid, stream = arg
+                if stream is None or self._listeners.get(rid) is stream:  # not a newer request's
+                    self._abort(rid)
 
-    def _abort(self, request_id: str) -> None:
-        req = self.engine.abort(request_id)
+    def _abort(self, request_id: str, error: str | None = None, error_code: str | None = None) -> None:
+        req = self.engine.abort(request_id, error, error_code)
         if req is not None:
             self._snapshot()  # before the caller hears of the abort, so stats already show it
-            out = delta_output(req)
-            self._emit(request_id, out if out is not None else final_output(req))
+            self._emit(request_id, _last_delta(req))
 
     def _run(self) -> None:
         while True:
@@ -175,13 +192,13 @@ class AsyncEngine:
                 continue
             try:
                 changed = self.engine.step()
-            except Exception as e:  # fail what was in flight, keep the engine alive for new work
+            except Exception as e:
+                # step() recovers from failures of the model and sampler itself; this is a bug in
+                # the engine's own bookkeeping: fail what was in flight, keep serving new work
                 log.exception("engine step failed")
                 self.step_error = e
                 for rid in list(self.engine.requests):
-                    req = self.engine.abort(rid, error=f"engine step failed: {e}")
-                    if req is not None:
-                        self._emit(rid, final_output(req))
+                    self._abort(rid, f"engine step failed: {e!r}", ERR_ENGINE)
                 continue
             self.last_step_time = time.monotonic()
             self._snapshot()
@@ -189,3 +206,12 @@ class AsyncEngine:
                 out = delta_output(req)
                 if out is not None:
                     self._emit(req.request_id, out)
+
+
+def _last_delta(req) -> RequestOutput:
+    """The finishing delta of an ended request: only what its stream has not had yet."""
+    out = delta_output(req)
+    if out is None:  # every choice was reported finished already; still close the stream
+        out = final_output(req)
+        out.outputs = []
+    return out

@@ -7,7 +7,8 @@ Invariants (checked by the stateful tests in tests/engine/test_block_pool_statef
   two free queues: ``_free_unhashed`` (no content worth keeping) or ``_free_cached`` (a full block
   whose hash is still in the prefix map, "lazily evicted": it stays hit-able until reclaimed).
 - ``block_hash`` is set once a block is full and registered; hashed blocks are immutable.
-  The prefix map holds at most one block per hash.
+  The prefix map holds at most one block per hash. The hash is SHA-256 over the parent's hash
+  and the block's token ids, so equal hashes mean equal prefixes (no token comparison needed).
 - Allocation takes unhashed blocks first, then reclaims cached ones in LRU order (the least
   recently freed first). Reclaiming drops the block's hash from the map: that is an eviction.
 - ``allocate`` either returns all the blocks asked for or raises and changes nothing.
@@ -15,28 +16,30 @@ Invariants (checked by the stateful tests in tests/engine/test_block_pool_statef
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-NONE_HASH = 0x51F0_0D0F  # the parent hash of a sequence's first block
+NONE_HASH = hashlib.sha256(b"qworker prefix root").digest()  # the parent hash of a first block
 
 
-def hash_block(parent_hash: int, token_ids: Iterable[int]) -> int:
+def hash_block(parent_hash: bytes, token_ids: Iterable[int]) -> bytes:
     """Chained hash of one full block: its tokens and the hash of everything before it.
 
     Chaining makes a block's hash identify the whole prefix up to it, so the map of hashes is a
-    prefix tree with the parent pointer folded into the key.
+    prefix tree with the parent pointer folded into the key. SHA-256 (as vLLM) rather than
+    Python's ``hash``: a collision would hand one prompt another prompt's KV.
     """
-    return hash((parent_hash, tuple(token_ids)))
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None  # kept with the hash to rule out hash collisions
+    block_hash: bytes | None = None
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -52,7 +55,7 @@ class BlockPool:
         # dicts used as ordered sets: O(1) removal when a cached-free block is hit again
         self._free_unhashed: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self._by_hash: dict[int, int] = {}
+        self._by_hash: dict[bytes, int] = {}
         self._on_evict = on_evict
         self.num_evicted = 0
 
@@ -70,12 +73,9 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+    def lookup(self, block_hash: bytes) -> Block | None:
         block_id = self._by_hash.get(block_hash)
-        if block_id is None:
-            return None
-        block = self.blocks[block_id]
-        return block if block.token_ids == token_ids else None
+        return None if block_id is None else self.blocks[block_id]
 
     # -- mutations -----------------------------------------------------------------------------
     def allocate(self, n: int) -> list[Block]:
@@ -112,7 +112,7 @@ class BlockPool:
                 else:
                     self._free_cached[block.block_id] = None
 
-    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> Block:
+    def register(self, block: Block, block_hash: bytes) -> Block:
         """Record ``block`` as the cached copy of ``block_hash``; returns the block the map holds
         (an identical block registered earlier wins, and ``block`` stays unhashed)."""
         if block.block_hash is not None:
@@ -121,9 +121,20 @@ class BlockPool:
         if existing is not None and existing != block.block_id:
             return self.blocks[existing]
         block.block_hash = block_hash
-        block.token_ids = token_ids
         self._by_hash[block_hash] = block.block_id
         return block
+
+    def unregister(self, block: Block) -> None:
+        """Undo ``register``: the block keeps its holders but is no longer hit-able (a free one
+        moves to the unhashed queue)."""
+        if block.block_hash is None:
+            return
+        if self._by_hash.get(block.block_hash) == block.block_id:
+            del self._by_hash[block.block_hash]
+        block.block_hash = None
+        if block.ref_count == 0:
+            del self._free_cached[block.block_id]
+            self._free_unhashed[block.block_id] = None
 
     def _evict(self, block: Block) -> None:
         if self._on_evict is not None:
@@ -131,7 +142,6 @@ class BlockPool:
         if self._by_hash.get(block.block_hash) == block.block_id:
             del self._by_hash[block.block_hash]
         block.block_hash = None
-        block.token_ids = None
         self.num_evicted += 1
 
     def reset_prefix_cache(self) -> None:

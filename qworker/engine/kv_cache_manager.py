@@ -8,7 +8,9 @@ Rules:
 - A prefix hit is block-aligned and never covers a sequence's last token (its logits are needed).
 - Full blocks are registered in the prefix map when they are *scheduled*, so requests admitted
   in the same step share them (their KV is written earlier in the same forward pass, layer by
-  layer, than any attention reads it).
+  layer, than any attention reads it). Their KV exists only once that step has run: the blocks
+  registered since the last ``take_registered`` are the step's, and if it fails the engine
+  ``unregister``s them (and recomputes whoever holds them) so no one hits unwritten KV.
 - A block is appendable only while one sequence holds it; a write into a shared partial block
   first copies it (copy-on-write).
 - Every mutating call either succeeds or raises/returns False having changed nothing.
@@ -68,6 +70,7 @@ class KVCacheManager:
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self._copies = BlockCopies()
+        self._registered: list[Block] = []  # entered in the prefix map since take_registered
         # prefix-cache counters, in tokens
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -86,8 +89,8 @@ class KVCacheManager:
             return []
         bs = self.block_size
         chain: list[Block] = []
-        for i, h in enumerate(seq.full_block_hashes(bs, max_blocks)):
-            block = self.pool.lookup(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+        for h in seq.full_block_hashes(bs, max_blocks):
+            block = self.pool.lookup(h)
             if block is None:
                 break
             chain.append(block)
@@ -147,8 +150,17 @@ class KVCacheManager:
         hashes = seq.full_block_hashes(bs, num_full)
         for i in range(num_full):
             block = seq.block_table[i]
-            if block.block_hash is None:
-                self.pool.register(block, hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            if block.block_hash is None and self.pool.register(block, hashes[i]) is block:
+                self._registered.append(block)
+
+    def take_registered(self) -> list[Block]:
+        registered, self._registered = self._registered, []
+        return registered
+
+    def unregister(self, blocks: list[Block]) -> None:
+        """Drops ``blocks`` from the prefix map (their KV was never written)."""
+        for block in blocks:
+            self.pool.unregister(block)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks, the partial last one included."""

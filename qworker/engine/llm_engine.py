@@ -6,8 +6,10 @@ finished -> sample -> ``_update`` (the only place that mutates request state aft
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,13 +19,15 @@ from transformers import AutoTokenizer
 from qworker.engine.config import EngineConfig
 from qworker.engine.detokenizer import IncrementalDetokenizer
 from qworker.engine.kv_cache_manager import KVCacheManager
-from qworker.engine.outputs import ABORT, ERR_DEADLINE, LENGTH, STOP, RequestMetrics
+from qworker.engine.outputs import ABORT, ERR_DEADLINE, ERR_ENGINE, LENGTH, STOP, RequestMetrics
 from qworker.engine.sampler import sample
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
-from qworker.engine.scheduler import ScheduledSeq, Scheduler
+from qworker.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from qworker.engine.sequence import Request, SeqStatus, Sequence
 from qworker.model.batch import Batch, SeqChunk
 from qworker.model.runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 Prompt = str | list[int] | list[dict]
 
@@ -44,6 +48,10 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, config.kv_cache_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        # The detokenizers get their own copy: callers encode with ``tokenizer`` on other threads
+        # (the AsyncEngine's event loop), and a fast tokenizer used from two threads at once can
+        # raise "Already borrowed".
+        self._detok_tokenizer = copy.deepcopy(self.tokenizer)
         self.model_name = config.model.rstrip("/").split("/")[-1]
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.runner.model.vocab_size
@@ -73,6 +81,8 @@ class LLMEngine:
             "requests_finished": 0,
             "requests_aborted": 0,
             "requests_expired": 0,
+            "requests_failed": 0,
+            "steps_failed": 0,
         }
 
     def _eos_ids(self) -> set[int]:
@@ -125,6 +135,9 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens; at most {limit} fit (context {self.max_model_len})",
             )
         params.validate()
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError("invalid_sampling", f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, deadline: float | None = None) -> Request:
         """Queues a request. ``deadline`` (``time.time()`` seconds): if it passes before the request
@@ -166,7 +179,7 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self._generator.device)
             seq.generator.manual_seed(p.seed + index)
         seq.logprobs = [] if p.logprobs is not None else None
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens)
+        seq.detokenizer = IncrementalDetokenizer(self._detok_tokenizer, req.prompt_token_ids, p.stop, p.skip_special_tokens, p.include_stop_str_in_output)
         return seq
 
     def abort(self, request_id: str, error: str | None = None, error_code: str | None = None) -> Request | None:
@@ -193,27 +206,45 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Runs one step; returns the requests whose state changed (finished ones are removed from
-        ``self.requests`` and returned one last time)."""
+        ``self.requests`` and returned one last time). A failing step does not raise: see
+        ``_recover``."""
         expired = self._expire_deadlines() if self._deadlines else []
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            return expired
-        now = time.time()
-        # decodes first: attention runs them as one batched call
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        for s in order:
-            m = s.seq.request.metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-        batch = Batch(
-            chunks=[self._chunk(s) for s in order],
-            swap_out=sched.copies.swap_out,
-            swap_in=sched.copies.swap_in,
-            copy=sched.copies.copy,
-        )
-        logits = self.runner.execute(batch)
+        return expired + self._run(self.scheduler.schedule())
+
+    def _run(self, sched: SchedulerOutput) -> list[Request]:
+        try:
+            if sched.empty:
+                if sched.copies:  # a step that runs nothing still owes its swap-outs
+                    self.runner.kv.apply(sched.copies.swap_out, sched.copies.swap_in, sched.copies.copy)
+                return []
+            now = time.time()
+            # decodes first: attention runs them as one batched call
+            order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+            for s in order:
+                m = s.seq.request.metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
+            batch = Batch(
+                chunks=[self._chunk(s) for s in order],
+                swap_out=sched.copies.swap_out,
+                swap_in=sched.copies.swap_in,
+                copy=sched.copies.copy,
+            )
+            logits = self.runner.execute(batch)
+            # everything that can fail runs before any request state moves
+            sampling, rows, num_rows = self._sampling_rows(order)
+            tokens, logprobs = [], []
+            if sampling:
+                if num_rows != len(rows):  # forks sample from their parent's row: repeat it
+                    logits = logits[torch.tensor(rows, device=logits.device)]
+                tokens, logprobs = sample(logits, sampling, self.eos_token_ids, self._generator)
+        except Exception as e:
+            return self._recover(sched, e)
         self.counters["steps"] += 1
-        return expired + self._update(order, logits)
+        changed = self._update(order, sampling, tokens, logprobs)
+        if self.scheduler.suspects:
+            self._clear_suspect()
+        return changed
 
     def _expire_deadlines(self) -> list[Request]:
         """Finishes the requests whose deadline has passed before they were ever scheduled."""
@@ -229,6 +260,51 @@ class LLMEngine:
             expired.append(req)
         return expired
 
+    def _recover(self, sched: SchedulerOutput, exc: Exception) -> list[Request]:
+        """A step raised (a block copy, the forward or the sampler). No request state moved past
+        the schedule, but the step's KV may be missing or half-written. So: its prefix-map entries
+        are withdrawn, and every sequence whose KV is now untrusted (those scheduled, swapped in or
+        out this step, or holding a withdrawn block) is recomputed from scratch; greedy and seeded
+        sampling give the same tokens as without the failure. Blame: a step of one request fails
+        that request (``error_code`` "engine_error"); otherwise its requests become suspects that
+        run alone, one by one, past the point of failure, so a request that breaks every step it
+        is in ends up failing alone and no other request gets an error."""
+        log.warning("engine step failed: %r", exc, exc_info=exc)
+        self.counters["steps_failed"] += 1
+        self.kv.unregister(sched.registered)
+        untrusted = [s.seq for s in sched.scheduled] + [seq for seq, mode in sched.preempted if mode == "swap"] + sched.swapped_in
+        withdrawn = {b.block_id for b in sched.registered}
+        if withdrawn:
+            untrusted += [seq for seq in self.scheduler.running if any(b.block_id in withdrawn for b in seq.block_table)]
+        for seq in dict.fromkeys(untrusted):
+            if not seq.finished:
+                self.scheduler.requeue(seq)
+        step_reqs = list(dict.fromkeys(s.seq.request for s in sched.scheduled))
+        if len(step_reqs) == 1:
+            req = step_reqs[0]
+            if self.requests.pop(req.request_id, None) is None:
+                return []
+            self._end(req, f"engine step failed: {exc!r}", ERR_ENGINE)
+            self.counters["requests_failed"] += 1
+            if req in self.scheduler.suspects:
+                self.scheduler.suspects.remove(req)
+            return [req]
+        for req in step_reqs:
+            for seq in req.seqs:
+                if not seq.finished:
+                    seq.suspect_until = max(seq.suspect_until, len(seq.token_ids))
+            if req not in self.scheduler.suspects:
+                self.scheduler.suspects.append(req)
+        return []
+
+    def _clear_suspect(self) -> None:
+        """The isolated suspect is cleared once it has computed, alone, what it had at the failure."""
+        req = self.scheduler.suspects[0]
+        if all(s.finished or s.num_computed_tokens >= s.suspect_until for s in req.seqs):
+            self.scheduler.suspects.pop(0)
+            for s in req.seqs:
+                s.suspect_until = 0
+
     def _chunk(self, s: ScheduledSeq) -> SeqChunk:
         seq = s.seq
         start = seq.num_computed_tokens
@@ -239,40 +315,42 @@ class LLMEngine:
             needs_logits=s.samples,
         )
 
-    def _update(self, order: list[ScheduledSeq], logits: torch.Tensor) -> list[Request]:
+    def _sampling_rows(self, order: list[ScheduledSeq]) -> tuple[list[Sequence], list[int], int]:
+        """The sequences that sample this step, with their logits rows; a request whose prompt
+        just finished brings its ``n - 1`` forks (new, not yet attached: nothing changes here)."""
         sampling: list[Sequence] = []
-        rows: list[int] = []  # the logits row of each sampling sequence (forks share their parent's)
-        num_logit_rows = 0
+        rows: list[int] = []
+        num_rows = 0
+        for s in order:
+            if not s.samples:
+                continue
+            seq = s.seq
+            sampling.append(seq)
+            rows.append(num_rows)
+            req = seq.request
+            if req.params.n > 1 and not req.forked:
+                for i in range(1, req.params.n):
+                    sampling.append(self._new_seq(req, i))
+                    rows.append(num_rows)
+            num_rows += 1
+        return sampling, rows, num_rows
+
+    def _update(self, order: list[ScheduledSeq], sampling: list[Sequence], tokens: list[int], logprobs: list) -> list[Request]:
         for s in order:
             seq = s.seq
-            samples = s.samples  # before the computed count moves
             if seq.num_output_tokens == 0:
                 self.counters["prompt_tokens_computed"] += s.num_new_tokens
             seq.num_computed_tokens += s.num_new_tokens
-            if samples:
-                sampling.append(seq)
-                rows.append(num_logit_rows)
-                num_logit_rows += 1
-                req = seq.request
-                if req.params.n > 1 and not req.forked:
-                    req.forked = True
-                    for i in range(1, req.params.n):
-                        child = self._new_seq(req, i)
-                        self.kv.fork(seq, child)
-                        req.seqs.append(child)
-                        sampling.append(child)
-                        rows.append(rows[-1])
         if not sampling:
             return []
-        if num_logit_rows != len(rows):  # forks sample from their parent's row: repeat it
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens, logprobs = sample(logits, sampling, self.eos_token_ids, self._generator)
         now = time.time()
         changed: dict[str, Request] = {}
         for seq, token, lp in zip(sampling, tokens, logprobs):
             req = seq.request
-            if seq.index > 0 and seq.status is SeqStatus.WAITING:
-                self.scheduler.add_running(seq)
+            if seq.index > 0 and len(req.seqs) <= seq.index:  # a new fork of seqs[0], just scheduled
+                self.scheduler.add_fork(req.seqs[0], seq)
+                req.seqs.append(seq)
+                req.forked = len(req.seqs) == req.params.n
             seq.token_ids.append(token)
             if lp is not None:
                 seq.logprobs.append(lp)
@@ -280,8 +358,7 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 self.counters["prompt_tokens_cached"] += req.num_cached_tokens
-            stop_str = seq.detokenizer.append(token)
-            reason = self._stop_reason(seq, token, stop_str)
+            reason = self._stop(seq, token)
             if reason is not None:
                 self._finish(seq, *reason)
             changed[req.request_id] = req
@@ -291,15 +368,19 @@ class LLMEngine:
                 self.counters["requests_finished"] += 1
         return list(changed.values())
 
-    def _stop_reason(self, seq: Sequence, token: int, stop_str: str | None) -> tuple[str, str | int | None] | None:
+    def _stop(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
+        """Feeds ``token`` to the detokenizer and decides whether ``seq`` stops (vLLM's order and
+        rules: nothing but the length stops it before ``min_tokens``; the text of a stop token id
+        or EOS is left out unless ``include_stop_str_in_output``)."""
         p = seq.request.params
+        past_min = seq.num_output_tokens >= p.min_tokens
+        if past_min and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            if p.include_stop_str_in_output:
+                seq.detokenizer.append(token, find_stop=False)
+            return STOP, (token if token in p.stop_token_ids else None)
+        stop_str = seq.detokenizer.append(token, find_stop=past_min)
         if stop_str is not None:
             return STOP, stop_str
-        if seq.num_output_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
-                return STOP, token
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return STOP, None
         if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return LENGTH, None
         return None
@@ -307,6 +388,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        seq.detokenizer.flush()
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
 

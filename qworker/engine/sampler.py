@@ -24,7 +24,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             _apply_penalties(logits[row], seq)
         if seq.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            # ids are validated at admission; out-of-range ones are skipped here anyway, so one
+            # request can never make the sampler raise for the whole batch
+            vocab = logits.shape[1]
+            banned = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)) if 0 <= t < vocab]
             if banned:
                 logits[row, banned] = float("-inf")
 

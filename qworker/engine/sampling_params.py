@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by a denormal
+# temperature overflows to inf/NaN.
+GREEDY_EPS = 1e-5
 
 
 class InvalidRequestError(ValueError):
@@ -20,7 +23,7 @@ class InvalidRequestError(ValueError):
 class SamplingParams:
     """What to sample and when to stop; names and meanings follow vLLM's ``SamplingParams``.
 
-    ``temperature == 0`` is greedy. ``seed`` makes a request's samples independent of the rest
+    ``temperature < GREEDY_EPS`` (0 included) is greedy. ``seed`` makes a request's samples independent of the rest
     of the batch: the sampler draws from a per-request generator. ``n > 1`` forks the prompt into
     ``n`` sequences that share its KV blocks (copy-on-write); sample ``i`` uses seed ``seed + i``.
     """
@@ -41,6 +44,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
     skip_special_tokens: bool = True
+    # keep the matched stop string, or the text of a matched stop token id / EOS, in the text
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,7 +58,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
@@ -91,5 +96,7 @@ class SamplingParams:
             raise bad("stop must be at most 16 non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if not isinstance(self.include_stop_str_in_output, bool) or not isinstance(self.ignore_eos, bool):
+            raise bad("include_stop_str_in_output and ignore_eos must be booleans")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

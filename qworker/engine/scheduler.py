@@ -2,26 +2,33 @@
 
 Every sequence has ``num_computed_tokens`` and ``len(token_ids)``; each step hands out up to
 ``max_num_batched_tokens`` so the first catches up with the second. Running sequences are served
-first (decodes and unfinished prefill chunks, in priority order), then swapped-out ones come back,
-then waiting ones are admitted while budget, sequence slots and blocks last. Prefill and decode
-tokens share one forward pass.
+first (decodes and unfinished prefill chunks, in priority order), then swapped-out and waiting ones are taken in one priority order (a swapped sequence
+comes back, a waiting one is admitted) while budget, sequence slots and blocks last; the first one
+that does not fit stops the rest, so nothing overtakes a better-placed sequence. Prefill and decode
+tokens share one forward pass. At most ``max_num_seqs`` sequences run: forks past that wait
+(``add_fork``).
 
 Under memory pressure the lowest-priority running sequence not yet scheduled this step is
 preempted: swapped to the CPU pool when it has room, recomputed otherwise. Nothing is aborted for
 lack of memory. A step that preempts does not swap anything in (that would thrash, and it keeps
 CPU blocks freed by a swap-in from being reused by a swap-out of the same step).
+
+After a failed step the engine may name *suspects* (``isolate``): while there are any, a step
+schedules only the first suspect's sequences, so a request that breaks every step it is in is
+found alone and fails alone.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from dataclasses import dataclass, field
 
 from qworker.engine.config import EngineConfig
 from qworker.engine.kv_cache_manager import BlockCopies, KVCacheManager
 from qworker.engine.outputs import EV_PREEMPT_RECOMPUTE, EV_PREEMPT_SWAP, EV_SWAP_IN
-from qworker.engine.sequence import SeqStatus, Sequence
+from qworker.engine.sequence import Request, SeqStatus, Sequence
 
 
 @dataclass(slots=True)
@@ -40,6 +47,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: BlockCopies = field(default_factory=BlockCopies)
     preempted: list[tuple[Sequence, str]] = field(default_factory=list)  # (seq, "swap" | "recompute")
+    swapped_in: list[Sequence] = field(default_factory=list)
+    registered: list = field(default_factory=list)  # blocks entered in the prefix map this step
     num_batched_tokens: int = 0
 
     @property
@@ -80,6 +89,7 @@ class Scheduler:
         self.swapped = SortedQueue()
         self.running = SortedQueue()
         self.num_preemptions = {"swap": 0, "recompute": 0}
+        self.suspects: list[Request] = []  # see the module docstring; the first one runs alone
         # keep a little headroom when admitting so a new prefill does not force a preemption at once
         self._watermark_blocks = max(1, int(0.01 * kv.pool.num_blocks))
 
@@ -91,29 +101,60 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.add(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked child: it shares its parent's blocks and decodes from the next step on."""
-        seq.status = SeqStatus.RUNNING
-        self.running.add(seq)
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """A child forked from ``parent`` (whose prompt just finished). With a free sequence slot it
+        shares the parent's blocks and decodes from the next step on; without one it waits, holding
+        nothing, and is admitted like a recompute (the prompt's full blocks are prefix hits)."""
+        if len(self.running) < self.config.max_num_seqs:
+            self.kv.fork(parent, child)
+            child.status = SeqStatus.RUNNING
+            self.running.add(child)
+        else:
+            self.add(child)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of whichever queue holds it; frees its blocks."""
-        for queue in (self.running, self.waiting, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
-                break
+        queue = self._queue_of(seq)
+        if queue is not None:
+            queue.remove(seq)
         self.kv.free(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Back to waiting with nothing computed (its KV is not trusted): it will be recomputed."""
+        self.remove(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.add(seq)
+
+    def _queue_of(self, seq: Sequence) -> SortedQueue | None:
+        status = seq.status
+        if status is SeqStatus.RUNNING:
+            return self.running
+        if status is SeqStatus.WAITING:
+            return self.waiting if seq in self.waiting else None  # a fork not yet added is in none
+        if status is SeqStatus.SWAPPED:
+            return self.swapped
+        return None
+
+    def _isolated(self) -> Request | None:
+        """The suspect that must run alone this step, if any (finished ones are dropped)."""
+        while self.suspects and self.suspects[0].finished:
+            self.suspects.pop(0)
+        return self.suspects[0] if self.suspects else None
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
+        only = self._isolated() if self.suspects else None
 
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.seq_id in scheduled_ids or seq.status is not SeqStatus.RUNNING:
+                continue
+            if only is not None and seq.request is not only:
                 continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
@@ -126,14 +167,47 @@ class Scheduler:
                 scheduled_ids.add(seq.seq_id)
                 budget -= num_new
 
-        if not out.preempted:
-            budget = self._resume_swapped(out, budget)
-        if not self.swapped:
-            self._admit_waiting(out, budget)
+        if self.swapped or self.waiting:
+            self._take_queued(out, budget, only)
 
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         out.copies = self.kv.take_copies()
+        out.registered = self.kv.take_registered()
         return out
+
+    def _take_queued(self, out: SchedulerOutput, budget: int, only: Request | None) -> None:
+        """Swapped and waiting sequences in one priority order; stops at the first that cannot run."""
+        for seq in heapq.merge(self.swapped, self.waiting, key=lambda s: s.sort_key):
+            if only is not None and seq.request is not only:
+                continue
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            took = self._take(seq, out, budget, isolated=only is not None)
+            # isolation pauses everyone else: make room from them rather than wait for them (not
+            # after a swap-in: a swap-out could then reuse the CPU blocks that swap-in reads)
+            while took is None and only is not None and not out.swapped_in and (victim := self._idle_victim(only)) is not None:
+                self._preempt(victim, out)
+                took = self._take(seq, out, budget, isolated=True)
+            if took is None:
+                break
+            budget -= took
+
+    def _take(self, seq: Sequence, out: SchedulerOutput, budget: int, isolated: bool) -> int | None:
+        """Resumes or admits ``seq``; the tokens scheduled for it, or None if it cannot run now."""
+        if seq.status is SeqStatus.SWAPPED:
+            # a step that preempts does not swap in (see the module docstring); isolation is
+            # short and preempts only to make this room
+            if out.preempted and not isolated:
+                return None
+            return self._resume(seq, out, budget)
+        return self._admit(seq, out, budget)
+
+    def _idle_victim(self, only: Request) -> Sequence | None:
+        """While ``only`` runs alone: the lowest-priority running sequence of another request."""
+        for seq in reversed(list(self.running)):
+            if seq.request is not only:
+                return seq
+        return None
 
     def _pick_victim(self, scheduled_ids: set[int]) -> Sequence:
         """The lowest-priority, newest running sequence that this step has not scheduled yet."""
@@ -164,50 +238,51 @@ class Scheduler:
         seq.request.metrics.events.append((time.time(), EV_PREEMPT_SWAP if mode == "swap" else EV_PREEMPT_RECOMPUTE, seq.index))
         out.preempted.append((seq, mode))
 
-    def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        for seq in list(self.swapped):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            num_new = len(seq.token_ids) - seq.num_computed_tokens  # 1: the token sampled last
-            # room for the blocks it brings back plus the one its next token may open
-            headroom = self._watermark_blocks if self.running else 0
-            if self.kv.swap_in_cost(seq) + 1 > self.kv.pool.num_free - headroom:
-                break
-            if not self.kv.swap_in(seq):
-                break
-            self.swapped.remove(seq)
-            seq.request.metrics.events.append((time.time(), EV_SWAP_IN, seq.index))
-            seq.status = SeqStatus.RUNNING
-            self.running.add(seq)
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(seq, num_new):  # else it runs from the next step on
-                out.scheduled.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
-        return budget
+    def _resume(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
+        """Swaps ``seq`` back in; returns the tokens scheduled for it (0: it runs from the next
+        step on), or None when it does not fit."""
+        num_new = len(seq.token_ids) - seq.num_computed_tokens  # 1: the token sampled last
+        # room for the blocks it brings back plus the one its next token may open
+        headroom = self._watermark_blocks if self.running else 0
+        if self.kv.swap_in_cost(seq) + 1 > self.kv.pool.num_free - headroom:
+            return None
+        if not self.kv.swap_in(seq):
+            return None
+        self.swapped.remove(seq)
+        out.swapped_in.append(seq)
+        seq.request.metrics.events.append((time.time(), EV_SWAP_IN, seq.index))
+        seq.status = SeqStatus.RUNNING
+        self.running.add(seq)
+        num_new = min(num_new, budget)
+        if not self.kv.allocate_slots(seq, num_new):
+            return 0
+        out.scheduled.append(ScheduledSeq(seq, num_new))
+        return num_new
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            hits = self.kv.find_cached_prefix(seq)
-            num_hit_tokens = len(hits) * self.kv.block_size
-            remaining = len(seq.token_ids) - num_hit_tokens
-            if remaining > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(remaining, budget)
-            need = self.kv.blocks_needed(seq, num_new, len(hits))
-            revived = sum(1 for b in hits if b.ref_count == 0)
-            if need > self.kv.pool.num_free - revived - self._watermark_blocks and self.running:
-                break  # wait for running sequences to free blocks rather than thrash
-            if not self.kv.allocate_slots(seq, num_new, hits):
-                break
-            req = seq.request
-            if not req.admitted:  # later admissions (after a recompute) hit the request's own blocks
-                req.admitted = True
-                req.num_cached_tokens = num_hit_tokens
-            self.kv.record_prefix_query(len(seq.token_ids), num_hit_tokens)
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.add(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+    def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
+        """Admits a waiting ``seq`` (new, or preempted by recompute); returns the tokens scheduled
+        for it, or None when it does not fit now."""
+        hits = self.kv.find_cached_prefix(seq)
+        num_hit_tokens = len(hits) * self.kv.block_size
+        remaining = len(seq.token_ids) - num_hit_tokens
+        # Without chunked prefill a prefill waits for a step with room for all of it; one longer
+        # than any step (prompt plus output after a recompute) can never get that, so it is chunked.
+        if remaining > budget and not self.config.enable_chunked_prefill and remaining <= self.config.max_num_batched_tokens:
+            return None
+        num_new = min(remaining, budget)
+        need = self.kv.blocks_needed(seq, num_new, len(hits))
+        revived = sum(1 for b in hits if b.ref_count == 0)
+        if need > self.kv.pool.num_free - revived - self._watermark_blocks and self.running:
+            return None  # wait for running sequences to free blocks rather than thrash
+        if not self.kv.allocate_slots(seq, num_new, hits):
+            return None
+        req = seq.request
+        if not req.admitted:  # later admissions (after a recompute) hit the request's own blocks
+            req.admitted = True
+            req.num_cached_tokens = num_hit_tokens
+        self.kv.record_prefix_query(len(seq.token_ids), num_hit_tokens)
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.add(seq)
+        out.scheduled.append(ScheduledSeq(seq, num_new))
+        return num_new

@@ -44,7 +44,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[Block] = field(default_factory=list)
     cpu_block_ids: list[int] = field(default_factory=list)  # while SWAPPED
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full token blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -54,6 +54,7 @@ class Sequence:
     num_emitted_chars: int = 0
     num_emitted_logprobs: int = 0
     finish_reported: bool = False
+    suspect_until: int = 0  # after a failed step: runs isolated until this many tokens are computed
 
     @property
     def num_output_tokens(self) -> int:
@@ -71,7 +72,7 @@ class Sequence:
     def sort_key(self) -> tuple:
         return (*self.request.sort_key, self.index)
 
-    def full_block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+    def full_block_hashes(self, block_size: int, num_blocks: int) -> list[bytes]:
         """Hashes of the first ``num_blocks`` full blocks, extended lazily (tokens of a full
         block never change, so a hash once computed stays right)."""
         hashes = self.block_hashes

@@ -33,11 +33,7 @@ def test_requests_join_and_leave_every_step_and_share_the_forward_pass(tiny_mode
     sched = e.scheduler.schedule()
     kinds = sorted(s.num_new_tokens for s in sched.scheduled)
     assert kinds == [1, 9], "a's decode and b's prefill share the step"
-    # run that step through the engine by hand, then keep stepping
-    order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-    from qworker.model.batch import Batch
-
-    e._update(order, e.runner.execute(Batch([e._chunk(s) for s in order], copy=sched.copies.copy)))
+    e._run(sched)  # run that step through the engine by hand, then keep stepping
     e.step()  # a's last token: it finishes and leaves
     assert "a" not in e.requests and "b" in e.requests
     assert len(e.scheduler.running) == 1
