@@ -41,6 +41,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        engine.thread_safe_tokenizer()  # the loop encodes while the engine thread decodes
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # the event loop's: ids in flight
         self._listeners: dict[str, _Stream] = {}  # the engine thread's: who added each request

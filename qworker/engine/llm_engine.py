@@ -48,10 +48,7 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, config.kv_cache_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        # The detokenizers get their own copy: callers encode with ``tokenizer`` on other threads
-        # (the AsyncEngine's event loop), and a fast tokenizer used from two threads at once can
-        # raise "Already borrowed".
-        self._detok_tokenizer = copy.deepcopy(self.tokenizer)
+        self._detok_tokenizer = self.tokenizer  # see thread_safe_tokenizer
         self.model_name = config.model.rstrip("/").split("/")[-1]
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.runner.model.vocab_size
@@ -84,6 +81,14 @@ class LLMEngine:
             "requests_failed": 0,
             "steps_failed": 0,
         }
+
+    def thread_safe_tokenizer(self) -> None:
+        """Gives the detokenizers (which run in ``step``) a copy of the tokenizer, for callers that
+        step on one thread and use ``tokenizer`` on another (AsyncEngine): a fast tokenizer used
+        from two threads at once can raise "Already borrowed". Costs a copy (~0.3 s), so only
+        those callers pay it."""
+        if self._detok_tokenizer is self.tokenizer:
+            self._detok_tokenizer = copy.deepcopy(self.tokenizer)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

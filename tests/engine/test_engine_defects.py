@@ -346,7 +346,9 @@ def test_incomplete_character_at_the_end_is_not_dropped(tiny_model_dir):
     assert seq.detokenizer.text == tok.decode(cut[1:])
 
 
-def test_detokenizers_do_not_share_the_callers_tokenizer(tiny_model_dir):
+def test_detokenizers_do_not_share_the_event_loops_tokenizer(tiny_model_dir):
     e = engine(tiny_model_dir)
+    AsyncEngine(e)  # steps on its own thread while the loop encodes with e.tokenizer
     e.add_request("a", [5, 6, 7], greedy(2))
     assert e.requests["a"].seqs[0].detokenizer.tokenizer is not e.tokenizer
+    assert outputs(run(e)["a"]) == solo(tiny_model_dir, [5, 6, 7], greedy(2))
