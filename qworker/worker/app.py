@@ -43,6 +43,9 @@ from qworker.telemetry.job import JobTelemetry, Telemetry
 
 log = logging.getLogger("qworker.worker")
 
+# The partition of a job whose log was reset under it: it still answers, marks no offset.
+_DETACHED = TopicPartition("", -1)
+
 # Room left in a record for headers (traceparent, tracestate) when checking a result's size.
 _HEADER_ROOM = 1024
 
@@ -682,9 +685,35 @@ class Worker:
         self._revoked = set()
         if lost:
             self._abandon(lost)
+        await self._check_kept(assigned)
         if self.pauser is not None and self.pauser.paused:
             self.consumer.pause(*assigned)  # a rebalance clears pauses
         log.info("assigned %s (generation %d)", sorted(f"{tp.topic}/{tp.partition}" for tp in assigned), self.generation)
+
+    async def _check_kept(self, assigned: set[TopicPartition]) -> None:
+        """A kept partition whose group offset is now below the one we committed (or gone) no
+        longer holds the records we saw: the broker lost its data (a topic re-created, a log
+        truncated by an unclean election, memory storage restarted) or an operator reset the
+        group's offsets. Its new records reuse offsets we already saw; keeping our "seen up to"
+        mark would take them for refetches and never answer them. So the partition starts
+        afresh; its in-flight jobs still answer, but no longer mark offsets of the new log."""
+        for tp in sorted(assigned & set(self.tracker.partitions()), key=lambda t: t.partition):
+            ours = self.tracker.last_committed(tp)
+            if ours is None:
+                continue
+            try:
+                theirs = await self.consumer.committed(tp)
+            except KafkaError as e:
+                log.debug("committed(%s) failed: %r", tp, e)
+                continue
+            if theirs is not None and theirs >= ours:
+                continue
+            log.warning("%s/%d: the group's offset is %s, below the %d we committed: the log was reset; starting the partition afresh", tp.topic, tp.partition, theirs, ours)
+            for st in self.jobs.values():
+                st.waiters = [w for w in st.waiters if w[0] != tp]
+                if st.tp == tp:
+                    st.tp = _DETACHED
+            self.tracker.drop(tp)
 
     def _abandon(self, lost: set[TopicPartition]) -> None:
         """Abort the lost partitions' unfinished jobs without committing them: the new owner

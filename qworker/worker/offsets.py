@@ -75,6 +75,11 @@ class OffsetTracker(Generic[TP]):
             if p is not None and (p.committed is None or off > p.committed):
                 p.committed = off
 
+    def last_committed(self, tp: TP) -> int | None:
+        """The offset we last committed for ``tp`` (None if none in this ownership)."""
+        p = self._parts.get(tp)
+        return p.committed if p else None
+
     def pending(self, tp: TP) -> set[int]:
         p = self._parts.get(tp)
         return set(p.pending) if p else set()

@@ -204,3 +204,44 @@ async def test_bad_header_on_one_partition_loses_no_record_of_another(topics, re
             assert w.loops_alive()
         finally:
             await w.stop()
+
+
+async def test_jobs_after_the_log_starts_over_are_not_mistaken_for_refetches(engines, tmp_path) -> None:
+    """A broker that comes back without its data (memory storage; in real Kafka a topic deleted
+    and re-created, or a log truncated by an unclean leader election) numbers new records from 0
+    again. The worker kept each partition's "seen up to" mark, so every new job below it was
+    taken for a refetch of one it had answered: ignored, never answered, then committed past."""
+    from qworker.broker import start_broker, stop_broker
+    from qworker.worker.client import create_topics, submit
+
+    from .conftest import make_settings
+
+    broker = start_broker(log_dir=tmp_path)
+    try:
+        s = make_settings(broker.bootstrap)
+        await create_topics(s, partitions=4)
+        eng = await engines()
+        r = await Results(s).start()
+        w = await started(s, eng)
+        try:
+            await submit(s, [job(f"a{i}", max_tokens=1) for i in range(12)])
+            await r.wait(lambda: len(r.completions) == 12, 30, "the first jobs")
+            await wait_committed(s)
+            await r.stop()
+            await asyncio.to_thread(broker.restart)  # memory storage: topics, records and offsets gone
+            deadline = time.monotonic() + 30
+            while True:  # the operator re-creates the topics
+                try:
+                    await create_topics(s, partitions=4)
+                    break
+                except Exception:  # noqa: BLE001 - the broker is still coming up
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.5)
+            r = await Results(s).start()
+            await submit(s, [job(f"b{i}", max_tokens=1) for i in range(4)])
+            await r.wait(lambda: {f"b{i}" for i in range(4)} <= set(r.completions), 40, "the jobs after the restart")
+        finally:
+            await w.stop(drain_timeout_s=5)
+            await r.stop()
+    finally:
+        stop_broker(broker)
