@@ -702,8 +702,9 @@ class Worker:
             if ours is None:
                 continue
             try:
-                theirs = await self.consumer.committed(tp)
-            except KafkaError as e:
+                async with asyncio.timeout(5.0):  # a stalled broker must not hold up the rebalance
+                    theirs = await self.consumer.committed(tp)
+            except (KafkaError, TimeoutError) as e:
                 log.debug("committed(%s) failed: %r", tp, e)
                 continue
             if theirs is not None and theirs >= ours:
