@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -74,6 +75,9 @@ async def commit(consumer: AIOKafkaConsumer, tracker: OffsetTracker[TopicPartiti
     return 1, 0
 
 
+_rotation = itertools.count()
+
+
 async def getmany(consumer: AIOKafkaConsumer, timeout_ms: int, max_records: int) -> dict[TopicPartition, list]:
     """``consumer.getmany`` that never drops records when one partition cannot be decoded.
 
@@ -86,7 +90,11 @@ async def getmany(consumer: AIOKafkaConsumer, timeout_ms: int, max_records: int)
     any one partition gave a record."""
     out: dict[TopicPartition, list] = {}
     left = max_records
-    for tp in sorted(consumer.assignment(), key=lambda t: (t.topic, t.partition)):
+    tps = sorted(consumer.assignment(), key=lambda t: (t.topic, t.partition))
+    if tps:  # start at a different partition each call: a busy one must not starve the rest
+        k = next(_rotation) % len(tps)
+        tps = tps[k:] + tps[:k]
+    for tp in tps:
         if left <= 0:
             break
         try:
