@@ -108,8 +108,16 @@ class AsyncEngine:
         self.ready = False
 
     # -- requests ----------------------------------------------------------------------------------
+    async def validate_structured(self, params: SamplingParams) -> None:
+        """Compiles (or finds cached) ``params``'s structured-output spec on a worker thread, off
+        the event loop and the engine thread; raises ``StructuredOutputError`` (code
+        ``invalid_structured_output``) for a spec the compiler refuses or a compile past the
+        timeout. Then call ``generate(..., structured_validated=True)``."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.validate_structured, params)
+
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, *,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None, structured_validated: bool = False) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes. Raises ``InvalidRequestError`` at once for a
         request that can never run, ``ValueError`` for a request id already in flight.
         ``deadline`` (``time.time()``): see ``LLMEngine.add_request``; an expired request's one
@@ -120,7 +128,7 @@ class AsyncEngine:
         self.engine.check(ids, params)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._commands.put(("add", (stream, request_id, ids, params, priority, deadline, prompt if isinstance(prompt, str) else None)))
+        self._commands.put(("add", (stream, request_id, ids, params, priority, deadline, prompt if isinstance(prompt, str) else None, structured_validated)))
         self._wake.set()
         finished = False
         try:
@@ -162,9 +170,9 @@ class AsyncEngine:
                     self._abort(rid)
                 return False
             if kind == "add":
-                stream, rid, ids, params, priority, deadline, text = arg
+                stream, rid, ids, params, priority, deadline, text, validated = arg
                 try:
-                    req = self.engine.add_request(rid, ids, params, priority, deadline)
+                    req = self.engine.add_request(rid, ids, params, priority, deadline, structured_validated=validated)
                     req.prompt = text
                     self._listeners[rid] = stream
                 except Exception as e:  # validated on the loop side already; report, keep serving

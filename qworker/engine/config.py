@@ -35,6 +35,11 @@ class EngineConfig:
     scheduling_policy: str = "priority"  # "priority" (lower value first, then FCFS) or "fcfs"
     seed: int = 0
     tokenizer: str | None = None
+    # structured output: compiled grammars kept (LRU, keyed by the spec's hash), seconds a compile
+    # may take before its request fails with invalid_structured_output, compile threads
+    grammar_cache_size: int = 128
+    grammar_compile_timeout: float = 10.0
+    grammar_compile_workers: int = 2
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -47,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
+        if self.grammar_cache_size < 1 or self.grammar_compile_workers < 1 or not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_cache_size and grammar_compile_workers must be >= 1, grammar_compile_timeout > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

@@ -2,6 +2,16 @@
 
 A step: schedule -> build the batch -> run the model -> fork n>1 requests whose prompt just
 finished -> sample -> ``_update`` (the only place that mutates request state after a step).
+
+Structured output (issue 14): a request with ``params.structured_outputs`` has its grammar
+compiled off this thread (``self.grammars``); until the compile is done it waits unscheduled (the
+scheduler skips it, the rest of the queue goes on), then its first sequence gets a
+``StructuredState``. Each step masks the constrained sampling rows (the fill overlaps the forward
+pass) and ``_update`` advances each state by its sampled token; a terminated grammar finishes the
+sequence with "stop". The state only moves in ``_update``, together with ``token_ids``, so a
+failed step, a recompute or a swap leaves both consistent (nothing already generated is
+re-sampled). A spec the compiler refuses (or a compile past ``grammar_compile_timeout``) finishes
+the request, unscheduled, with ``error_code`` "invalid_structured_output".
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from qworker.engine.sampler import sample
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
 from qworker.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from qworker.engine.sequence import Request, SeqStatus, Sequence
+from qworker.engine.structured import GrammarCompilerService, StructuredBitmask, StructuredState, build_tokenizer_info
+from qworker.engine.structured.spec import ERROR_CODE as ERR_STRUCTURED
 from qworker.model.batch import Batch, SeqChunk
 from qworker.model.runner import ModelRunner
 
@@ -52,6 +64,16 @@ class LLMEngine:
         self.model_name = config.model.rstrip("/").split("/")[-1]
         self.eos_token_ids = self._eos_ids()
         self.vocab_size = self.runner.model.vocab_size
+        # structured output: tokenizer info once per model (the logits width; EOS = grammar stop)
+        self.tokenizer_info = build_tokenizer_info(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarCompilerService(
+            self.tokenizer_info,
+            cache_size=config.grammar_cache_size,
+            timeout_s=config.grammar_compile_timeout,
+            max_workers=config.grammar_compile_workers,
+        )
+        self.bitmask = StructuredBitmask(self.vocab_size, self.runner.device)
+        self._compiling: list[Request] = []  # requests whose grammar is not compiled yet
 
         block_bytes = self.runner.block_bytes(config.block_size)
         budget = self.runner.device_kv_budget(config.kv_cache_memory, config.gpu_memory_utilization, config.cpu_kv_cache_memory)
@@ -80,6 +102,7 @@ class LLMEngine:
             "requests_expired": 0,
             "requests_failed": 0,
             "steps_failed": 0,
+            "requests_invalid_structured": 0,
         }
 
     def thread_safe_tokenizer(self) -> None:
@@ -144,10 +167,20 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError("invalid_sampling", f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, deadline: float | None = None) -> Request:
+    def validate_structured(self, params: SamplingParams) -> None:
+        """Blocking (for a worker thread, not the engine loop): compiles ``params``'s structured
+        output spec, or finds it cached; raises ``StructuredOutputError`` for a spec the compiler
+        refuses or one past the compile timeout. Then pass ``structured_validated=True`` to
+        ``add_request`` so the engine's own look-up is not counted as a second cache hit."""
+        if params.structured_outputs is not None:
+            self.grammars.validate(params.structured_outputs)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, deadline: float | None = None,
+                    structured_validated: bool = False) -> Request:
         """Queues a request. ``deadline`` (``time.time()`` seconds): if it passes before the request
         is first scheduled, the request finishes without running (finish_reason "abort",
-        ``error_code`` "deadline_exceeded"); once started, it runs to completion."""
+        ``error_code`` "deadline_exceeded"); once started, it runs to completion. A request with
+        ``params.structured_outputs`` waits (unscheduled) for its grammar; see the module docstring."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams):
@@ -171,6 +204,9 @@ class LLMEngine:
             deadline=deadline,
         )
         req.seqs.append(self._new_seq(req, 0))
+        if params.structured_outputs is not None:
+            req.grammar = self.grammars.submit(params.structured_outputs, admitted=structured_validated)
+            self._compiling.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         if deadline is not None:
@@ -214,9 +250,38 @@ class LLMEngine:
         ``self.requests`` and returned one last time). A failing step does not raise: see
         ``_recover``."""
         expired = self._expire_deadlines() if self._deadlines else []
-        return expired + self._run(self.scheduler.schedule())
+        if self._compiling:
+            expired += self._poll_grammars()
+        sched = self.scheduler.schedule()
+        if sched.empty and not sched.copies and self._compiling:
+            # nothing can run until a grammar is ready: wait on it briefly rather than spin
+            self._compiling[0].grammar.wait(0.005)
+        return expired + self._run(sched)
+
+    def _poll_grammars(self) -> list[Request]:
+        """Requests whose compile is done leave ``_compiling``: a grammar gives the first sequence
+        its state; an error finishes the request, never scheduled."""
+        failed, still = [], []
+        for req in self._compiling:
+            if self.requests.get(req.request_id) is not req or req.finished:
+                continue  # aborted or expired while compiling
+            handle = req.grammar
+            if not handle.done:
+                still.append(req)
+                continue
+            err = handle.error
+            if err is None:
+                req.seqs[0].structured = StructuredState(handle.result())
+                continue
+            del self.requests[req.request_id]
+            self._end(req, str(err), ERR_STRUCTURED)
+            self.counters["requests_invalid_structured"] += 1
+            failed.append(req)
+        self._compiling = still
+        return failed
 
     def _run(self, sched: SchedulerOutput) -> list[Request]:
+        filled = None
         try:
             if sched.empty:
                 if sched.copies:  # a step that runs nothing still owes its swap-outs
@@ -235,15 +300,21 @@ class LLMEngine:
                 swap_in=sched.copies.swap_in,
                 copy=sched.copies.copy,
             )
-            logits = self.runner.execute(batch)
             # everything that can fail runs before any request state moves
             sampling, rows, num_rows = self._sampling_rows(order)
+            constrained = [(i, s.structured) for i, s in enumerate(sampling) if s.structured is not None]
+            # the constrained rows' masks are filled on a helper thread during the forward pass
+            filled = self.bitmask.start_fill(len(sampling), constrained) if constrained else None
+            logits = self.runner.execute(batch)
             tokens, logprobs = [], []
             if sampling:
                 if num_rows != len(rows):  # forks sample from their parent's row: repeat it
                     logits = logits[torch.tensor(rows, device=logits.device)]
-                tokens, logprobs = sample(logits, sampling, self.eos_token_ids, self._generator)
+                tokens, logprobs = sample(logits, sampling, self.eos_token_ids, self._generator,
+                                          bitmask=self.bitmask if constrained else None, constrained=constrained, filled=filled)
         except Exception as e:
+            if filled is not None:  # the fill reads the states: let it finish before they move
+                filled.exception()
             return self._recover(sched, e)
         self.counters["steps"] += 1
         changed = self._update(order, sampling, tokens, logprobs)
@@ -335,7 +406,10 @@ class LLMEngine:
             req = seq.request
             if req.params.n > 1 and not req.forked:
                 for i in range(1, req.params.n):
-                    sampling.append(self._new_seq(req, i))
+                    child = self._new_seq(req, i)
+                    if seq.structured is not None:  # its own parse state (a copy; the parent's is untouched)
+                        child.structured = seq.structured.fork()
+                    sampling.append(child)
                     rows.append(num_rows)
             num_rows += 1
         return sampling, rows, num_rows
@@ -363,6 +437,13 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
                 self.counters["prompt_tokens_cached"] += req.num_cached_tokens
+            if seq.structured is not None and not seq.structured.accept(token):
+                # cannot happen after the mask; a guard so a refused token never continues
+                log.error("request %s: sampled token %d does not fit its grammar", req.request_id, token)
+                seq.detokenizer.append(token, find_stop=False)
+                self._finish(seq, ABORT)
+                changed[req.request_id] = req
+                continue
             reason = self._stop(seq, token)
             if reason is not None:
                 self._finish(seq, *reason)
@@ -378,6 +459,12 @@ class LLMEngine:
         rules: nothing but the length stops it before ``min_tokens``; the text of a stop token id
         or EOS is left out unless ``include_stop_str_in_output``)."""
         p = seq.request.params
+        if seq.structured is not None and seq.structured.is_terminated():
+            # the grammar is complete and took its stop token (EOS): that ends it, whatever
+            # ignore_eos or min_tokens say (the mask allowed nothing else)
+            if p.include_stop_str_in_output:
+                seq.detokenizer.append(token, find_stop=False)
+            return STOP, (token if token in p.stop_token_ids else None)
         past_min = seq.num_output_tokens >= p.min_tokens
         if past_min and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             if p.include_stop_str_in_output:
@@ -431,5 +518,8 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_swapped": len(self.scheduler.swapped),
+            "num_compiling": len(self._compiling),
             **self.counters,
+            **self.grammars.stats(),
+            **self.bitmask.stats(),
         }

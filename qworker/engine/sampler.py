@@ -4,19 +4,37 @@ Per-request seeds: a seeded sequence draws from its own ``torch.Generator`` with
 of draws per token (one exponential per vocabulary entry, the "exponential race": argmax of
 p / E with E ~ Exp(1) is a sample from p), so its tokens do not depend on the rest of the batch.
 Logprobs are those of the raw model distribution (before penalties and temperature), as vLLM
-returns by default.
+returns by default; for a structured-output row, of the masked distribution (the grammar's
+bitmask is applied first, as in vLLM: tokens the grammar forbids get -inf, and the logprobs are
+renormalised over the allowed ones).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
 from qworker.engine.outputs import TokenLogprobs
 from qworker.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from qworker.engine.structured import StructuredBitmask, StructuredState
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], generator: torch.Generator) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: fp32 ``[len(seqs), vocab]``; returns the sampled ids and per-row logprobs."""
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], generator: torch.Generator,
+           bitmask: StructuredBitmask | None = None, constrained: list[tuple[int, StructuredState]] | None = None,
+           filled: Future | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: fp32 ``[len(seqs), vocab]``; returns the sampled ids and per-row logprobs.
+
+    ``bitmask``: masks the rows of sequences with a structured state in place first
+    (``constrained``: those ``(row, state)`` pairs, computed here when None; ``filled``: a
+    ``bitmask.start_fill`` made for the same rows)."""
+    if bitmask is not None:
+        if constrained is None:
+            constrained = [(i, s.structured) for i, s in enumerate(seqs) if s.structured is not None]
+        bitmask.apply(logits, constrained, filled=filled)
     raw = logits
     logits = logits.clone() if _needs_processing(seqs) else logits
     for row, seq in enumerate(seqs):
@@ -29,7 +47,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
             vocab = logits.shape[1]
             banned = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)) if 0 <= t < vocab]
             if banned:
-                logits[row, banned] = float("-inf")
+                if seq.structured is not None and seq.structured.is_completed():
+                    # the grammar may end here: ban its stop tokens only if it allows anything
+                    # else (the grammar wins over min_tokens; a row must never be all -inf)
+                    kept = logits[row].clone()
+                    kept[banned] = float("-inf")
+                    if bool(torch.isfinite(kept).any()):
+                        logits[row] = kept
+                else:
+                    logits[row, banned] = float("-inf")
 
     greedy = [i for i, s in enumerate(seqs) if s.request.params.greedy]
     if len(greedy) == len(seqs):  # all greedy (the common batch): no row gather

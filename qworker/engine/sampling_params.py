@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qworker.engine.structured.spec import StructuredOutputsParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -46,6 +50,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # keep the matched stop string, or the text of a matched stop token id / EOS, in the text
     include_stop_str_in_output: bool = False
+    # structured output (issue 14; vLLM's name): JSON schema, JSON object, regex, choice or grammar.
+    # The spec validates itself at construction; the engine compiles it (see qworker.engine.structured).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,5 +105,10 @@ class SamplingParams:
             raise bad("stop_token_ids must be non-negative integers")
         if not isinstance(self.include_stop_str_in_output, bool) or not isinstance(self.ignore_eos, bool):
             raise bad("include_stop_str_in_output and ignore_eos must be booleans")
+        if self.structured_outputs is not None:
+            from qworker.engine.structured.spec import StructuredOutputError, StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise StructuredOutputError("structured_outputs must be a StructuredOutputsParams")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

@@ -4,7 +4,8 @@ Every sequence has ``num_computed_tokens`` and ``len(token_ids)``; each step han
 ``max_num_batched_tokens`` so the first catches up with the second. Running sequences are served
 first (decodes and unfinished prefill chunks, in priority order), then swapped-out and waiting ones are taken in one priority order (a swapped sequence
 comes back, a waiting one is admitted) while budget, sequence slots and blocks last; the first one
-that does not fit stops the rest, so nothing overtakes a better-placed sequence. Prefill and decode
+that does not fit stops the rest, so nothing overtakes a better-placed sequence (a request whose
+grammar is still compiling is skipped: it holds nothing and stops nobody). Prefill and decode
 tokens share one forward pass. At most ``max_num_seqs`` sequences run: forks past that wait
 (``add_fork``).
 
@@ -180,6 +181,8 @@ class Scheduler:
         for seq in heapq.merge(self.swapped, self.waiting, key=lambda s: s.sort_key):
             if only is not None and seq.request is not only:
                 continue
+            if seq.request.grammar is not None and seq.structured is None:
+                continue  # its grammar is still compiling: skip it, not the rest of the queue
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             took = self._take(seq, out, budget, isolated=only is not None)

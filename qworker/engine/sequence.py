@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     import torch
 
     from qworker.engine.detokenizer import IncrementalDetokenizer
+    from qworker.engine.structured.compiler import CompileHandle
+    from qworker.engine.structured.matcher import StructuredState
 
 
 class SeqStatus(enum.Enum):
@@ -55,6 +57,9 @@ class Sequence:
     num_emitted_logprobs: int = 0
     finish_reported: bool = False
     suspect_until: int = 0  # after a failed step: runs isolated until this many tokens are computed
+    # structured output: the grammar's parse state, advanced by every output token (``_update``);
+    # None while the request's grammar compiles, and for unconstrained requests
+    structured: StructuredState | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -100,6 +105,7 @@ class Request:
     admitted: bool = False  # scheduled at least once: usage and deadlines look at the first time only
     error: str | None = None
     error_code: str | None = None
+    grammar: CompileHandle | None = None  # structured output: the compile this request waits for
 
     @property
     def finished(self) -> bool:
