@@ -64,6 +64,16 @@ def test_engine_stats_become_gauges_and_counters():
     assert samples(m)[("qworker:generation_tokens_total", ())] == 80
 
 
+def test_structured_output_stats_are_exported():
+    stats = {**STATS, "grammar_compilations": 3, "grammar_cache_hits": 5, "grammar_compile_seconds": 0.5, "mask_seconds": 0.25, "num_compiling": 1}
+    s = samples(WorkerMetrics("smol", stats=lambda: stats))
+    assert s[("qworker:grammar_compilations_total", ())] == 3
+    assert s[("qworker:grammar_cache_hits_total", ())] == 5
+    assert s[("qworker:grammar_compile_seconds_total", ())] == 0.5
+    assert s[("qworker:structured_mask_seconds_total", ())] == 0.25
+    assert s[("qworker:num_requests_compiling", ())] == 1
+
+
 def test_engine_not_up_yet_still_scrapes():
     def broken():
         raise RuntimeError("no engine")
