@@ -6,16 +6,20 @@ from qworker.engine.llm import LLM
 from qworker.engine.llm_engine import Capacity, LLMEngine
 from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
+from qworker.engine.structured import GuidedDecodingParams, StructuredOutputError, StructuredOutputsParams
 
 __all__ = [
     "AsyncEngine",
     "Capacity",
     "CompletionOutput",
     "EngineConfig",
+    "GuidedDecodingParams",
     "InvalidRequestError",
     "LLM",
     "LLMEngine",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputError",
+    "StructuredOutputsParams",
 ]
