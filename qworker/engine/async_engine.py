@@ -45,6 +45,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # the event loop's: ids in flight
         self._listeners: dict[str, _Stream] = {}  # the engine thread's: who added each request
+        self._closed = False  # shut down: generate() refuses at once instead of waiting forever
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self.last_step_time = time.monotonic()
@@ -94,6 +95,7 @@ class AsyncEngine:
     async def start(self) -> None:
         if self._thread is not None:
             return
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="qworker-engine", daemon=True)
         self._thread.start()
         self.ready = True
@@ -106,6 +108,15 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self.ready = False
+        self._closed = True
+        # requests added after the engine thread took "stop" were never seen by it: end them
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                arg[0].put(RuntimeError("the engine has shut down"))
 
     # -- requests ----------------------------------------------------------------------------------
     async def validate_structured(self, params: SamplingParams) -> None:
@@ -122,6 +133,8 @@ class AsyncEngine:
         request that can never run, ``ValueError`` for a request id already in flight.
         ``deadline`` (``time.time()``): see ``LLMEngine.add_request``; an expired request's one
         output has finish_reason "abort" and ``error_code`` "deadline_exceeded"."""
+        if self._closed:
+            raise RuntimeError("the engine has shut down")
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already in flight")
         ids = self.engine.encode(prompt)

@@ -44,6 +44,8 @@ class LLM:
         if len(params) != len(prompt_list):
             raise ValueError("one SamplingParams, or one per prompt")
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(prios) != len(prompt_list):
+            raise ValueError("one priority per prompt")
         # validate everything before starting anything, so a bad prompt fails the call cleanly
         ids = []
         for prompt, p in zip(prompt_list, params):

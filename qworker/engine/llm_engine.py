@@ -252,7 +252,14 @@ class LLMEngine:
         expired = self._expire_deadlines() if self._deadlines else []
         if self._compiling:
             expired += self._poll_grammars()
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception:
+            # a bookkeeping bug, not a model failure: the caller fails what is in flight; drop the
+            # half-made step so no copy of it is applied later and no unwritten block stays hit-able
+            self.kv.unregister(self.kv.take_registered())
+            self.kv.take_copies()
+            raise
         if sched.empty and not sched.copies and self._compiling:
             # nothing can run until a grammar is ready: wait on it briefly rather than spin
             self._compiling[0].grammar.wait(0.005)
@@ -326,6 +333,11 @@ class LLMEngine:
         """Finishes the requests whose deadline has passed before they were ever scheduled."""
         now = time.time()
         expired = []
+        if len(self._deadlines) > 2 * len(self.requests) + 64:
+            # entries of requests that started or ended stay until their deadline: drop them now
+            # and then, so generous deadlines cannot keep finished requests alive
+            self._deadlines = [e for e in self._deadlines if not e[2].admitted and self.requests.get(e[2].request_id) is e[2]]
+            heapq.heapify(self._deadlines)
         while self._deadlines and self._deadlines[0][0] < now:
             _, _, req = heapq.heappop(self._deadlines)
             if req.admitted or self.requests.get(req.request_id) is not req:
@@ -424,12 +436,16 @@ class LLMEngine:
             return []
         now = time.time()
         changed: dict[str, Request] = {}
-        for seq, token, lp in zip(sampling, tokens, logprobs):
+        # attach new forks before any sequence can finish: a parent that stops on its first token
+        # frees its blocks, and a fork attached after that would share an empty block table
+        for seq in sampling:
             req = seq.request
             if seq.index > 0 and len(req.seqs) <= seq.index:  # a new fork of seqs[0], just scheduled
                 self.scheduler.add_fork(req.seqs[0], seq)
                 req.seqs.append(seq)
                 req.forked = len(req.seqs) == req.params.n
+        for seq, token, lp in zip(sampling, tokens, logprobs):
+            req = seq.request
             seq.token_ids.append(token)
             if lp is not None:
                 seq.logprobs.append(lp)

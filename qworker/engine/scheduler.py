@@ -183,8 +183,15 @@ class Scheduler:
                 continue
             if seq.request.grammar is not None and seq.structured is None:
                 continue  # its grammar is still compiling: skip it, not the rest of the queue
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0:
                 break
+            if len(self.running) >= self.config.max_num_seqs:
+                # isolation may find every slot held by other requests' idle sequences (forks of
+                # a suspect cleared before it): free one, or the suspect would wait forever
+                victim = self._idle_victim(only) if only is not None and not out.swapped_in else None
+                if victim is None:
+                    break
+                self._preempt(victim, out)
             took = self._take(seq, out, budget, isolated=only is not None)
             # isolation pauses everyone else: make room from them rather than wait for them (not
             # after a swap-in: a swap-out could then reuse the CPU blocks that swap-in reads)
