@@ -2,7 +2,7 @@
 
 Starts the bundled Tansu broker on a free loopback port, fetches the model if missing, starts a
 ``qworker run`` process, submits a handful of jobs (two share a long system prompt, one is a
-chat, one gets cancelled, one is invalid), streams their tokens live in the terminal, prints a
+chat, one extracts JSON under a schema (structured output), one gets cancelled, one is invalid), streams their tokens live in the terminal, prints a
 summary table, and stops everything cleanly (the worker by SIGTERM, the broker by pid).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -42,9 +43,30 @@ def demo_jobs() -> list[Job]:
         Job(id="bakery-hours", messages=[sys_msg, ChatMessage(role="user", content="When are you open?")], sampling=greedy, stream=True),
         Job(id="bakery-tip", messages=[sys_msg, ChatMessage(role="user", content="What should I buy today?")], sampling=greedy, stream=True),
         Job(id="chat-kafka", messages=[ChatMessage(role="user", content="Explain Kafka consumer groups in one sentence.")], sampling=greedy, stream=True),
+        # structured output: the completion is JSON that validates against the schema
+        Job(id="extract-json", messages=[ChatMessage(role="user", content="Extract the order as JSON: two croissants and one fruit tart, to pick up at 8am.")],
+            sampling=Sampling(max_tokens=64, temperature=0.0), response_format=EXTRACT, stream=True),
         Job(id="story-cancelled", prompt="Once upon a time, in a data centre far away,", sampling=Sampling(max_tokens=200, temperature=0.8, seed=1), stream=True),
     ]
 
+
+EXTRACT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "order",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+                    "type": "object",
+                    "properties": {"product": {"enum": ["croissant", "pain au chocolat", "fruit tart"]}, "quantity": {"type": "integer", "minimum": 1, "maximum": 12}},
+                    "required": ["product", "quantity"]}},
+                "pickup": {"type": "string", "pattern": "^[0-9]{1,2}(am|pm)$"},
+            },
+            "required": ["items", "pickup"],
+        },
+    },
+}
 
 INVALID = {"id": "invalid-job", "prompt": "hello", "sampling": {"max_tokens": -3}}
 
@@ -127,6 +149,15 @@ async def run_demo(s: WorkerSettings, console: Console, timeout: float) -> dict[
     finally:
         await reader.stop()
     console.print(summary(order, final))
+    ex = final.get("extract-json")
+    if ex is not None and ex["type"] == "completion":
+        text = ex["choices"][0]["text"]
+        try:
+            json.loads(text)
+            verdict = "parses as JSON"
+        except ValueError:
+            verdict = f"does not parse (finish_reason {ex['choices'][0]['finish_reason']!r}: a valid prefix)"
+        console.print(f"structured output (extract-json, response_format json_schema): {text}  -> {verdict}")
     return final
 
 
@@ -164,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         worker.send_signal(signal.SIGTERM)
         rc = worker.wait(60)
         console.print(f"worker drained and exited with {rc}")
-        ok = rc == 0 and len(final) == 5 and final.get("invalid-job", {}).get("type") == "error"
+        ok = rc == 0 and len(final) == len(demo_jobs()) + 1 and final.get("invalid-job", {}).get("type") == "error"
+        ok = ok and final.get("extract-json", {}).get("type") == "completion"
         return 0 if ok else 1
     finally:
         if worker is not None and worker.poll() is None:

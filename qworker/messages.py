@@ -86,6 +86,7 @@ class Sampling(_Strict):
     min_tokens: StrictInt = Field(0, ge=0, le=1_000_000)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top-N logprobs per generated token.")
     n: StrictInt = Field(1, ge=1, le=MAX_N)
+    include_stop_str_in_output: StrictBool = Field(False, description="Keep a matched stop string, or the text of a stop token / EOS, in the text.")
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``qworker.engine.SamplingParams``."""
@@ -113,6 +114,15 @@ class Job(_Strict):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=10_000)
     prompt_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=1_000_000)
     sampling: Sampling = Field(default_factory=Sampling)
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="Structured output, at most one form: {type: text} | {type: json_object} | "
+        "{type: json_schema, json_schema: {name, schema, strict?, description?}} (OpenAI's shapes) | "
+        "{type: regex, regex} | {type: choice, choice: [str]} | {type: grammar, grammar} (EBNF). "
+        "A malformed, unsupported or uncompilable one gets error 'invalid_structured_output'.",
+        json_schema_extra={"examples": [{"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}},
+                                        {"type": "choice", "choice": ["positive", "negative"]}]},
+    )
     stream: StrictBool = Field(False, description="Publish token deltas to the tokens topic.")
     priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1, description="Lower runs first.")
     deadline: float | None = Field(
@@ -229,7 +239,7 @@ class ErrorInfo(BaseModel):
 
     code: str = Field(
         description="invalid_job | invalid_prompt | invalid_sampling | prompt_too_long | deadline_exceeded | "
-        "wrong_model | result_too_large | internal_error | engine_error (or another engine InvalidRequestError code)"
+        "wrong_model | result_too_large | internal_error | invalid_structured_output | engine_error (or another engine InvalidRequestError code)"
     )
     message: str
     retryable: bool = Field(description="True when resubmitting the same job may succeed.")

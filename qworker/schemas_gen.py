@@ -55,6 +55,29 @@ def examples() -> dict[str, Any]:
             priority=-1,
             deadline=1893456000.0,
         ),
+        "job.json_schema": Job(
+            id="job-6",
+            messages=[ChatMessage(role="user", content="Extract: John Smith, 42, a VIP customer from Boston.")],
+            sampling=Sampling(max_tokens=96, temperature=0.0),
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "person",
+                    "strict": True,
+                    "schema": {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string", "maxLength": 40},
+                            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                            "tags": {"type": "array", "items": {"enum": ["customer", "vip", "new"]}, "maxItems": 3},
+                        },
+                        "required": ["name", "age"],
+                    },
+                },
+            },
+        ),
+        "error.structured": JobError(job_id="job-7", attempt=1, run_id="", error=ErrorInfo(
+            code="invalid_structured_output", message="invalid json: Unsupported type \"strin\"", retryable=False)),
         "job.token_ids": Job(id="job-3", prompt_token_ids=[1, 9690, 198], sampling=Sampling(max_tokens=8, n=2, temperature=0.8, seed=7)),
         "delta": Delta(job_id="job-1", attempt=3, run_id="7f3a9c21", index=0, seq=0, text="Messages wait", token_ids=[40335, 3875]),
         "completion": Completion(

@@ -86,6 +86,7 @@ class Worker:
         self.joined = False  # the consumer joined its group (it may own no partition)
         self._cancel_watcher: CancelWatcher | None = None
         self._side: set[asyncio.Task] = set()  # DLQ/error/cancel publications
+        self._validating: dict[asyncio.Task, JobState] = {}  # jobs whose grammar compiles at admission
         self._loops: list[asyncio.Task] = []
         self._wake: asyncio.Event | None = None
         self._stop_requested: asyncio.Event | None = None
@@ -228,6 +229,10 @@ class Worker:
             self.pending.remove(st)
             self._forget(st)
             st.tele.outcome("abandoned")
+        for task, st in list(self._validating.items()):  # compiling its grammar: the same
+            task.cancel()
+            self._forget(st)
+            st.tele.outcome("abandoned")
         running = [st.task for st in self.jobs.values() if st.task is not None]
         busy = running + list(self._side)
         log.info("draining: %d running jobs, %d publications", len(running), len(self._side))
@@ -337,7 +342,10 @@ class Worker:
                 fresh.append(st)
         if fresh:
             for st, err in zip(fresh, await asyncio.to_thread(lambda: [self._precheck(st) for st in fresh])):
-                self._queue(st, err)
+                if err is None and getattr(st.params, "structured_outputs", None) is not None and hasattr(self.engine, "validate_structured"):
+                    self._start_validation(st)  # its grammar compiles on a thread; it queues after
+                else:
+                    self._queue(st, err)
         if records:
             self._wake.set()
 
@@ -414,6 +422,30 @@ class Worker:
         self.jobs[job.id] = st
         return st
 
+    def _start_validation(self, st: JobState) -> None:
+        """A job with a structured-output spec: compile (or find cached) its grammar on a worker
+        thread, then queue it, or answer it with ``invalid_structured_output`` before it takes
+        any engine time. One task per job, so a slow compile holds up no other job (nor the poll
+        loop, which does not wait for it)."""
+        task = asyncio.create_task(self._validate_structured(st), name=f"validate:{st.job.id}")
+        self._validating[task] = st
+        task.add_done_callback(lambda t: self._validating.pop(t, None))
+
+    async def _validate_structured(self, st: JobState) -> None:
+        from qworker.engine.sampling_params import InvalidRequestError
+
+        err = None
+        try:
+            await self.engine.validate_structured(st.params)
+            st.structured_validated = True
+        except InvalidRequestError as e:
+            err = error_message(st, e.code, str(e), retryable=False)
+        except Exception as e:  # noqa: BLE001 - the job must be answered, not dropped
+            err = error_message(st, "invalid_structured_output", f"{type(e).__name__}: {e}"[:2000], retryable=False)
+        self._queue(st, err)
+        if self._wake is not None:
+            self._wake.set()
+
     def _queue(self, st: JobState, err: BaseModel | None) -> None:
         """After tokenizing: queue the job, or answer it. It may have been abandoned (revoke)
         or cancelled meanwhile."""
@@ -446,9 +478,11 @@ class Worker:
         engine's thread-safe tokenizer, checks and capacity snapshot."""
         from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
 
+        from qworker.engine.structured.spec import from_response_format
+
         job = st.job
         try:
-            st.params = SamplingParams(**job.sampling.engine_kwargs())
+            st.params = SamplingParams(**job.sampling.engine_kwargs(), structured_outputs=from_response_format(job.response_format))
             st.prompt_ids = list(self.engine.encode(job.prompt_input()))
             self.engine.check(st.prompt_ids, st.params)
         except InvalidRequestError as e:

@@ -28,6 +28,7 @@ class JobState:
     waiters: list[tuple[Any, int]] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
     params: Any = None  # engine SamplingParams
+    structured_validated: bool = False  # its structured-output spec compiled at admission
     attempt: int = 0
     run_id: str = ""
     request_id: str = ""
@@ -127,7 +128,8 @@ class JobRunner:
         tele.generating(CHAT if job.messages is not None else TEXT_COMPLETION, job.sampling, stream=job.stream)
         # the engine checks the deadline when it would first schedule the request: a job that
         # waited in the engine's queue past it ends "abort" with error_code deadline_exceeded
-        gen = self.engine.generate(state.request_id, state.prompt_ids, state.params, priority=job.priority, deadline=job.deadline)
+        extra = {"structured_validated": True} if state.structured_validated else {}
+        gen = self.engine.generate(state.request_id, state.prompt_ids, state.params, priority=job.priority, deadline=job.deadline, **extra)
         state.in_engine = True  # from here a cancel must reach the engine (commands stay ordered)
         aborted = False
         try:
@@ -195,6 +197,8 @@ class JobRunner:
             err = getattr(last, "error", None) if last is not None else None
             if code == "deadline_exceeded":
                 return error_message(state, "deadline_exceeded", err or f"deadline {job.deadline} passed before the engine started the job", retryable=False)
+            if code == "invalid_structured_output":  # its grammar failed in the engine (not validated at admission)
+                return error_message(state, code, err or "the structured-output spec did not compile", retryable=False)
             return error_message(state, "engine_error", err or "the engine aborted the request", retryable=True)
         choices = [
             Choice(

@@ -1,0 +1,101 @@
+"""Structured output through Kafka (issue 14): the real worker, engine (SmolLM2) and broker. A job
+with a json_schema ``response_format`` gets a completion whose text validates; a bad schema and a
+bad regex get ``invalid_structured_output`` (not retryable) before taking engine time; a plain
+job in the same poll still completes and the worker keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import jsonschema
+import pytest
+
+from qworker.messages import Job, Sampling
+from qworker.worker import Worker
+from qworker.worker.client import submit
+
+from .conftest import Results, wait_committed
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
+        "nights": {"type": "integer", "minimum": 1, "maximum": 30},
+        "breakfast": {"type": "boolean"},
+    },
+    "required": ["city", "nights"],
+}
+
+
+def job(jid: str, rf: dict | None, **kw) -> Job:
+    return Job(id=jid, messages=[{"role": "user", "content": "Book Paris for 3 nights with breakfast. Reply in JSON."}],
+               sampling=Sampling(max_tokens=48, temperature=0.0), response_format=rf, **kw)
+
+
+async def test_json_schema_job_validates_bad_specs_get_invalid_structured_output(real_engine, topics, results: Results) -> None:
+    eng, _ = real_engine
+    w = Worker(topics, eng)
+    await w.start()
+    try:
+        rf = {"type": "json_schema", "json_schema": {"name": "booking", "schema": SCHEMA, "strict": True}}
+        bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}
+        bad_regex = {"type": "regex", "regex": "(unclosed"}
+        unsupported = {"type": "json_schema", "json_schema": {"name": "y", "schema": {"oneOf": [{"type": "string"}]}}}
+        steps_before = eng.engine.counters["steps"]
+        await submit(topics, [job("bad-schema", bad_schema), job("bad-regex", bad_regex), job("unsupported", unsupported)])
+        await results.wait(lambda: len(results.completions) == 3, 60)
+        assert eng.engine.counters["steps"] == steps_before, "a bad spec took engine time"
+        await submit(topics, [job("json", rf, stream=True), job("plain", None), job("choice", {"type": "choice", "choice": ["yes", "no"]})])
+        await results.wait(lambda: len(results.completions) == 6, 90)
+        for jid, needle in (("bad-schema", "strin"), ("bad-regex", "parenthesis"), ("unsupported", "oneOf")):
+            [e] = results.completions[jid]
+            assert e["type"] == "error" and e["error"]["code"] == "invalid_structured_output" and not e["error"]["retryable"], e
+            assert needle in e["error"]["message"], e
+        [c] = results.completions["json"]
+        assert c["type"] == "completion", c
+        ch = c["choices"][0]
+        assert ch["finish_reason"] == "stop", ch
+        jsonschema.validate(json.loads(ch["text"]), SCHEMA)
+        assert results.completions["plain"][0]["type"] == "completion"
+        assert results.completions["choice"][0]["choices"][0]["text"] in ("yes", "no")
+        # the worker keeps serving, and a repeated schema is a cache hit, not a compile
+        compiled = eng.engine.stats()["grammar_compilations"]
+        await submit(topics, [job("json-again", rf)])
+        await results.wait(lambda: "json-again" in results.completions, 60)
+        again = results.completions["json-again"][0]
+        assert again["type"] == "completion" and again["choices"][0]["text"] == ch["text"]
+        assert eng.engine.stats()["grammar_compilations"] == compiled
+        # a slow compile holds up nobody: a plain job submitted after it completes first
+        grammars = eng.engine.grammars
+        real = grammars._compile_fn
+
+        def slow(spec):
+            time.sleep(6.0)
+            return real(spec)
+
+        grammars._compile_fn = slow
+        try:
+            await submit(topics, [job("slow", {"type": "regex", "regex": "[0-9]{2}"})])
+            await asyncio.sleep(0.3)
+            await submit(topics, [Job(id="quick", prompt="Hello", sampling=Sampling(max_tokens=2, temperature=0.0))])
+            await results.wait(lambda: "quick" in results.completions and "slow" in results.completions, 60)
+        finally:
+            grammars._compile_fn = real
+        assert results.completions["quick"][0]["type"] == "completion"
+        assert "slow" not in list(results.completions)[: list(results.completions).index("quick")]
+        assert re.fullmatch("[0-9]{2}", results.completions["slow"][0]["choices"][0]["text"])
+        await wait_committed(topics)
+    finally:
+        await w.stop()
+
+
+def test_sampling_options_reach_the_engine() -> None:
+    from qworker.engine import SamplingParams
+
+    p = SamplingParams(**Sampling(include_stop_str_in_output=True, stop=["."]).engine_kwargs())
+    assert p.include_stop_str_in_output is True and p.stop == ["."]
