@@ -82,6 +82,10 @@ class WorkerSettings(BaseModel):
     device: str | None = None
     dtype: str | None = None
     kv_cache_dtype: str | None = None  # auto | float32 | float16 (CPU)
+    # structured output: compiled grammars kept (LRU), and seconds a compile may take before the
+    # job gets invalid_structured_output
+    grammar_cache_size: int | None = Field(None, ge=1)
+    grammar_compile_timeout: float | None = Field(None, gt=0)
 
     # --- admission, shutdown, ops ---
     max_waiting_jobs: int = Field(16, ge=1)
@@ -140,7 +144,8 @@ class WorkerSettings(BaseModel):
 
     def engine_config(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncEngine.from_model`` (only what was set)."""
-        keys = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size", "swap_space", "enable_prefix_caching", "device", "dtype", "kv_cache_dtype")
+        keys = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size", "swap_space", "enable_prefix_caching", "device", "dtype", "kv_cache_dtype",
+                "grammar_cache_size", "grammar_compile_timeout")
         cfg = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         cfg["scheduling_policy"] = "priority"  # jobs carry a priority; lower runs first
         return cfg
