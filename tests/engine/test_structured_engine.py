@@ -284,3 +284,25 @@ def test_failed_step_recompute_keeps_state_in_step_with_tokens(llm, reference):
     for (kind, _, schema), o in zip(cons, outs):
         assert o.error is None
         check_output(kind, o.outputs[0].text, schema)
+
+
+def test_compile_past_the_timeout_fails_the_request_only(llm):
+    e = llm.engine
+    release = threading.Event()
+    real, timeout = e.grammars._compile_fn, e.grammars.timeout_s
+
+    def stuck(spec):
+        release.wait(10)
+        return real(spec)
+
+    e.grammars._compile_fn, e.grammars.timeout_s = stuck, 0.3
+    try:
+        outs = llm.generate([PROMPTS["regex"], PLAIN[0]], [
+            SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"[x-z]{3}")), SamplingParams(max_tokens=4, temperature=0)])
+    finally:
+        release.set()
+        e.grammars._compile_fn, e.grammars.timeout_s = real, timeout
+    assert outs[0].error_code == "invalid_structured_output" and "did not finish within" in outs[0].error
+    assert outs[0].metrics.first_scheduled_time is None
+    assert outs[1].error is None and outs[1].outputs[0].token_ids
+    assert e.stats()["grammar_compile_timeouts"] >= 1
