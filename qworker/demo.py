@@ -45,7 +45,7 @@ def demo_jobs() -> list[Job]:
         Job(id="chat-kafka", messages=[ChatMessage(role="user", content="Explain Kafka consumer groups in one sentence.")], sampling=greedy, stream=True),
         # structured output: the completion is JSON that validates against the schema
         Job(id="extract-json", messages=[ChatMessage(role="user", content="Extract the order as JSON: two croissants and one fruit tart, to pick up at 8am.")],
-            sampling=Sampling(max_tokens=64, temperature=0.0), response_format=EXTRACT, stream=True),
+            sampling=Sampling(max_tokens=96, temperature=0.0), response_format=EXTRACT, stream=True),
         Job(id="story-cancelled", prompt="Once upon a time, in a data centre far away,", sampling=Sampling(max_tokens=200, temperature=0.8, seed=1), stream=True),
     ]
 
@@ -57,7 +57,7 @@ EXTRACT = {
         "schema": {
             "type": "object",
             "properties": {
-                "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+                "items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
                     "type": "object",
                     "properties": {"product": {"enum": ["croissant", "pain au chocolat", "fruit tart"]}, "quantity": {"type": "integer", "minimum": 1, "maximum": 12}},
                     "required": ["product", "quantity"]}},
