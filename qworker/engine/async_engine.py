@@ -120,12 +120,17 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------------
     async def validate_structured(self, params: SamplingParams) -> None:
-        """Compiles (or finds cached) ``params``'s structured-output spec on a worker thread, off
-        the event loop and the engine thread; raises ``StructuredOutputError`` (code
+        """Compiles (or finds cached) ``params``'s structured-output spec on the compiler's own
+        threads, off the event loop and the engine thread; raises ``StructuredOutputError`` (code
         ``invalid_structured_output``) for a spec the compiler refuses or a compile past the
         timeout. Then call ``generate(..., structured_validated=True)``."""
         if params.structured_outputs is not None:
-            await asyncio.to_thread(self.engine.validate_structured, params)
+            # poll the handle rather than block a thread of the loop's shared executor for up to
+            # the compile timeout: many cold schemas at once would otherwise starve every to_thread
+            handle = self.engine.grammars.submit(params.structured_outputs)
+            while not handle.done:
+                await asyncio.sleep(0.01)
+            handle.result()  # raises StructuredOutputError for a refused spec or a timeout
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, *,
                        deadline: float | None = None, structured_validated: bool = False) -> AsyncIterator[RequestOutput]:

@@ -341,7 +341,7 @@ class Worker:
             if st is not None:
                 fresh.append(st)
         if fresh:
-            for st, err in zip(fresh, await asyncio.to_thread(lambda: [self._precheck(st) for st in fresh])):
+            for st, err in zip(fresh, await asyncio.to_thread(lambda: [self._safe_precheck(st) for st in fresh])):
                 if err is None and getattr(st.params, "structured_outputs", None) is not None and hasattr(self.engine, "validate_structured"):
                     self._start_validation(st)  # its grammar compiles on a thread; it queues after
                 else:
@@ -441,7 +441,8 @@ class Worker:
         except InvalidRequestError as e:
             err = error_message(st, e.code, str(e), retryable=False)
         except Exception as e:  # noqa: BLE001 - the job must be answered, not dropped
-            err = error_message(st, "invalid_structured_output", f"{type(e).__name__}: {e}"[:2000], retryable=False)
+            # not the spec's fault (the compiler refuses a spec with InvalidRequestError): retryable
+            err = error_message(st, "engine_error", f"{type(e).__name__}: {e}"[:2000], retryable=True)
         self._queue(st, err)
         if self._wake is not None:
             self._wake.set()
@@ -471,6 +472,15 @@ class Worker:
         if job.deadline is not None and time.time() > job.deadline:
             return error_message(st, "deadline_exceeded", f"deadline {job.deadline} passed before the job started", retryable=False)
         return None
+
+    def _safe_precheck(self, st: JobState) -> BaseModel | None:
+        """``_precheck`` that answers instead of raising: one poll's jobs are checked in one call,
+        and an exception there would strand all of them (unanswered, their offsets pinned)."""
+        try:
+            return self._precheck(st)
+        except Exception as e:  # noqa: BLE001 - every job must be answered
+            log.exception("precheck of job %s failed", st.job.id)
+            return error_message(st, "internal_error", f"{type(e).__name__}: {e}"[:2000], retryable=True)
 
     def _precheck(self, st: JobState) -> BaseModel | None:
         """Reject what can never run. Fills ``prompt_ids`` and ``params``. Runs in a worker
