@@ -11,52 +11,27 @@ import pytest
 import torch
 
 from qworker import AsyncEngine, InvalidRequestError
-from qworker.engine import EngineConfig, LLMEngine, SamplingParams
+from qworker.engine import SamplingParams
 from qworker.engine.block_pool import NONE_HASH, hash_block
 from qworker.engine.kv_cache_manager import BlockCopies
 from qworker.engine.outputs import RequestMetrics
 from qworker.engine.sampler import sample
 from qworker.engine.scheduler import SchedulerOutput
 from qworker.engine.sequence import Request, SeqStatus, Sequence
-
-BLOCK_BYTES_TINY = 2 * 2 * 16 * 2 * 16 * 4  # layers * (k,v) * block 16 * kv_heads * head_dim * fp32
-
-
-def engine(tiny_model_dir, **kw) -> LLMEngine:
-    kw.setdefault("kv_cache_memory", 64 * BLOCK_BYTES_TINY)
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir), **kw))
+from tests.engine.engine_support import BLOCK_BYTES_TINY, Faults, dirty, engine, greedy, outputs, rand_ids, run
 
 
-def dirty(e: LLMEngine) -> LLMEngine:
-    """Fill the KV pool with what earlier requests would have left: reading a block that was
-    never written then changes the output (zeros barely do on the random model)."""
-    g = torch.Generator().manual_seed(0)
-    for k, v in e.runner.kv.layers:
-        k.copy_(torch.randn(k.shape, generator=g) * 5)
-        v.copy_(torch.randn(v.shape, generator=g) * 5)
-    return e
 
 
-def greedy(n, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
-def rand_ids(rng, n):
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def run(e, max_steps=3000):
-    done = {}
-    for _ in range(max_steps):
-        if not e.has_unfinished():
-            break
-        done.update((r.request_id, r) for r in e.step() if r.finished)
-    assert not e.has_unfinished(), f"stuck: {sorted(e.requests)}"
-    return done
 
 
-def outputs(req):
-    return [s.output_token_ids for s in sorted(req.seqs, key=lambda s: s.index)]
+
+
+
 
 
 def solo(tiny_model_dir, prompt, params):
@@ -65,22 +40,6 @@ def solo(tiny_model_dir, prompt, params):
     return outputs(run(e)["solo"])
 
 
-class Faults:
-    """Wraps ``runner.execute``: raises (as a CUDA OOM would) when ``when(batch)`` says so."""
-
-    def __init__(self, e: LLMEngine, when, times: int = 1):
-        self.real = e.runner.execute
-        self.when = when
-        self.left = times
-        self.raised = 0
-        e.runner.execute = self
-
-    def __call__(self, batch):
-        if self.left and self.when(batch):
-            self.left -= 1
-            self.raised += 1
-            raise RuntimeError("CUDA out of memory (injected)")
-        return self.real(batch)
 
 
 # 1 ------------------------------------------------------------------------------------------------

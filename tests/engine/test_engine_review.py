@@ -13,59 +13,23 @@ import random
 import time
 
 import pytest
-import torch
 
 from qworker import AsyncEngine
-from qworker.engine import EngineConfig, LLMEngine, SamplingParams
-
-BLOCK_BYTES_TINY = 2 * 2 * 16 * 2 * 16 * 4  # layers * (k,v) * block 16 * kv_heads * head_dim * fp32
-
-
-def engine(tiny_model_dir, **kw) -> LLMEngine:
-    kw.setdefault("kv_cache_memory", 64 * BLOCK_BYTES_TINY)
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir), **kw))
+from qworker.engine import LLMEngine, SamplingParams
+from tests.engine.engine_support import BLOCK_BYTES_TINY, Faults, dirty, engine, greedy, outputs, rand_ids, run
 
 
-def greedy(n, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
-def rand_ids(rng, n):
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def run(e, max_steps=400, max_s=30.0):
-    """Steps until done, bounded in steps and time; returns finished requests by id."""
-    done = {}
-    t0 = time.monotonic()
-    for _ in range(max_steps):
-        if not e.has_unfinished() or time.monotonic() - t0 > max_s:
-            break
-        done.update((r.request_id, r) for r in e.step() if r.finished)
-    assert not e.has_unfinished(), f"stuck: {sorted(e.requests)} after {e.counters['steps']} steps"
-    return done
 
 
-def outputs(req):
-    return [s.output_token_ids for s in sorted(req.seqs, key=lambda s: s.index)]
 
 
-class Faults:
-    """Wraps ``runner.execute``: raises (as a CUDA OOM would) when ``when(batch)`` says so."""
 
-    def __init__(self, e: LLMEngine, when, times: int = 1):
-        self.real = e.runner.execute
-        self.when = when
-        self.left = times
-        self.raised = 0
-        e.runner.execute = self
 
-    def __call__(self, batch):
-        if self.left and self.when(batch):
-            self.left -= 1
-            self.raised += 1
-            raise RuntimeError("CUDA out of memory (injected)")
-        return self.real(batch)
+
 
 
 # -- isolation vs max_num_seqs ----------------------------------------------------------------------
@@ -91,16 +55,6 @@ def test_isolation_livelock_forks_fill_max_num_seqs(tiny_model_dir):
 
 
 # -- forks from a parent that finished on its first token --------------------------------------------
-def dirty(e: LLMEngine) -> LLMEngine:
-    """Fill the KV pool with what earlier requests would have left (zeros barely change the
-    random model's output): reading a block that was never written then shows."""
-    g = torch.Generator().manual_seed(0)
-    for k, v in e.runner.kv.layers:
-        k.copy_(torch.randn(k.shape, generator=g) * 5)
-        v.copy_(torch.randn(v.shape, generator=g) * 5)
-    return e
-
-
 def _two_choices(tiny_model_dir, prompt, **kw):
     e = dirty(engine(tiny_model_dir))
     e.add_request("r", prompt, SamplingParams(n=2, seed=11, temperature=1.0, max_tokens=6, ignore_eos=True, logprobs=0, **kw))
