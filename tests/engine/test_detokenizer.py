@@ -49,3 +49,34 @@ def test_stop_string_across_tokens_is_cut_and_held_back(tok):
         assert pre.startswith(shown), (shown, pre)
     assert found == stop
     assert d.text == pre
+
+
+def test_fast_decode_path_gives_the_wrapper_text(tok):
+    """The Rust-backend window decode (and its one-token memo) equals transformers' decode on
+    random windows of random ids, special tokens included, with and without skipping them."""
+    from qworker.engine.detokenizer import decoder_for
+
+    rng = random.Random()
+    specials = list(tok.all_special_ids)
+    for skip in (True, False):
+        dec = decoder_for(tok, skip)
+        assert decoder_for(tok, skip) is dec, "one shared decoder per tokenizer and setting"
+        for _ in range(400):
+            ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(rng.randrange(0, 7))]
+            assert dec(ids) == tok.decode(ids, skip_special_tokens=skip), ids
+            assert dec(ids) == tok.decode(ids, skip_special_tokens=skip), "memo returns the same"
+
+
+def test_streamed_text_equals_full_decode_without_the_fast_path(tok):
+    """A tokenizer the fast path cannot take (its wrapper cleans up spaces) still streams the
+    text its own decode gives."""
+    import copy
+
+    slow = copy.deepcopy(tok)
+    slow.clean_up_tokenization_spaces = True
+    ids = tok.encode("Hello , world ! It 's fine . " + SAMPLES[0])
+    d = IncrementalDetokenizer(slow, [], stop=[])
+    for t in ids:
+        d.append(t)
+    d.flush()
+    assert d.text == slow.decode(ids)
