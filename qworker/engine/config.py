@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
+
+from qworker.engine.spec_decode.config import SpeculativeConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -40,6 +43,11 @@ class EngineConfig:
     grammar_cache_size: int = 128
     grammar_compile_timeout: float = 10.0
     grammar_compile_workers: int = 2
+    # speculative decoding (issue 16), vLLM's dict: {"method": "ngram", "num_speculative_tokens":
+    # k, "prompt_lookup_max": n_max, "prompt_lookup_min": n_min}, plus our "policy": "always" (as
+    # vLLM) or "auto" (only where the measured step cost pays). None: off. Normalised to a
+    # SpeculativeConfig.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -54,6 +62,7 @@ class EngineConfig:
             raise ValueError("swap_space must be >= 0")
         if self.grammar_cache_size < 1 or self.grammar_compile_workers < 1 or not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_cache_size and grammar_compile_workers must be >= 1, grammar_compile_timeout > 0")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

@@ -14,6 +14,10 @@ Rules:
 - A block is appendable only while one sequence holds it; a write into a shared partial block
   first copies it (copy-on-write).
 - Every mutating call either succeeds or raises/returns False having changed nothing.
+- Speculative decoding: slots for draft tokens are allocated like any others, but blocks are
+  registered only up to ``len(seq.token_ids)`` (accepted tokens; drafts are never in
+  ``token_ids``), so a block is hashed only once every token in it is accepted. After
+  verification ``trim`` releases the blocks past the accepted tokens (fresh, unhashed ones).
 """
 
 from __future__ import annotations
@@ -161,6 +165,17 @@ class KVCacheManager:
         """Drops ``blocks`` from the prefix map (their KV was never written)."""
         for block in blocks:
             self.pool.unregister(block)
+
+    def trim(self, seq: Sequence) -> int:
+        """Releases ``seq``'s blocks past its computed tokens (those allocated for rejected draft
+        tokens), tail first; returns how many. They were allocated fresh in the verifying step
+        and never registered (see the module docstring), so they go back unhashed."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        extra = seq.block_table[keep:]
+        if extra:
+            self.pool.free(reversed(extra))
+            del seq.block_table[keep:]
+        return len(extra)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks, the partial last one included."""

@@ -12,6 +12,17 @@ sequence with "stop". The state only moves in ``_update``, together with ``token
 failed step, a recompute or a swap leaves both consistent (nothing already generated is
 re-sampled). A spec the compiler refuses (or a compile past ``grammar_compile_timeout``) finishes
 the request, unscheduled, with ``error_code`` "invalid_structured_output".
+
+Speculative decoding (issue 16, ``config.speculative_config``): before scheduling, each decoding
+sequence gets an n-gram draft (``_propose``; cut where its grammar refuses a token, where it
+would pass ``max_tokens`` or the context; ``auto`` may cap or drop the drafts of a step); the
+scheduler gives it ``1 + len(draft)`` tokens and the model returns logits for each of them;
+``spec_decode.verify`` samples each position in order as a plain step would and accepts the
+draft tokens it reproduces. ``_update`` then appends the accepted tokens and the correction or
+bonus token one at a time, with every stop rule applied to each (a stop inside the run cuts it
+there), advances ``num_computed_tokens`` over the accepted ones only and trims the blocks of the
+rejected ones. Nothing else changes: preemption, swap, forks, recovery and deadlines see an
+ordinary decode whose step happened to produce several tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ from qworker.engine.sampler import sample
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
 from qworker.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from qworker.engine.sequence import Request, SeqStatus, Sequence
+from qworker.engine.spec_decode import AutoPolicy, NgramIndex, SpecDecodeStats
+from qworker.engine.spec_decode.verify import verify
 from qworker.engine.structured import GrammarCompilerService, StructuredBitmask, StructuredState, build_tokenizer_info
 from qworker.engine.structured.spec import ERROR_CODE as ERR_STRUCTURED
 from qworker.model.batch import Batch, SeqChunk
@@ -84,6 +97,9 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
+        self.spec = config.speculative_config
+        self.spec_stats = SpecDecodeStats()
+        self.spec_policy = AutoPolicy(self.spec.num_speculative_tokens) if self.spec is not None and self.spec.policy == "auto" else None
         # a lone sequence must always fit in the pool, or it could never finish
         self.max_model_len = min(self.runner.max_model_len, num_blocks * config.block_size)
 
@@ -252,8 +268,10 @@ class LLMEngine:
         expired = self._expire_deadlines() if self._deadlines else []
         if self._compiling:
             expired += self._poll_grammars()
+        t0 = time.perf_counter()
         try:
-            sched = self.scheduler.schedule()
+            drafts = self._propose() if self.spec is not None else None
+            sched = self.scheduler.schedule(drafts)
         except Exception:
             # a bookkeeping bug, not a model failure: the caller fails what is in flight; drop the
             # half-made step so no copy of it is applied later and no unwritten block stays hit-able
@@ -263,7 +281,58 @@ class LLMEngine:
         if sched.empty and not sched.copies and self._compiling:
             # nothing can run until a grammar is ready: wait on it briefly rather than spin
             self._compiling[0].grammar.wait(0.005)
-        return expired + self._run(sched)
+        steps = self.counters["steps"]
+        changed = self._run(sched)
+        if self.spec_policy is not None and self.counters["steps"] > steps and self._decode_only(sched):
+            self.spec_policy.observe_step(sched.num_batched_tokens, time.perf_counter() - t0)
+        return expired + changed
+
+    @staticmethod
+    def _decode_only(sched: SchedulerOutput) -> bool:
+        """Every chunk is a decode or a verification: the step's cost is a function of its rows."""
+        return not sched.copies and all(s.num_new_tokens - len(s.draft) == 1 for s in sched.scheduled)
+
+    def _propose(self) -> dict[int, list[int]] | None:
+        """n-gram drafts for the running sequences that decode this step, by ``seq_id``."""
+        spec = self.spec
+        drafts: dict[int, list[int]] = {}
+        num_decodes = 0
+        for seq in self.scheduler.running:
+            if seq.num_computed_tokens != len(seq.token_ids) - 1:
+                continue
+            num_decodes += 1
+            # never draft past max_tokens (the bonus token is the last one) or the context
+            cap = min(spec.num_speculative_tokens, seq.request.params.max_tokens - seq.num_output_tokens - 1,
+                      self.max_model_len - len(seq.token_ids))
+            if cap <= 0:
+                continue
+            if seq.ngram is None:
+                seq.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            draft = seq.ngram.propose(seq.token_ids, cap)
+            if draft and seq.structured is not None:
+                draft = self._grammar_prefix(seq, draft)
+            if draft:
+                drafts[seq.seq_id] = draft
+        if self.spec_policy is not None and drafts:
+            cap = self.spec_policy.choose_cap(num_decodes, [len(d) for d in drafts.values()])
+            drafts = {i: d[:cap] for i, d in drafts.items()} if cap else {}
+        return drafts or None
+
+    @staticmethod
+    def _grammar_prefix(seq: Sequence, draft: list[int]) -> list[int]:
+        """The longest prefix of ``draft`` the grammar allows (verifying a refused token is waste)."""
+        st = seq.structured
+        if st.is_terminated():
+            return []
+        n = 0
+        try:
+            for t in draft:
+                if not st.accept(t):
+                    break
+                n += 1
+        finally:
+            st.rollback(n)
+        return draft[:n]
 
     def _poll_grammars(self) -> list[Request]:
         """Requests whose compile is done leave ``_compiling``: a grammar gives the first sequence
@@ -295,8 +364,8 @@ class LLMEngine:
                     self.runner.kv.apply(sched.copies.swap_out, sched.copies.swap_in, sched.copies.copy)
                 return []
             now = time.time()
-            # decodes first: attention runs them as one batched call
-            order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+            # decodes first, then verifications: attention runs them as one batched decode call
+            order = sorted(sched.scheduled, key=lambda s: 0 if s.num_new_tokens == 1 else 1 if s.draft else 2)
             for s in order:
                 m = s.seq.request.metrics
                 if m.first_scheduled_time is None:
@@ -308,23 +377,27 @@ class LLMEngine:
                 copy=sched.copies.copy,
             )
             # everything that can fail runs before any request state moves
-            sampling, rows, num_rows = self._sampling_rows(order)
+            sampling, rows, drafts, num_rows = self._sampling_rows(order)
             constrained = [(i, s.structured) for i, s in enumerate(sampling) if s.structured is not None]
             # the constrained rows' masks are filled on a helper thread during the forward pass
             filled = self.bitmask.start_fill(len(sampling), constrained) if constrained else None
             logits = self.runner.execute(batch)
             tokens, logprobs = [], []
-            if sampling:
+            if sampling and any(drafts):
+                tokens, logprobs = verify(logits, sampling, rows, drafts, self.eos_token_ids, self._generator,
+                                          bitmask=self.bitmask, filled=filled)
+            elif sampling:
                 if num_rows != len(rows):  # forks sample from their parent's row: repeat it
                     logits = logits[torch.tensor(rows, device=logits.device)]
-                tokens, logprobs = sample(logits, sampling, self.eos_token_ids, self._generator,
-                                          bitmask=self.bitmask if constrained else None, constrained=constrained, filled=filled)
+                ids, lps = sample(logits, sampling, self.eos_token_ids, self._generator,
+                                  bitmask=self.bitmask if constrained else None, constrained=constrained, filled=filled)
+                tokens, logprobs = [[t] for t in ids], [[lp] for lp in lps]
         except Exception as e:
             if filled is not None:  # the fill reads the states: let it finish before they move
                 filled.exception()
             return self._recover(sched, e)
         self.counters["steps"] += 1
-        changed = self._update(order, sampling, tokens, logprobs)
+        changed = self._update(order, sampling, drafts, tokens, logprobs)
         if self.scheduler.suspects:
             self._clear_suspect()
         return changed
@@ -396,18 +469,22 @@ class LLMEngine:
     def _chunk(self, s: ScheduledSeq) -> SeqChunk:
         seq = s.seq
         start = seq.num_computed_tokens
+        num_plain = s.num_new_tokens - len(s.draft)
         return SeqChunk(
-            token_ids=seq.token_ids[start : start + s.num_new_tokens],
+            token_ids=seq.token_ids[start : start + num_plain] + s.draft,
             start_pos=start,
             block_ids=[b.block_id for b in seq.block_table],
             needs_logits=s.samples,
+            num_draft=len(s.draft),
         )
 
-    def _sampling_rows(self, order: list[ScheduledSeq]) -> tuple[list[Sequence], list[int], int]:
-        """The sequences that sample this step, with their logits rows; a request whose prompt
-        just finished brings its ``n - 1`` forks (new, not yet attached: nothing changes here)."""
+    def _sampling_rows(self, order: list[ScheduledSeq]) -> tuple[list[Sequence], list[int], list[list[int]], int]:
+        """The sequences that sample this step, with their (first) logits rows and drafts (a
+        verifying sequence has ``1 + len(draft)`` consecutive rows); a request whose prompt just
+        finished brings its ``n - 1`` forks (new, not yet attached: nothing changes here)."""
         sampling: list[Sequence] = []
         rows: list[int] = []
+        drafts: list[list[int]] = []
         num_rows = 0
         for s in order:
             if not s.samples:
@@ -415,6 +492,7 @@ class LLMEngine:
             seq = s.seq
             sampling.append(seq)
             rows.append(num_rows)
+            drafts.append(s.draft)
             req = seq.request
             if req.params.n > 1 and not req.forked:
                 for i in range(1, req.params.n):
@@ -423,15 +501,32 @@ class LLMEngine:
                         child.structured = seq.structured.fork()
                     sampling.append(child)
                     rows.append(num_rows)
-            num_rows += 1
-        return sampling, rows, num_rows
+                    drafts.append([])
+            num_rows += 1 + len(s.draft)
+        return sampling, rows, drafts, num_rows
 
-    def _update(self, order: list[ScheduledSeq], sampling: list[Sequence], tokens: list[int], logprobs: list) -> list[Request]:
+    def _update(self, order: list[ScheduledSeq], sampling: list[Sequence], drafts: list[list[int]],
+                tokens: list[list[int]], logprobs: list[list]) -> list[Request]:
+        """``tokens[i]``: what ``sampling[i]`` appends this step, in order (for a verified draft,
+        the accepted draft tokens and then the correction or bonus token)."""
+        accepted = {seq.seq_id: len(t) - 1 for seq, d, t in zip(sampling, drafts, tokens) if d}
         for s in order:
             seq = s.seq
             if seq.num_output_tokens == 0:
                 self.counters["prompt_tokens_computed"] += s.num_new_tokens
-            seq.num_computed_tokens += s.num_new_tokens
+            if s.draft:
+                # the last token and the accepted drafts are computed; the rejected drafts' slots
+                # are released (their KV is garbage past num_computed_tokens, never hashed)
+                num_acc = accepted[seq.seq_id]
+                seq.num_computed_tokens += s.num_new_tokens - len(s.draft) + num_acc
+                self.kv.trim(seq)
+                self.spec_stats.observe(len(s.draft), num_acc)
+                if self.spec_policy is not None:
+                    self.spec_policy.observe_draft(len(s.draft), num_acc)
+            else:
+                seq.num_computed_tokens += s.num_new_tokens
+        if accepted:
+            self.spec_stats.num_spec_steps += 1
         if not sampling:
             return []
         now = time.time()
@@ -444,31 +539,40 @@ class LLMEngine:
                 self.scheduler.add_fork(req.seqs[0], seq)
                 req.seqs.append(seq)
                 req.forked = len(req.seqs) == req.params.n
-        for seq, token, lp in zip(sampling, tokens, logprobs):
+        for seq, seq_tokens, seq_lps in zip(sampling, tokens, logprobs):
             req = seq.request
-            seq.token_ids.append(token)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            self.counters["generation_tokens"] += 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-                self.counters["prompt_tokens_cached"] += req.num_cached_tokens
-            if seq.structured is not None and not seq.structured.accept(token):
-                # cannot happen after the mask; a guard so a refused token never continues
-                log.error("request %s: sampled token %d does not fit its grammar", req.request_id, token)
-                seq.detokenizer.append(token, find_stop=False)
-                self._finish(seq, ABORT)
-                changed[req.request_id] = req
-                continue
-            reason = self._stop(seq, token)
-            if reason is not None:
-                self._finish(seq, *reason)
             changed[req.request_id] = req
+            for token, lp in zip(seq_tokens, seq_lps):
+                if self._append(seq, token, lp, now):
+                    break  # finished: the rest of an accepted run is cut here
         for req in changed.values():
             if req.finished and self.requests.pop(req.request_id, None) is not None:
                 req.metrics.finished_time = now
                 self.counters["requests_finished"] += 1
         return list(changed.values())
+
+    def _append(self, seq: Sequence, token: int, lp, now: float) -> bool:
+        """Appends one generated token with everything that follows from it; True if ``seq``
+        finished (a stop, the length, or a token its grammar refuses)."""
+        req = seq.request
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        self.counters["generation_tokens"] += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+            self.counters["prompt_tokens_cached"] += req.num_cached_tokens
+        if seq.structured is not None and not seq.structured.accept(token):
+            # cannot happen after the mask; a guard so a refused token never continues
+            log.error("request %s: sampled token %d does not fit its grammar", req.request_id, token)
+            seq.detokenizer.append(token, find_stop=False)
+            self._finish(seq, ABORT)
+            return True
+        reason = self._stop(seq, token)
+        if reason is not None:
+            self._finish(seq, *reason)
+            return True
+        return False
 
     def _stop(self, seq: Sequence, token: int) -> tuple[str, str | int | None] | None:
         """Feeds ``token`` to the detokenizer and decides whether ``seq`` stops (vLLM's order and
@@ -536,6 +640,8 @@ class LLMEngine:
             "num_swapped": len(self.scheduler.swapped),
             "num_compiling": len(self._compiling),
             **self.counters,
+            **self.spec_stats.as_dict(),
+            **(self.spec_policy.stats() if self.spec_policy is not None else {}),
             **self.grammars.stats(),
             **self.bitmask.stats(),
         }

@@ -7,6 +7,13 @@ Logprobs are those of the raw model distribution (before penalties and temperatu
 returns by default; for a structured-output row, of the masked distribution (the grammar's
 bitmask is applied first, as in vLLM: tokens the grammar forbids get -inf, and the logprobs are
 renormalised over the allowed ones).
+
+Greedy rows on the CPU take ``kernels.argmax_rows_cpu`` (torch's argmax reduction reads at ~1 GB/s
+here: 3-7 ms for 64 rows of 49152; the kernel reads at memory speed). Same result, ties included:
+the first index of the maximum (or of the first NaN), as torch.
+
+``seqs`` may hold ``spec_decode.verify.DraftRow`` stand-ins: the sampler reads only ``request``,
+``token_ids``, ``output_token_ids``, ``num_output_tokens``, ``structured`` and ``generator``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels import argmax_rows_cpu
 from qworker.engine.outputs import TokenLogprobs
 from qworker.engine.sequence import Sequence
 
@@ -59,11 +67,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
 
     greedy = [i for i, s in enumerate(seqs) if s.request.params.greedy]
     if len(greedy) == len(seqs):  # all greedy (the common batch): no row gather
-        tokens = logits.argmax(dim=-1).cpu()
+        tokens = _argmax(logits)
     else:
         tokens = torch.empty(len(seqs), dtype=torch.long)
         if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
+            tokens[greedy] = _argmax(logits[greedy])
         rand = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
         probs = _filtered_probs(logits[rand], [seqs[i] for i in rand])
         tokens[rand] = _draw(probs, [seqs[i].generator for i in rand], generator).cpu()
@@ -82,6 +90,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
             entry[ids[i]] = lp[j, ids[i]].item()
             logprobs[i] = entry
     return ids, logprobs
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row argmax on the CPU (int64, CPU tensor)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return argmax_rows_cpu(logits)  # falls back to torch for layouts it does not take
+    return logits.argmax(dim=-1).cpu()
 
 
 def _needs_processing(seqs: list[Sequence]) -> bool:

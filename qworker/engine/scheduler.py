@@ -17,6 +17,12 @@ CPU blocks freed by a swap-in from being reused by a swap-out of the same step).
 After a failed step the engine may name *suspects* (``isolate``): while there are any, a step
 schedules only the first suspect's sequences, so a request that breaks every step it is in is
 found alone and fails alone.
+
+Speculative decoding: ``schedule(drafts)`` takes draft tokens for decoding running sequences (by
+``seq_id``). Such a sequence is scheduled ``1 + len(draft)`` tokens when budget and blocks allow;
+drafts go first: a draft is cut so every running decode after it still gets its one token, and
+dropped (not preempting anyone) when its blocks do not fit. Drafts are not part of
+``token_ids``; they travel in ``ScheduledSeq.draft``.
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ from qworker.engine.sequence import Request, SeqStatus, Sequence
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # draft tokens included
+    draft: list[int] = field(default_factory=list)  # speculative tokens after the last one
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so this step produces its next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == len(self.seq.token_ids)
 
 
 @dataclass(slots=True)
@@ -144,13 +151,22 @@ class Scheduler:
         return self.suspects[0] if self.suspects else None
 
     # -- the step ------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         only = self._isolated() if self.suspects else None
+        running = list(self.running)
+        # decodes still to come after each position: a draft never takes their one token
+        decodes_after = [0] * len(running)
+        if drafts:
+            n = 0
+            for i in range(len(running) - 1, -1, -1):
+                decodes_after[i] = n
+                s = running[i]
+                n += len(s.token_ids) - s.num_computed_tokens == 1
 
-        for seq in list(self.running):
+        for i, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.seq_id in scheduled_ids or seq.status is not SeqStatus.RUNNING:
@@ -158,6 +174,14 @@ class Scheduler:
             if only is not None and seq.request is not only:
                 continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            draft = drafts.get(seq.seq_id) if drafts else None
+            if draft and num_new == 1 and len(seq.token_ids) - seq.num_computed_tokens == 1:
+                draft = draft[: max(0, budget - 1 - decodes_after[i])]
+                if draft and self.kv.allocate_slots(seq, 1 + len(draft)):
+                    out.scheduled.append(ScheduledSeq(seq, 1 + len(draft), list(draft)))
+                    scheduled_ids.add(seq.seq_id)
+                    budget -= 1 + len(draft)
+                    continue
             while not self.kv.allocate_slots(seq, num_new):
                 victim = self._pick_victim(scheduled_ids)
                 self._preempt(victim, out)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from qworker.engine.detokenizer import IncrementalDetokenizer
+    from qworker.engine.spec_decode.ngram import NgramIndex
     from qworker.engine.structured.compiler import CompileHandle
     from qworker.engine.structured.matcher import StructuredState
 
@@ -60,6 +61,9 @@ class Sequence:
     # structured output: the grammar's parse state, advanced by every output token (``_update``);
     # None while the request's grammar compiles, and for unconstrained requests
     structured: StructuredState | None = None
+    # speculative decoding: the n-gram index over ``token_ids`` (built on first use; token_ids
+    # only grow, so it only ever extends)
+    ngram: NgramIndex | None = None
 
     @property
     def num_output_tokens(self) -> int:

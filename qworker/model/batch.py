@@ -3,6 +3,12 @@
 The runner knows nothing of scheduling; it only needs, per sequence, which tokens to compute,
 where they start, which KV blocks hold the sequence, and whether to return logits for its last
 token. Decode chunks (one token) come first: attention runs them as one batched call.
+
+A *verify* chunk (``num_draft > 0``, speculative decoding) is a decoding sequence's last token
+followed by ``num_draft`` draft tokens: every one of its positions needs logits, and each of its
+tokens attends as a decode row of its own (query ``i`` over positions ``0 .. start_pos + i``),
+so verification runs through the batched decode kernel rather than one prefill call per sequence.
+Verify chunks go right after the plain decodes.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ class SeqChunk:
     start_pos: int  # position of token_ids[0]; tokens before it are in the KV cache
     block_ids: list[int]  # the sequence's block table (covers start_pos + len(token_ids) tokens)
     needs_logits: bool  # the chunk ends at the sequence's last token: sample its next token
+    num_draft: int = 0  # a verify chunk: logits for each of its 1 + num_draft positions
 
 
 @dataclass(slots=True)

@@ -57,7 +57,8 @@ class ModelRunner:
         self.kv = KVCache(m.num_layers, num_blocks, num_cpu_blocks, block_size, m.num_kv_heads, m.head_dim, self.device, self.kv_dtype)
 
     def execute(self, batch: Batch) -> torch.Tensor:
-        """Runs one step; returns fp32 logits, one row per chunk with ``needs_logits``, in order."""
+        """Runs one step; returns fp32 logits, in chunk order: one row per chunk with
+        ``needs_logits``, ``1 + num_draft`` rows (one per position) for a verify chunk."""
         assert self.kv is not None
         self.kv.apply(batch.swap_out, batch.swap_in, batch.copy)
         input_ids, positions, meta, logits_indices = self._prepare(batch)
@@ -66,35 +67,48 @@ class ModelRunner:
     def _prepare(self, batch: Batch):
         bs = self.block_size
         chunks = batch.chunks
-        num_decodes = 0
-        for c in chunks:
-            if len(c.token_ids) != 1:
-                break
-            num_decodes += 1
         input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
         positions: list[int] = []
         slots: list[int] = []
+        # attention rows: a decode chunk is one; a leading verify chunk is one per token (each a
+        # decode query over its own causal prefix); any other chunk is one varlen prefill row
         query_start = [0]
         seq_lens = []
+        tables_src: list[list[int]] = []
         logits_indices = []
+        num_decodes = 0
+        leading = True
         for c in chunks:
-            end = c.start_pos + len(c.token_ids)
+            n = len(c.token_ids)
+            end = c.start_pos + n
             pos = range(c.start_pos, end)
             positions.extend(pos)
             slots.extend(c.block_ids[p // bs] * bs + p % bs for p in pos)
-            query_start.append(query_start[-1] + len(c.token_ids))
-            seq_lens.append(end)
-            if c.needs_logits:
-                logits_indices.append(query_start[-1] - 1)
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
+            first = query_start[-1]
+            if leading and (n == 1 or c.num_draft):
+                for i in range(n):
+                    query_start.append(first + i + 1)
+                    seq_lens.append(c.start_pos + i + 1)
+                    tables_src.append(c.block_ids)
+                num_decodes += n
+            else:
+                leading = False
+                query_start.append(first + n)
+                seq_lens.append(end)
+                tables_src.append(c.block_ids)
+            if c.num_draft:
+                logits_indices.extend(range(first, first + n))
+            elif c.needs_logits:
+                logits_indices.append(first + n - 1)
+        max_blocks = max(len(t) for t in tables_src)
+        tables = [t + [0] * (max_blocks - len(t)) for t in tables_src]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(len(c.token_ids) for c in chunks),
+            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])),
             num_decodes=num_decodes,
         )
         return (
