@@ -38,6 +38,8 @@ from qworker.worker.jobs import JobRunner, JobState, cancelled_completion, error
 from qworker.worker.offsets import OffsetTracker
 from qworker.worker.publisher import DeliveryAborted, DeliveryRefused, Publisher, record_size
 from qworker.worker.stats import WorkerStats
+from qworker.worker.wire import IdText, Shape, answer_headers, token_text
+from qworker.worker.wire import shape as answer_shape
 from qworker.telemetry import EngineLiveness, TelemetryServer, Tracing, WorkerMetrics, configure_tracing
 from qworker.telemetry.job import JobTelemetry, Telemetry
 
@@ -83,6 +85,7 @@ class Worker:
         self.metrics: WorkerMetrics | None = None
         self.telemetry: Telemetry | None = None
         self.warmed_up = False
+        self.token_text = IdText()  # token pieces for OpenAI logprobs: the tokenizer's once loaded
         self.joined = False  # the consumer joined its group (it may own no partition)
         self._cancel_watcher: CancelWatcher | None = None
         self._side: set[asyncio.Task] = set()  # DLQ/error/cancel publications
@@ -137,6 +140,7 @@ class Worker:
             await self.engine.start()
         if hasattr(self.engine, "stats"):
             self.metrics.attach_engine(self.engine.stats)
+        self.token_text = token_text(self.engine)
         # A pod told to stop while it loads must never join the group: joining would take
         # partitions from a healthy pod (whose runs would be abandoned and rerun) only to leave.
         if self.draining:
@@ -397,9 +401,11 @@ class Worker:
             return None
         if isinstance(d, Invalid):
             self.stats.errors += 1
-            msg = error_message(d.job_id, "invalid_job", d.message, retryable=False, metadata=d.metadata, attempt=self.generation)
+            msg = error_message(d.job_id, d.code, d.message, retryable=False, metadata=d.metadata, attempt=self.generation)
             tele = self._job_telemetry(d.job_id, tp, rec, now)
-            self._publish_side(self.settings.completions_topic, d.job_id, self._encode(msg), None, [(tp, rec.offset)], tele, ("error", "invalid_job"))
+            headers = answer_headers(msg, d.wire)
+            data = self._encode(msg, headers, answer_shape(d.wire, self.token_text, d.param))
+            self._publish_side(self.settings.completions_topic, d.job_id, data, headers or None, [(tp, rec.offset)], tele, ("error", d.code))
             return None
         assert isinstance(d, Valid)
         job = d.job
@@ -409,7 +415,7 @@ class Worker:
             self.stats.duplicates += 1
             return None
         ts = rec.timestamp / 1000 if rec.timestamp and rec.timestamp > 0 else now
-        st = JobState(job=job, tp=tp, offset=rec.offset, produced_at=min(ts, now), received_at=now)
+        st = JobState(job=job, tp=tp, offset=rec.offset, produced_at=min(ts, now), received_at=now, wire=d.wire)
         st.attempt = self.generation
         st.tele = self._job_telemetry(job.id, tp, rec, now)
         if job.id in self.cancels:
@@ -552,8 +558,8 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - a bug must still answer the job
                 log.exception("job %s: unexpected failure", st.job.id)
                 result = error_message(st, "internal_error", f"{type(e).__name__}: {e}"[:2000], retryable=False)
-            with st.tele.publish(topic) as headers:
-                result = await self._deliver_answer(topic, st.job.id, result, headers or None)
+            with st.tele.publish(topic, answer_headers(result, st.wire) or None) as headers:
+                result = await self._deliver_answer(topic, st.job.id, result, headers or None, answer_shape(st.wire, self.token_text))
         except (asyncio.CancelledError, DeliveryAborted):
             # Abandoned (revoke, drain timeout): no completion, offsets stay uncommitted, the
             # partition's next owner reruns the job with a higher attempt.
@@ -572,17 +578,18 @@ class Worker:
         self._done(st)
         st.tele.outcome(*_outcome(result), partition=st.tp.partition, offset=st.offset, output_tokens=st.generated)
 
-    def _encode(self, msg: BaseModel, headers: list | None = None) -> bytes:
-        return self._encoded(msg, headers)[1]
+    def _encode(self, msg: BaseModel, headers: list | None = None, shape: Shape = dumps) -> bytes:
+        return self._encoded(msg, headers, shape)[1]
 
-    def _encoded(self, msg: BaseModel, headers: list | None = None) -> tuple[BaseModel, bytes]:
-        """The answer's bytes, never unsendable: a result that cannot be serialised or exceeds
-        ``max_message_bytes`` is replaced by a small error saying so (``internal_error`` /
-        ``result_too_large`` with both sizes), whose metadata is dropped if even that is too big."""
+    def _encoded(self, msg: BaseModel, headers: list | None = None, shape: Shape = dumps) -> tuple[BaseModel, bytes]:
+        """The answer's bytes in the job's format (``shape``), never unsendable: a result that
+        cannot be serialised or exceeds ``max_message_bytes`` is replaced by a small error saying
+        so (``internal_error`` / ``result_too_large`` with both sizes), whose metadata is dropped
+        if even that is too big. The limit applies to the shaped bytes, which are what goes out."""
         key = getattr(msg, "job_id", "")
         limit = self.settings.max_message_bytes - _HEADER_ROOM
         try:
-            data = dumps(msg)
+            data = shape(msg)
         except Exception as e:  # noqa: BLE001 - e.g. metadata pydantic cannot serialise
             msg, data = self._replace(msg, "internal_error", f"could not serialise the result: {type(e).__name__}: {e}"[:2000]), b""
         else:
@@ -591,13 +598,13 @@ class Worker:
                 return msg, data
             msg = self._replace(msg, "result_too_large", f"the result is {size} bytes; the limit (max_message_bytes) is {self.settings.max_message_bytes}")
         try:
-            data = dumps(msg)
+            data = shape(msg)
         except Exception:  # noqa: BLE001
             data = b""
         if not data or record_size(key, data, headers) > limit:
             assert isinstance(msg, JobError)
             msg = msg.model_copy(update={"metadata": None})
-            data = dumps(msg)
+            data = shape(msg)
         return msg, data
 
     @staticmethod
@@ -605,10 +612,10 @@ class Worker:
         info = {"code": code, "message": message, "retryable": False}
         return JobError.model_validate({"job_id": getattr(msg, "job_id", ""), "attempt": getattr(msg, "attempt", 0), "run_id": getattr(msg, "run_id", ""), "error": info, "metadata": getattr(msg, "metadata", None)})
 
-    async def _deliver_answer(self, topic: str, key: str, msg: BaseModel, headers: list | None) -> BaseModel:
+    async def _deliver_answer(self, topic: str, key: str, msg: BaseModel, headers: list | None, shape: Shape = dumps) -> BaseModel:
         """Deliver a final answer; returns what was published (an error may replace it)."""
         assert self.publisher is not None
-        msg, data = self._encoded(msg, headers)
+        msg, data = self._encoded(msg, headers, shape)
         try:
             await self.publisher.deliver(topic, key, data, headers)
         except DeliveryRefused as e:  # e.g. a broker limit below ours: answer with a small error
@@ -616,7 +623,7 @@ class Worker:
                 raise
             small = self._replace(msg, "result_too_large", f"the broker refused the result: {e}"[:2000])
             small = small.model_copy(update={"metadata": None})
-            await self.publisher.deliver(topic, key, dumps(small), headers)
+            await self.publisher.deliver(topic, key, shape(small), headers)
             return small
         return msg
 
@@ -643,9 +650,10 @@ class Worker:
 
     def _finish_now(self, st: JobState, msg: BaseModel) -> None:
         """Publish an immediate answer (error or early cancel) for a job that never runs."""
-        msg, data = self._encoded(msg)
+        headers = answer_headers(msg, st.wire)
+        msg, data = self._encoded(msg, headers, answer_shape(st.wire, self.token_text))
         self._count(msg)
-        self._publish_side(self.settings.completions_topic, st.job.id, data, None, st.offsets(), st.tele, _outcome(msg))
+        self._publish_side(self.settings.completions_topic, st.job.id, data, headers or None, st.offsets(), st.tele, _outcome(msg))
 
     def _publish_side(
         self,
@@ -779,7 +787,8 @@ class Worker:
             self._forget(st)
             if st.waiters:
                 (tp, off), rest = st.waiters[0], st.waiters[1:]
-                heir = JobState(job=st.job, tp=tp, offset=off, produced_at=st.produced_at, received_at=st.received_at, waiters=rest, prompt_ids=st.prompt_ids, params=st.params)
+                heir = JobState(job=st.job, tp=tp, offset=off, produced_at=st.produced_at, received_at=st.received_at, waiters=rest, prompt_ids=st.prompt_ids, params=st.params,
+                                wire=st.wire)
                 assert self.telemetry is not None
                 heir.tele = self.telemetry.job(st.job.id, tp.topic, tp.partition, off, st.job.id, None, st.received_at)
                 self.jobs[st.job.id] = heir

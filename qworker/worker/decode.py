@@ -1,4 +1,10 @@
-"""Turn a job record's bytes into a Job, an answerable error, or a DLQ verdict."""
+"""Turn a job record's bytes into a Job, an answerable error, or a DLQ verdict.
+
+Two formats share the jobs topic, told apart by shape: an object with a ``custom_id`` key is an
+OpenAI batch request line (its ``custom_id`` is the job id; see ``qworker.openai_batch``),
+anything else a native job (its ``id``). Either way a record without a usable id cannot be
+answered and goes to the DLQ, and one with a usable id is answered: a job, or an error.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from qworker.messages import MAX_ID_LEN, Job, bounded_metadata, loads
+from qworker.openai_batch.requests import OpenAIRequest, RequestError, is_openai_line, map_line
 
 
 @dataclass(slots=True)
 class Valid:
     job: Job
+    wire: OpenAIRequest | None = None  # set: answer in OpenAI's shapes
 
 
 @dataclass(slots=True)
@@ -22,6 +30,9 @@ class Invalid:
     job_id: str
     message: str
     metadata: dict[str, Any] | None
+    code: str = "invalid_job"
+    wire: OpenAIRequest | None = None
+    param: str | None = None  # the offending field, as the record spelled it
 
 
 @dataclass(slots=True)
@@ -63,6 +74,8 @@ def decode(value: bytes | None) -> Decoded:
         return Unparseable("not_json", f"not valid JSON: {str(e)[:500]}")
     if not isinstance(data, dict):
         return Unparseable("not_object", f"JSON {type(data).__name__}, expected an object")
+    if is_openai_line(data):
+        return _decode_openai(data)
     if not usable_id(data.get("id")):
         return Unparseable("no_id", f"'id' must be a string of 1-{MAX_ID_LEN} characters")
     try:
@@ -72,3 +85,16 @@ def decode(value: bytes | None) -> Decoded:
         return Invalid(data["id"], summarize(e), bounded_metadata(data.get("metadata")))
     except (ValueError, TypeError, RecursionError) as e:  # pathological input: never kill the worker
         return Invalid(data["id"], f"invalid job: {str(e)[:500]}", None)
+
+
+def _decode_openai(data: dict[str, Any]) -> Decoded:
+    cid = data.get("custom_id")
+    if not usable_id(cid):
+        return Unparseable("no_id", f"'custom_id' must be a string of 1-{MAX_ID_LEN} characters")
+    try:
+        job, wire = map_line(data)
+    except RequestError as e:
+        return Invalid(cid, e.message, None, e.code, OpenAIRequest(cid), e.param)
+    except (ValueError, TypeError, RecursionError) as e:  # pathological input: never kill the worker
+        return Invalid(cid, f"invalid request line: {str(e)[:500]}", None, "invalid_job", OpenAIRequest(cid))
+    return Valid(job, wire)

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qworker.messages import Choice, Completion, ErrorInfo, Job, JobError, Timings, Usage, dumps
+from qworker.openai_batch.requests import OpenAIRequest
 from qworker.telemetry.genai import CHAT, TEXT_COMPLETION
 from qworker.telemetry.job import NULL_JOB
 from qworker.worker.publisher import Publisher
 from qworker.worker.stream import StreamCoalescer, StreamSender
+from qworker.worker.wire import chunk_render
 
 
 @dataclass(eq=False)
@@ -38,6 +40,7 @@ class JobState:
     gen_done: bool = False  # the engine stream ended: a cancel can no longer change the result
     generated: int = 0
     tele: Any = NULL_JOB  # qworker.telemetry.job.JobTelemetry: spans, metrics, outcome log line
+    wire: OpenAIRequest | None = None  # came as an OpenAI batch request line: answer in its shapes
 
     @property
     def prompt_len(self) -> int:
@@ -121,7 +124,8 @@ class JobRunner:
         stream = None
         if job.stream:
             # one traceparent for every delta event of the run
-            stream = StreamSender(self.publisher, self.tokens_topic, StreamCoalescer(job.id, state.attempt, state.run_id, self.interval_s), tele.stream_headers() or None)
+            stream = StreamSender(self.publisher, self.tokens_topic, StreamCoalescer(job.id, state.attempt, state.run_id, self.interval_s), tele.stream_headers() or None,
+                                  chunk_render(state.wire, self.model_name))
         tick = asyncio.create_task(self._tick(stream)) if stream is not None else None
         last = None
         cached = 0
@@ -189,6 +193,10 @@ class JobRunner:
             aborted="cancelled" if cancelled else None,
         )
         if stream is not None:
+            if state.wire is not None and not reasons & {None, "abort"}:
+                # OpenAI streams end each choice with its finish_reason (then the usage, if asked)
+                usage = Usage(prompt_tokens=state.prompt_len, completion_tokens=sum(len(a.token_ids) for a in accs.values()), cached_tokens=cached)
+                stream.coalescer.end({i: a.finish_reason for i, a in accs.items()}, usage if state.wire.include_usage else None)  # type: ignore[misc]
             # The stream must be complete before the completion is acknowledged and the offset moves.
             await stream.settle()
             state.run_id = stream.run_id  # a replayed stream has a fresh run id

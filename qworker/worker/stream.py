@@ -7,14 +7,28 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
 from aiokafka.errors import KafkaError
 
-from qworker.messages import Delta, dumps
+from qworker.messages import Delta, Usage, dumps
 
 log = logging.getLogger(__name__)
+
+
+class StreamEnd(Delta):
+    """Not a native message (native streams never carry one): the end of choice ``index`` with
+    its ``finish_reason``, or (``usage`` set) the run's usage, for wire formats that stream them
+    (OpenAI's chunks). It takes a ``seq`` like any event, so the stream stays gap-free."""
+
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+# Renders one event: its value and extra headers (the native format is ``dumps`` and none).
+Render = Callable[[Delta], tuple[bytes, list[tuple[str, bytes]]]]
 
 
 @dataclass(slots=True)
@@ -37,6 +51,8 @@ class StreamCoalescer:
         self.seq = 0
         self._bufs: dict[int, _Buf] = {}
         self._taken: dict[int, list[tuple[str, list[int]]]] = {}  # per choice, per event taken
+        self._ends: list[tuple[int, str | None, Usage | None]] = []  # not taken yet
+        self._taken_ends: list[tuple[int, str | None, Usage | None]] = []
         self._last_flush = float("-inf")
 
     def add(self, index: int, text: str, token_ids: list[int]) -> None:
@@ -45,6 +61,13 @@ class StreamCoalescer:
         b = self._bufs.setdefault(index, _Buf())
         b.text.append(text)
         b.token_ids.extend(token_ids)
+
+    def end(self, finish_reasons: dict[int, str], usage: Usage | None = None) -> None:
+        """Close the stream with one ``StreamEnd`` per choice (then one with the usage): taken
+        after everything buffered, replayed after everything taken."""
+        self._ends.extend((i, r, None) for i, r in sorted(finish_reasons.items()))
+        if usage is not None:
+            self._ends.append((-1, None, usage))
 
     def due(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -55,15 +78,23 @@ class StreamCoalescer:
         self.seq += 1
         return ev
 
+    def _end_event(self, index: int, reason: str | None, usage: Usage | None) -> StreamEnd:
+        ev = StreamEnd(job_id=self.job_id, attempt=self.attempt, run_id=self.run_id, index=index, seq=self.seq, text="", token_ids=[], finish_reason=reason, usage=usage)
+        self.seq += 1
+        return ev
+
     def take(self, now: float | None = None) -> list[Delta]:
-        """All buffered deltas as events (empty when nothing is buffered)."""
-        events = []
+        """All buffered deltas as events (empty when nothing is buffered), then any ends."""
+        events: list[Delta] = []
         for index in sorted(self._bufs):
             b = self._bufs[index]
             ev = self._event(index, "".join(b.text), list(b.token_ids))
             events.append(ev)
             self._taken.setdefault(index, []).append((ev.text, ev.token_ids))
         self._bufs.clear()
+        events.extend(self._end_event(*e) for e in self._ends)
+        self._taken_ends.extend(self._ends)
+        self._ends = []
         self._last_flush = time.monotonic() if now is None else now
         return events
 
@@ -86,6 +117,7 @@ class StreamCoalescer:
                 ids.extend(tids)
                 size += n
             events.append(self._event(index, "".join(text), ids))
+        events.extend(self._end_event(*e) for e in self._taken_ends)
         return events
 
 
@@ -114,8 +146,9 @@ class StreamSender:
     fresh ``run_id`` instead; events of the abandoned id are stale, like those of an aborted run.
     """
 
-    def __init__(self, publisher, topic: str, coalescer: StreamCoalescer, headers: list | None):
+    def __init__(self, publisher, topic: str, coalescer: StreamCoalescer, headers: list | None, render: Render | None = None):
         self.publisher, self.topic, self.coalescer, self.headers = publisher, topic, coalescer, headers
+        self.render = render  # None: native Delta messages
         self._sent: list[asyncio.Future] = []
         self._lock = asyncio.Lock()
         self.restarts = 0
@@ -126,7 +159,12 @@ class StreamSender:
 
     async def _send_all(self, events: list[Delta]) -> None:
         for ev in events:
-            self._sent.append(await self.publisher.send(self.topic, ev.job_id, dumps(ev), self.headers))
+            if self.render is None:
+                value, headers = dumps(ev), self.headers
+            else:
+                value, extra = self.render(ev)
+                headers = [*(self.headers or []), *extra] or None
+            self._sent.append(await self.publisher.send(self.topic, ev.job_id, value, headers))
 
     async def flush(self) -> None:
         async with self._lock:  # one flush at a time keeps events in seq order on the wire
