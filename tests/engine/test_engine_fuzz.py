@@ -13,6 +13,12 @@ position) it holds, and the K/V values the engine last wrote there. After every 
 At the end every request finished, the poison one with "engine_error", every other one (bar those
 aborted, expired, or failed alone by an injected fault) with the tokens of a batch without
 failures, and every block is free.
+
+The same runs with speculative decoding (n-gram drafts, random k): rejected drafts write slots
+past ``num_computed_tokens`` that the checks above must never see as a sequence's own; after
+every step each hashed block in a block table holds accepted tokens only (its hash is that of the
+sequence's tokens), and every block's ref count equals the block-table entries naming it. The
+reference batch runs without speculation: greedy and seeded outputs must not change.
 """
 
 from __future__ import annotations
@@ -115,6 +121,17 @@ class Shadow:
                 assert got == tuple(seq.token_ids[: p + 1]), (
                     f"seq {seq.seq_id} ({seq.request.request_id}) position {p}: slot {slot} holds "
                     f"{None if got is None else (len(got), got[-3:])}, want {seq.token_ids[max(p - 2, 0) : p + 1]}")
+        refs: dict[int, int] = {}
+        for seq in self.e.scheduler.running:
+            assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens
+            for i, block in enumerate(seq.block_table):
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+                if block.block_hash is not None:
+                    # hashed only once full of accepted tokens, with the hash of those tokens
+                    assert (i + 1) * BLOCK <= len(seq.token_ids), f"seq {seq.seq_id}: block {i} hashed before it was full of accepted tokens"
+                    assert block.block_hash == seq.full_block_hashes(BLOCK, i + 1)[i], f"seq {seq.seq_id}: block {i} hash is not its tokens'"
+        for block in self.e.kv.pool.blocks:
+            assert block.ref_count == refs.get(block.block_id, 0), f"block {block.block_id}: ref_count {block.ref_count}, held {refs.get(block.block_id, 0)} times"
         for seq in self.e.scheduler.swapped:
             for p in range(seq.num_computed_tokens):
                 slot = (seq.cpu_block_ids[p // BLOCK], p % BLOCK)
@@ -128,8 +145,17 @@ def test_fuzzed_workload_with_shadow_kv(tiny_model_dir, round_):
     fuzz(tiny_model_dir, random.randrange(1 << 30))
 
 
-def fuzz(tiny_model_dir, seed: int) -> None:
+@pytest.mark.parametrize("round_", range(2))
+def test_fuzzed_workload_with_speculation(tiny_model_dir, round_):
+    fuzz(tiny_model_dir, random.randrange(1 << 30), speculate=True)
+
+
+def fuzz(tiny_model_dir, seed: int, speculate: bool = False) -> None:
     rng = random.Random(seed)
+    spec = None
+    if speculate:
+        lo = rng.randint(1, 2)
+        spec = {"method": "ngram", "num_speculative_tokens": rng.randint(1, 6), "prompt_lookup_min": lo, "prompt_lookup_max": lo + rng.randint(0, 2)}
     chunked = rng.random() < 0.75
     budget = rng.choice([8, 16, 64])
     e = LLMEngine(EngineConfig(
@@ -141,6 +167,7 @@ def fuzz(tiny_model_dir, seed: int) -> None:
         max_num_seqs=rng.choice([2, 4, 16]),
         enable_chunked_prefill=chunked,
         enable_prefix_caching=rng.random() < 0.8,
+        speculative_config=spec,
     ))
     shadow = Shadow(e, rng, fault_rate=0.03)
     prefixes = [[rng.randrange(100, 40000) for _ in range(rng.randint(4, 14))] for _ in range(3)]
@@ -155,7 +182,7 @@ def fuzz(tiny_model_dir, seed: int) -> None:
             prompt = (rng.choice(prefixes) + [rng.randrange(100, 40000) for _ in range(rng.randint(1, 26))])[:max_prompt]
             if rid == poison_id:
                 prompt[-1] = POISON
-            params = SamplingParams(n=rng.choice([1, 1, 1, 2, 3]), max_tokens=rng.randint(1, 12), temperature=rng.choice([0, 1.0]), seed=rng.randrange(100), ignore_eos=True)
+            params = SamplingParams(n=rng.choice([1, 1, 1, 2, 3]), max_tokens=rng.randint(1, 20 if speculate else 12), temperature=rng.choice([0, 1.0]), seed=rng.randrange(100), ignore_eos=True)
             deadline = rng.choice([None, None, None, None, time.time() - 1, time.time() + 3600])  # deterministic
             e.add_request(rid, prompt, params, priority=rng.randint(0, 2), deadline=deadline)
             requests[rid] = (prompt, params)
@@ -173,6 +200,8 @@ def fuzz(tiny_model_dir, seed: int) -> None:
     stats = e.stats()
     assert stats["kv_blocks_used"] == 0 and stats["cpu_swap_blocks_used"] == 0, f"seed {seed}: {stats}"
     assert all(b.ref_count == 0 for b in e.kv.pool.blocks)
+    if speculate:
+        assert stats["spec_decode_num_drafts"] > 0, f"seed {seed}: nothing was drafted"
 
     if poison_id not in aborted and finished[poison_id].error_code != "deadline_exceeded":
         assert finished[poison_id].error_code == "engine_error", f"seed {seed}"

@@ -10,7 +10,9 @@ an entry once made stays true.
 Invariant: after ``_extend(tokens)``, the index holds every n-gram ending at an index ``e <
 len(tokens)`` (end exclusive), i.e. every occurrence but the suffix itself, so a hit ``e`` always
 leaves ``tokens[e:]`` non-empty to propose from. The latest occurrence is preferred: in a copying
-output it tracks where in the source the copy has got to.
+output it tracks where in the source the copy has got to. A proposal that runs into the end of the
+context continues with itself (``_follow``): an occurrence ``p`` tokens back means the text repeats
+with period ``p``, so the draft repeats it too instead of stopping after ``p`` tokens.
 """
 
 from __future__ import annotations
@@ -44,8 +46,19 @@ class NgramIndex:
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             e = self.maps[n - self.n_min].get(tuple(tokens[L - n :]))
             if e is not None:
-                return tokens[e : e + k]
+                return _follow(tokens, e, k)
         return []
+
+
+def _follow(tokens: list[int], e: int, k: int) -> list[int]:
+    """``k`` tokens from ``e`` on, reading the proposal itself past the end of ``tokens``."""
+    L = len(tokens)
+    if e + k <= L:
+        return tokens[e : e + k]
+    out = tokens[e:]
+    while len(out) < k:
+        out.append(out[len(out) - (L - e)])
+    return out
 
 
 def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -58,5 +71,5 @@ def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         suffix = tokens[L - n :]
         for e in range(L - 1, n - 1, -1):
             if tokens[e - n : e] == suffix:
-                return tokens[e : e + k]
+                return _follow(tokens, e, k)
     return []
