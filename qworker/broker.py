@@ -26,6 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
 def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -104,6 +113,7 @@ class Broker:
     s3: MotoS3 | None = None
     log: Path | None = None
     proc: subprocess.Popen | None = None
+    inherit_output: bool = False  # its output goes to ours (``qworker broker`` in a terminal)
 
     @property
     def bootstrap(self) -> str:
@@ -119,8 +129,8 @@ class Broker:
         else:
             cmd += ["--storage-engine", "memory://tansu/"]
         env.setdefault("RUST_LOG", "warn")
-        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        out = None if self.inherit_output else open(self.log, "ab") if self.log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=None if self.inherit_output else subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_port(self.port, timeout, self.proc)
         return self
 

@@ -82,7 +82,7 @@ def submit(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text"),
     chat: Optional[str] = typer.Option(None, help="A user message (rendered with the chat template)"),
     system: Optional[str] = typer.Option(None, help="System message for --chat"),
-    file: Optional[Path] = typer.Option(None, "--file", "-f", help="JSONL file of jobs ('-' for stdin)"),
+    file: Optional[Path] = typer.Option(None, "--file", "-f", help="JSONL file, one native job or OpenAI batch request line per line ('-' for stdin)"),
     job_id: Optional[str] = typer.Option(None, "--id", help="Job id (default: random)"),
     max_tokens: int = typer.Option(32, help="max_tokens"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
@@ -92,60 +92,184 @@ def submit(
     timeout_s: float = typer.Option(300.0, help="--follow gives up after this long"),
     bootstrap_servers: Optional[str] = typer.Option(None, help="[QWORKER_BOOTSTRAP_SERVERS]"),
 ) -> None:
-    """Produce jobs from flags or a JSONL file."""
-    from qworker.messages import ChatMessage, Job, Sampling, loads
+    """Produce jobs from flags or a JSONL file (native jobs and OpenAI batch lines may mix).
+
+    A file's lines go out as written, keyed by their id (``custom_id`` or ``id``), invalid ones
+    too: the worker answers those with error lines. Lines without a usable id (not JSON, not an
+    object, no id) are not sent; ``qworker collect`` answers them as error lines."""
+    from qworker.messages import ChatMessage, Job, Sampling
 
     s = _settings(bootstrap_servers)
-    jobs: list[object] = []
-    if file is not None:
-        lines = sys.stdin.read().splitlines() if str(file) == "-" else file.read_text().splitlines()
-        for line in lines:
-            if line.strip():
-                jobs.append(loads(line.encode()))
+    flag_jobs: list[object] = []
     if prompt is not None or chat is not None:
         sampling = Sampling(max_tokens=max_tokens, temperature=temperature)
         jid = job_id or uuid.uuid4().hex[:12]
         if chat is not None:
             msgs = ([ChatMessage(role="system", content=system)] if system else []) + [ChatMessage(role="user", content=chat)]
-            jobs.append(Job(id=jid, messages=msgs, sampling=sampling, stream=stream, priority=priority))
+            flag_jobs.append(Job(id=jid, messages=msgs, sampling=sampling, stream=stream, priority=priority))
         else:
-            jobs.append(Job(id=jid, prompt=prompt, sampling=sampling, stream=stream, priority=priority))
-    if not jobs:
+            flag_jobs.append(Job(id=jid, prompt=prompt, sampling=sampling, stream=stream, priority=priority))
+    if file is None and not flag_jobs:
         raise typer.BadParameter("give --prompt, --chat or --file")
-    asyncio.run(_submit(s, jobs, follow, timeout_s))
+    lines = _read_batch(file) if file is not None else []
+    code = asyncio.run(_submit(s, flag_jobs, lines, follow, timeout_s))
+    raise typer.Exit(code)
 
 
-async def _submit(s: WorkerSettings, jobs: list[object], follow: bool, timeout_s: float) -> None:
-    from qworker.worker.client import ResultReader, parse, submit as produce
+def _read_batch(file: Path) -> list:
+    from qworker.openai_batch.files import read_lines
+
+    try:
+        return read_lines(sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes())
+    except OSError as e:
+        typer.echo(f"qworker: cannot read {file}: {e.strerror or e}", err=True)
+        raise typer.Exit(2) from None
+
+
+async def _submit(s: WorkerSettings, flag_jobs: list[object], lines: list, follow: bool, timeout_s: float) -> int:
+    from qworker.openai_batch.progress import Progress
+    from qworker.openai_batch.transfer import submit_lines
+    from qworker.worker.client import ResultReader, submit as produce
 
     reader = None
     if follow:
         reader = ResultReader(s, [s.tokens_topic, s.completions_topic], from_beginning=False)
         await reader.start()
-    ids = await produce(s, jobs)  # type: ignore[arg-type]
+    ids = await produce(s, flag_jobs) if flag_jobs else []  # type: ignore[arg-type]
     for i in ids:
         typer.echo(f"submitted {i}", err=True)
+    code = 0
+    if lines:
+        progress = Progress("submit", sum(1 for ln in lines if ln.key is not None))
+        rep = await submit_lines(s, lines, progress)
+        progress.close()
+        for ln in rep.skipped[:10]:
+            typer.echo(f"line {ln.number}: {ln.problem}; not submitted", err=True)
+        for ln, why in rep.refused[:10]:
+            typer.echo(f"line {ln.number}: the producer refused it: {why}", err=True)
+        typer.echo(rep.summary(), err=True)
+        ids += [ln.key for ln in lines if ln.key is not None and all(ln is not r for r, _ in rep.refused)]
+        code = 1 if rep.refused else 0
     if reader is None:
-        return
-    waiting, deadline = set(ids), time.monotonic() + timeout_s
+        return code
     try:
-        async for rec in reader.records(idle_timeout=timeout_s):
-            msg = parse(rec.value)
-            if not isinstance(msg, dict) or msg.get("job_id") not in waiting:
-                continue
-            if msg.get("type") == "delta":
-                sys.stdout.write(msg["text"] if len(ids) == 1 else f"[{msg['job_id']}] {msg['text']}\n")
-                sys.stdout.flush()
-            else:
-                waiting.discard(msg["job_id"])
-                typer.echo("")
-                import orjson
-
-                typer.echo(orjson.dumps(msg).decode())
-            if not waiting or time.monotonic() > deadline:
-                break
+        await _follow(reader, ids, timeout_s)
     finally:
         await reader.stop()
+    return code
+
+
+async def _follow(reader, ids: list[str], timeout_s: float) -> None:
+    """Print deltas (native) or chunk text (OpenAI) and each job's final answer, by record key."""
+    import orjson
+
+    from qworker.worker.client import parse
+
+    waiting, deadline = set(ids), time.monotonic() + timeout_s
+    async for rec in reader.records(idle_timeout=timeout_s):
+        key = rec.key.decode("utf-8", "replace") if rec.key else None
+        msg = parse(rec.value)
+        if key not in waiting or not isinstance(msg, dict):
+            continue
+        if rec.topic == reader.topics[0]:  # tokens
+            text = msg.get("text", "") if msg.get("type") == "delta" else "".join(
+                c.get("text") or (c.get("delta") or {}).get("content") or "" for c in msg.get("choices") or [])
+            sys.stdout.write(text if len(ids) == 1 else f"[{key}] {text}\n")
+            sys.stdout.flush()
+        else:
+            waiting.discard(key)
+            typer.echo("")
+            typer.echo(orjson.dumps(msg).decode())
+        if not waiting or time.monotonic() > deadline:
+            break
+
+
+@app.command()
+def collect(
+    ids_from: Path = typer.Option(..., "--ids-from", help="The JSONL file that was submitted: one output line per input line"),
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write the OpenAI batch output lines (JSONL)"),
+    timeout_s: float = typer.Option(600.0, help="Give up waiting after this long; unanswered lines get status 504"),
+    since: float = typer.Option(0.0, help="Ignore results produced before this Unix time (a file submitted again reuses its ids)"),
+    bootstrap_servers: Optional[str] = typer.Option(None, help="[QWORKER_BOOTSTRAP_SERVERS]"),
+) -> None:
+    """Write the answers to a submitted file as OpenAI batch output lines.
+
+    Waits for every line's id on the completions topic, then writes one output line per input
+    line, in input order (native results converted). Exit 0: every line succeeded; 1: some are
+    errors; 3: the wait timed out (unanswered lines are written as errors too)."""
+    from qworker.openai_batch.progress import Progress
+    from qworker.openai_batch.transfer import collect_lines
+
+    s = _settings(bootstrap_servers)
+    lines = _read_batch(ids_from)
+    progress = Progress("collect", len(lines))
+    rep, _ = asyncio.run(collect_lines(s, lines, out, timeout_s, since, progress))
+    progress.close()
+    typer.echo(rep.summary(str(out)), err=True)
+    raise typer.Exit(3 if rep.timed_out else 1 if rep.failed else 0)
+
+
+@app.command()
+def broker(
+    port: int = typer.Option(9092, help="Port on 127.0.0.1"),
+    partitions: int = typer.Option(8, help="Partitions of the jobs, tokens and completions topics it creates"),
+    topics: bool = typer.Option(True, help="Create qworker's topics once it is up"),
+) -> None:
+    """Run the bundled broker (Tansu) in the foreground on loopback, to try qworker out.
+
+    It keeps its data in memory; Ctrl-C or SIGTERM stops it (and the data is gone)."""
+    import signal as sig
+
+    from qworker.broker import HOST, Broker, port_free
+
+    if not port_free(port):
+        typer.echo(f"qworker: {HOST}:{port} is already in use; pick another --port", err=True)
+        raise typer.Exit(2)
+    b = Broker(port=port, inherit_output=True)
+    try:
+        b.start()
+    except (RuntimeError, TimeoutError, OSError) as e:
+        typer.echo(f"qworker: the broker did not start: {e}", err=True)
+        b.stop()
+        raise typer.Exit(2) from None
+
+    stopping = []
+
+    def stop(*_: object) -> None:
+        stopping.append(True)
+        raise KeyboardInterrupt
+
+    # Ctrl-C reaches Tansu too (same process group): whichever notices first, it is a clean stop
+    sig.signal(sig.SIGTERM, stop)
+    sig.signal(sig.SIGINT, stop)
+    try:
+        env = broker_env(b.bootstrap)
+        if topics:
+            from qworker.worker.client import create_topics
+
+            created = asyncio.run(create_topics(_settings(b.bootstrap, enable_idempotence=False), partitions))
+            typer.echo(f"created topics: {', '.join(created) or 'none (all exist)'}")
+        typer.echo(f"Tansu broker on {b.bootstrap} (in memory: its data goes when it stops). In other terminals:")
+        typer.echo(f"  export {env}")
+        typer.echo("  qworker run --model models/smollm2-135m")
+        typer.echo("  qworker submit --file batch.jsonl && qworker collect --ids-from batch.jsonl --out results.jsonl")
+        typer.echo("Ctrl-C stops it.")
+        code = b.proc.wait() if b.proc is not None else 0
+        if stopping or code in (-sig.SIGINT, 130):
+            raise KeyboardInterrupt
+        typer.echo(f"qworker: the broker exited with status {code}", err=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        b.stop()
+        typer.echo("broker stopped", err=True)
+        raise typer.Exit(0) from None
+
+
+def broker_env(bootstrap: str) -> str:
+    """The environment for talking to the bundled broker: its address, no idempotence (Tansu
+    refuses it), and the short timings its quirks want (see DESIGN.md)."""
+    return (f"QWORKER_BOOTSTRAP_SERVERS={bootstrap} QWORKER_ENABLE_IDEMPOTENCE=false "
+            "QWORKER_SESSION_TIMEOUT_MS=6000 QWORKER_HEARTBEAT_INTERVAL_MS=1000 QWORKER_FETCH_MAX_WAIT_MS=20")
 
 
 @app.command()

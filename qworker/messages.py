@@ -291,6 +291,11 @@ def dumps(msg: BaseModel) -> bytes:
     return _json(msg.model_dump(mode="json"))
 
 
+def json_bytes(data: Any) -> bytes:
+    """Compact JSON of plain data, as ``dumps`` writes messages (OpenAI-shaped answers use it)."""
+    return _json(data)
+
+
 def _json(data: Any) -> bytes:
     try:
         return orjson.dumps(data)

@@ -36,6 +36,7 @@ from qworker.worker.decode import Invalid, Unparseable, Valid, decode
 from qworker.worker.dlq import dlq_headers, raw_headers_header, with_original
 from qworker.worker.jobs import JobRunner, JobState, cancelled_completion, error_message
 from qworker.worker.offsets import OffsetTracker
+from qworker.worker.producer import start_producer
 from qworker.worker.publisher import DeliveryAborted, DeliveryRefused, Publisher, record_size
 from qworker.worker.stats import WorkerStats
 from qworker.worker.wire import IdText, Shape, answer_headers, token_text
@@ -155,8 +156,10 @@ class Worker:
         self.model_names = {self.model_name, self.engine.model_name}
         if s.model:
             self.model_names.add(os.path.basename(os.path.normpath(s.model)))
-        self.producer = AIOKafkaProducer(**s.producer_options())
-        await self._connect(self.producer)
+        try:
+            self.producer = await start_producer(s.producer_options())  # falls back when idempotence is refused
+        except KafkaConnectionError as e:
+            raise StartupError(f"cannot reach Kafka at {s.bootstrap_servers!r} ({e}); check QWORKER_BOOTSTRAP_SERVERS") from e
         self.publisher = Publisher(self.producer, lambda: self.giving_up, s.max_message_bytes)
         self.runner = JobRunner(self.engine, self.publisher, s.tokens_topic, s.stream_interval_ms / 1000, self.model_name)
         if self.draining:  # the last await before subscribing: check once more

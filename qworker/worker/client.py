@@ -13,6 +13,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from qworker.config import WorkerSettings
 from qworker.messages import Cancel, Job, dumps, loads
+from qworker.worker.producer import start_producer
 
 
 def result_topics(s: WorkerSettings) -> list[str]:
@@ -38,9 +39,7 @@ async def create_topics(s: WorkerSettings, partitions: int = 8, replication: int
 async def producer_for(s: WorkerSettings) -> AIOKafkaProducer:
     # jobs may be larger than results (a prompt may reach 4 M characters): the broker's and the
     # jobs topic's limits decide, not the worker's max_message_bytes
-    p = AIOKafkaProducer(**{**s.producer_options(), "linger_ms": 2, "max_request_size": 8 * 2**20})
-    await p.start()
-    return p
+    return await start_producer({**s.producer_options(), "linger_ms": 2, "max_request_size": 8 * 2**20})
 
 
 async def submit(s: WorkerSettings, jobs: Iterable[Job | dict | bytes], producer: AIOKafkaProducer | None = None) -> list[str]:
@@ -53,7 +52,8 @@ async def submit(s: WorkerSettings, jobs: Iterable[Job | dict | bytes], producer
             if isinstance(j, Job):
                 key, value = j.id, dumps(j)
             elif isinstance(j, dict):
-                key, value = str(j.get("id", "")), dumps_any(j)
+                # an OpenAI batch request line is keyed by its custom_id, a native job by its id
+                key, value = str(j.get("custom_id" if "custom_id" in j else "id", "")), dumps_any(j)
             else:
                 key, value = None, j
             ids.append(key)

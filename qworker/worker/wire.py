@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from qworker.messages import Delta, _json, dumps
+from qworker.messages import Delta, dumps, json_bytes
 from qworker.openai_batch.requests import OpenAIRequest
 from qworker.openai_batch.results import ChunkShaper, IdText, TokenizerText, TokenText, output_line, run_headers
 from qworker.worker.stream import Render, StreamEnd
@@ -31,7 +31,7 @@ def shape(wire: OpenAIRequest | None, text: TokenText, param: str | None = None)
     """Bytes of a final answer (completion or error) in the job's format."""
     if wire is None:
         return dumps
-    return lambda msg: _json(output_line(msg, wire, text, param))  # type: ignore[arg-type]
+    return lambda msg: json_bytes(output_line(msg, wire, text, param))  # type: ignore[arg-type]
 
 
 def answer_headers(msg: BaseModel, wire: OpenAIRequest | None) -> list[tuple[str, bytes]]:
@@ -51,6 +51,6 @@ def chunk_render(wire: OpenAIRequest | None, model: str) -> Render | None:
             obj = shaper.chunk(ev.run_id, ev.index, "", ev.finish_reason, ev.usage)
         else:
             obj = shaper.chunk(ev.run_id, ev.index, ev.text)
-        return _json(obj), run_headers(ev.attempt, ev.run_id, ev.seq)
+        return json_bytes(obj), run_headers(ev.attempt, ev.run_id, ev.seq)
 
     return render

@@ -1,0 +1,126 @@
+"""JSONL batch files: which lines can be submitted, and the one output line each input line gets.
+
+Invariants:
+
+- Every non-blank input line gets exactly one output line, in input order (blank lines are not
+  requests and get none).
+- A line is *keyed* when it is a JSON object with a usable id: ``custom_id`` for an OpenAI
+  request line, ``id`` for a native job. Keyed lines are submitted even when otherwise invalid:
+  the worker is the one judge of validity, and answers them with error lines. Lines that cannot
+  be keyed (not JSON, not an object, no usable id) are not submitted (the worker could only
+  dead-letter them, and nothing could match its answer to the line); ``collect`` answers them
+  locally with an ``invalid_job`` error line whose ``custom_id`` is the line's string
+  ``custom_id``/``id`` if it has one, else ``line-<N>`` (N counts lines from 1).
+- Native results are converted to OpenAI's shape by the line's form: ``messages`` ->
+  ``chat.completion``, ``prompt`` / ``prompt_token_ids`` -> ``text_completion``; their
+  logprobs name tokens ``token_id:<id>`` (no tokenizer here), without bytes.
+- Of several answers for one id (a rerun after a crash, a resent copy), the highest ``attempt``
+  wins, then the latest on the topic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from qworker.messages import Completion, JobError, loads
+from qworker.openai_batch.requests import ENDPOINTS, OpenAIRequest, is_openai_line
+from qworker.openai_batch.results import IdText, error_line, output_line
+from qworker.worker.decode import usable_id
+
+
+@dataclass(slots=True)
+class InputLine:
+    number: int  # 1-based line number in the file
+    raw: bytes  # as written, without the line end
+    key: str | None = None  # the job id when the line can be submitted
+    fmt: Literal["openai", "native"] | None = None
+    data: dict[str, Any] | None = None
+    problem: str | None = None  # why it cannot be submitted
+
+    @property
+    def answer_id(self) -> str:
+        """The ``custom_id`` of this line's output line."""
+        if self.key is not None:
+            return self.key
+        if self.data is not None:
+            v = self.data.get("custom_id", self.data.get("id"))
+            if isinstance(v, str):
+                return v
+        return f"line-{self.number}"
+
+    def context(self) -> OpenAIRequest:
+        """How to shape a native answer for this line (OpenAI answers come shaped)."""
+        d = self.data or {}
+        if self.fmt == "openai":
+            return OpenAIRequest(self.answer_id, ENDPOINTS.get(d.get("url"), "chat"))  # type: ignore[arg-type]
+        sampling = d.get("sampling") if isinstance(d.get("sampling"), dict) else {}
+        lp = sampling.get("logprobs")
+        return OpenAIRequest(self.answer_id, "chat" if "messages" in d else "completions", lp if isinstance(lp, int) else None)
+
+
+def classify(number: int, raw: bytes) -> InputLine:
+    line = InputLine(number, raw)
+    try:
+        data = loads(raw)
+    except (ValueError, RecursionError) as e:
+        line.problem = f"not valid JSON ({str(e)[:200]})"
+        return line
+    if not isinstance(data, dict):
+        line.problem = f"a JSON {type(data).__name__}, not an object"
+        return line
+    line.data = data
+    line.fmt = "openai" if is_openai_line(data) else "native"
+    field = "custom_id" if line.fmt == "openai" else "id"
+    if not usable_id(data.get(field)):
+        line.problem = f"no usable '{field}' (a string of 1-256 characters)"
+        return line
+    line.key = data[field]
+    return line
+
+
+def read_lines(content: bytes) -> list[InputLine]:
+    """The file's non-blank lines, classified."""
+    out = []
+    for i, raw in enumerate(content.split(b"\n"), start=1):
+        raw = raw.rstrip(b"\r")
+        if raw.strip():
+            out.append(classify(i, raw))
+    return out
+
+
+def local_answer(line: InputLine) -> dict[str, Any]:
+    """The error line for a line that was never submitted."""
+    return error_line(line.answer_id, "invalid_job", f"line {line.number}: {line.problem}; not submitted")
+
+
+def attempt_of(value: dict[str, Any], headers: dict[str, bytes]) -> int:
+    """A result's attempt: the native field, or the header OpenAI-shaped results carry."""
+    if isinstance(value.get("attempt"), int):
+        return value["attempt"]
+    try:
+        return int(headers.get("qworker.attempt", b"0"))
+    except ValueError:
+        return 0
+
+
+def to_output(line: InputLine, value: dict[str, Any]) -> dict[str, Any]:
+    """The output line for ``line`` from the result on the completions topic: OpenAI-shaped
+    results as they are (with this line's ``custom_id``), native ones converted."""
+    if "custom_id" in value and "response" in value:
+        return value if value["custom_id"] == line.answer_id else {**value, "custom_id": line.answer_id}
+    try:
+        if value.get("type") == "completion":
+            msg: Completion | JobError = Completion.model_validate(value)
+        else:
+            msg = JobError.model_validate(value)
+    except ValidationError as e:
+        return error_line(line.answer_id, "internal_error", f"unreadable result on the completions topic: {str(e)[:500]}")
+    return output_line(msg, line.context(), IdText())
+
+
+def status_of(out: dict[str, Any]) -> int:
+    resp = out.get("response") or {}
+    return resp.get("status_code", 500) if isinstance(resp, dict) else 500

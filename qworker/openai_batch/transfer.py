@@ -1,0 +1,191 @@
+"""Batch files over Kafka: ``submit`` produces a file's keyed lines to the jobs topic; ``collect``
+reads the completions topic until every line's id is answered (or a timeout) and writes one
+OpenAI output line per input line (see ``files`` for which line gets what)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiokafka.errors import KafkaError
+
+from qworker.config import WorkerSettings
+from qworker.messages import json_bytes, loads
+from qworker.openai_batch.files import InputLine, attempt_of, local_answer, status_of, to_output
+from qworker.openai_batch.progress import Progress
+from qworker.openai_batch.results import error_line
+from qworker.worker.client import ResultReader, producer_for
+
+
+@dataclass
+class SubmitReport:
+    lines: int = 0
+    submitted: int = 0
+    openai: int = 0
+    native: int = 0
+    skipped: list[InputLine] = field(default_factory=list)  # not keyed: answered by collect
+    refused: list[tuple[InputLine, str]] = field(default_factory=list)  # the producer refused them
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        rate = self.submitted / self.seconds if self.seconds > 0 else 0.0
+        text = (f"submitted {self.submitted} of {self.lines} lines ({self.openai} OpenAI, {self.native} native) in {self.seconds:.1f} s "
+                f"({rate:.0f} lines/s); {len(self.skipped)} not submitted (no usable id: collect answers them as error lines)")
+        if self.refused:
+            text += f"; {len(self.refused)} refused by the producer"
+        return text
+
+
+async def submit_lines(s: WorkerSettings, lines: list[InputLine], progress: Progress | None = None) -> SubmitReport:
+    """Produce every keyed line as written (its bytes unchanged), keyed by its id; returns once
+    the broker acknowledged them all."""
+    rep = SubmitReport(lines=len(lines))
+    t0 = time.monotonic()
+    acked = [0]
+
+    def on_ack(_fut: asyncio.Future) -> None:
+        acked[0] += 1
+
+    p = await producer_for(s)
+    try:
+        sent: list[tuple[InputLine, asyncio.Future]] = []
+        for ln in lines:
+            if ln.key is None:
+                rep.skipped.append(ln)
+                continue
+            try:
+                fut = await p.send(s.jobs_topic, value=ln.raw, key=ln.key.encode("utf-8"))
+            except KafkaError as e:  # e.g. larger than the producer's max_request_size
+                rep.refused.append((ln, repr(e)))
+                continue
+            fut.add_done_callback(on_ack)
+            sent.append((ln, fut))
+            if progress is not None:
+                progress.update(acked[0])
+        for ln, fut in sent:
+            try:
+                await fut
+            except KafkaError as e:
+                rep.refused.append((ln, repr(e)))
+                continue
+            rep.submitted += 1
+            rep.openai += ln.fmt == "openai"
+            rep.native += ln.fmt == "native"
+            if progress is not None:
+                progress.update(acked[0])
+    finally:
+        await p.stop()
+    rep.seconds = time.monotonic() - t0
+    return rep
+
+
+@dataclass
+class CollectReport:
+    lines: int = 0
+    ok: int = 0
+    errors: Counter = field(default_factory=Counter)  # error code -> lines
+    not_answered: int = 0
+    seconds: float = 0.0
+    timed_out: bool = False
+
+    @property
+    def failed(self) -> int:
+        return sum(self.errors.values())
+
+    def summary(self, out: str) -> str:
+        codes = ", ".join(f"{c} {n}" for c, n in self.errors.most_common())
+        rate = self.lines / self.seconds if self.seconds > 0 else 0.0
+        text = (f"collected {self.lines} lines in {self.seconds:.1f} s ({rate:.0f} lines/s): {self.ok} ok, {self.failed} errors"
+                f"{f' ({codes})' if codes else ''}; wrote {out}")
+        if self.timed_out:
+            text += f"; timed out with {self.not_answered} lines unanswered"
+        return text
+
+
+async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | None, timeout_s: float, since_s: float = 0.0,
+                        progress: Progress | None = None) -> tuple[CollectReport, list[dict[str, Any]]]:
+    """Wait (up to ``timeout_s``) until every keyed line's id has an answer on the completions
+    topic at or after ``since_s`` (Unix seconds), then write the output lines to ``out``
+    (atomically; None: return them only)."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    per_key = Counter(ln.key for ln in lines if ln.key is not None)
+    best: dict[str, tuple[int, int, dict]] = {}  # key -> (attempt, order on the topic, value)
+    done = sum(1 for ln in lines if ln.key is None)
+    rep = CollectReport(lines=len(lines))
+    if per_key:
+        reader = ResultReader(s, [s.completions_topic], from_beginning=True)
+        try:
+            await reader.start(timeout=max(1.0, timeout_s))
+        except TimeoutError:
+            reader = None  # the topic never appeared: nothing was answered
+        order, idle = 0, 0
+        try:
+            while reader is not None:
+                batches = await reader.consumer.getmany(timeout_ms=100, max_records=2000)
+                got = False
+                for recs in batches.values():
+                    for rec in recs:
+                        got = True
+                        order += 1
+                        key = rec.key.decode("utf-8", "replace") if rec.key else None
+                        if key not in per_key or (rec.timestamp is not None and rec.timestamp < since_s * 1000):
+                            continue
+                        value = _parse(rec.value)
+                        if value is None:
+                            continue
+                        attempt = attempt_of(value, dict(rec.headers or ()))
+                        old = best.get(key)
+                        if old is None:
+                            done += per_key[key]
+                        if old is None or attempt >= old[0]:  # a later copy of the same attempt wins too
+                            best[key] = (attempt, order, value)
+                if progress is not None:
+                    progress.update(done)
+                # all answered: read on until caught up, so a rerun's later answer already on the topic is kept
+                idle = 0 if got else idle + 1
+                if len(best) == len(per_key) and idle >= 2:
+                    break
+                if time.monotonic() > deadline:
+                    rep.timed_out = len(best) < len(per_key)
+                    break
+        finally:
+            if reader is not None:
+                await reader.stop()
+    results = []
+    for ln in lines:
+        if ln.key is None:
+            obj = local_answer(ln)
+        elif ln.key in best:
+            obj = to_output(ln, best[ln.key][2])
+        else:
+            rep.not_answered += 1
+            obj = error_line(ln.answer_id, "not_answered", f"no answer on {s.completions_topic} within {timeout_s:g} s")
+        status = status_of(obj)
+        if status == 200:
+            rep.ok += 1
+        else:
+            rep.errors[(obj.get("error") or {}).get("code", str(status))] += 1
+        results.append(obj)
+    rep.timed_out = rep.timed_out or rep.not_answered > 0
+    if out is not None:
+        tmp = out.with_name(out.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for obj in results:
+                f.write(json_bytes(obj) + b"\n")
+        os.replace(tmp, out)
+    rep.seconds = time.monotonic() - t0
+    return rep, results
+
+
+def _parse(value: bytes | None) -> dict | None:
+    try:
+        v = loads(value) if value else None
+    except ValueError:
+        return None
+    return v if isinstance(v, dict) else None
