@@ -106,12 +106,54 @@ def examples() -> dict[str, Any]:
     return {k: v.model_dump(mode="json", exclude_defaults=k.startswith("job") or k == "cancel") for k, v in ex.items()}
 
 
+def openai_examples() -> dict[str, list[dict[str, Any]]]:
+    """An OpenAI batch input file and the output ``collect`` writes for it (one line each, in
+    order). Every request line is mapped as the worker maps it and every answer shaped by the
+    worker's own code, so the examples cannot drift from what runs."""
+    from qworker.openai_batch.requests import OpenAIRequest, map_line
+    from qworker.openai_batch.results import output_line
+
+    class Pieces:  # the pieces SmolLM2's tokenizer gives for these ids (the worker asks the tokenizer)
+        spells_text = True
+        pieces = {59: "K", 35432: "afka", 314: " is", 253: " a", 7042: " Paris", 30: ".", 28: ",", 198: "\n", 2: "<|im_end|>", 665: " there", 436: " was"}
+
+        def piece(self, token_id: int) -> tuple[str, list[int] | None]:
+            t = self.pieces[token_id]
+            return t, list(t.encode())
+
+    chat = {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "smollm2-135m", "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is Kafka?"}],
+                     "max_completion_tokens": 4, "temperature": 0}}
+    text = {"custom_id": "request-2", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "logprobs": 1}}
+    bad = {"custom_id": "request-3", "method": "POST", "url": "/v1/chat/completions",
+           "body": {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}}
+    native = Job(id="request-4", prompt="Once upon a time", sampling=Sampling(max_tokens=2, temperature=0.0))
+    inputs = [chat, text, bad, native.model_dump(mode="json", exclude_defaults=True)]
+    wires = [map_line(chat, now=1767225600)[1], map_line(text, now=1767225600)[1]]
+
+    def done(jid: str, run: str, out: str, ids: list[int], lps: list[dict[str, float]] | None = None) -> Completion:
+        return Completion(job_id=jid, attempt=1, run_id=run, model="smollm2-135m", choices=[Choice(index=0, text=out, token_ids=ids, finish_reason="length", logprobs=lps)],
+                          usage=Usage(prompt_tokens=30, completion_tokens=len(ids), cached_tokens=16), timings=Timings(total_s=0.2))
+
+    outputs = [
+        output_line(done("request-1", "5d1c0a9e7b3f2a10", "Kafka is a", [59, 35432, 314, 253]), wires[0], Pieces()),
+        output_line(done("request-2", "8e2b4f6a1c3d5e70", " Paris.\n", [7042, 30, 198], [{"7042": -0.11, "253": -2.6}, {"30": -0.4, "28": -1.5}, {"198": -0.9, "2": -1.0}]), wires[1], Pieces()),
+        output_line(JobError(job_id="request-3", attempt=1, run_id="3c4d5e6f7a8b9c0d", error=ErrorInfo(code="unsupported_parameter", message="body.tools is not supported on /v1/chat/completions",
+                                                                            retryable=False)), OpenAIRequest("request-3"), Pieces(), param="body.tools"),
+        output_line(done("request-4", "0a9b8c7d6e5f4a3b", " there was", [665, 436]), OpenAIRequest("request-4", "completions", created=1767225600), Pieces()),
+    ]
+    return {"batch_input": inputs, "batch_output": outputs}
+
+
 def render() -> dict[str, bytes]:
     """Relative path -> file bytes for everything under ``schemas/``."""
     opts = orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE
     files = {f"{name}.v{SCHEMA_VERSION}.json": orjson.dumps(schema_for(name), option=opts) for name in MESSAGE_TYPES}
     for name, data in examples().items():
         files[f"examples/{name}.json"] = orjson.dumps(data, option=opts)
+    for name, lines in openai_examples().items():
+        files[f"examples/openai/{name}.jsonl"] = b"".join(orjson.dumps(x, option=orjson.OPT_APPEND_NEWLINE) for x in lines)
     return files
 
 
@@ -129,7 +171,7 @@ def diff(directory: Path = DEFAULT_DIR) -> list[str]:
     """Files that are missing or differ from the models (extra stale schema files count too)."""
     want = render()
     bad = [rel for rel, data in want.items() if not (directory / rel).exists() or (directory / rel).read_bytes() != data]
-    have = {str(p.relative_to(directory)) for p in directory.rglob("*.json")} if directory.exists() else set()
+    have = {str(p.relative_to(directory)) for pat in ("*.json", "*.jsonl") for p in directory.rglob(pat)} if directory.exists() else set()
     bad += sorted(have - set(want))
     return bad
 

@@ -50,12 +50,16 @@ def status_for(code: str) -> int:
 
 
 class TokenText(Protocol):
+    spells_text: bool  # pieces are the token's text (not a stand-in): text offsets mean something
+
     def piece(self, token_id: int) -> tuple[str, list[int] | None]:
         """The token's text and its UTF-8 bytes (None when unknown)."""
 
 
 class IdText:
     """Token strings without a tokenizer: ``token_id:<id>``, bytes unknown."""
+
+    spells_text = False
 
     def piece(self, token_id: int) -> tuple[str, list[int] | None]:
         return f"token_id:{token_id}", None
@@ -80,6 +84,8 @@ class TokenizerText:
     """Token pieces from a Hugging Face tokenizer, memoised by id. Byte-level BPE pieces give
     exact bytes (``text`` is their UTF-8 decoding, U+FFFD for a partial character, as OpenAI);
     other tokenizers give ``decode([id])`` and its UTF-8 encoding."""
+
+    spells_text = True
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -132,7 +138,8 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[str, float]], n: int
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[str, float]], n: int, text: TokenText) -> dict[str, Any]:
     """The legacy completions shape: parallel ``tokens`` / ``token_logprobs`` /
-    ``top_logprobs`` ({token: logprob}) / ``text_offset`` (character offsets in the text)."""
+    ``top_logprobs`` ({token: logprob}) / ``text_offset`` (character offsets in the text; null
+    when the pieces are stand-ins, whose lengths say nothing)."""
     tokens, values, tops, offsets, at = [], [], [], [], 0
     for tid, lp in zip(token_ids, logprobs):
         tok = text.piece(tid)[0]
@@ -141,7 +148,7 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[str, float]], 
         tops.append({text.piece(i)[0]: v for i, v in _top(lp, n)})
         offsets.append(at)
         at += len(tok)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets if text.spells_text else None}
 
 
 def body_id(ctx: OpenAIRequest, run_id: str) -> str:

@@ -239,3 +239,16 @@ def test_stream_chunks_validate_roles_ends_usage_and_replay(endpoint: str) -> No
     assert len(replay) == 5 and replay[-1]["usage"]["total_tokens"] == 7
     if endpoint == "chat":
         assert replay[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hello"}
+
+
+def test_schema_examples_are_what_the_worker_does() -> None:
+    from qworker import schemas_gen
+
+    ex = schemas_gen.openai_examples()
+    ins, outs = ex["batch_input"], ex["batch_output"]
+    assert len(ins) == len(outs) and [ln.get("custom_id", ln.get("id")) for ln in ins] == [o["custom_id"] for o in outs]
+    for ln, out in zip(ins, outs):
+        validate_line(out)
+        d = decode(orjson.dumps(ln))
+        assert isinstance(d, Valid) == (out["response"]["status_code"] == 200)
+    assert schemas_gen.diff() == []
