@@ -112,8 +112,19 @@ def submit(
     if file is None and not flag_jobs:
         raise typer.BadParameter("give --prompt, --chat or --file")
     lines = _read_batch(file) if file is not None else []
-    code = asyncio.run(_submit(s, flag_jobs, lines, follow, timeout_s))
+    code = _kafka(s, _submit(s, flag_jobs, lines, follow, timeout_s))
     raise typer.Exit(code)
+
+
+def _kafka(s: WorkerSettings, coro):  # noqa: ANN001, ANN202
+    """Run a client coroutine; a broker that cannot be reached is one line and exit 2."""
+    from aiokafka.errors import KafkaConnectionError
+
+    try:
+        return asyncio.run(coro)
+    except KafkaConnectionError as e:
+        typer.echo(f"qworker: cannot reach Kafka at {s.bootstrap_servers!r} ({e}); check QWORKER_BOOTSTRAP_SERVERS", err=True)
+        raise typer.Exit(2) from None
 
 
 def _read_batch(file: Path) -> list:
@@ -203,7 +214,7 @@ def collect(
     s = _settings(bootstrap_servers)
     lines = _read_batch(ids_from)
     progress = Progress("collect", len(lines))
-    rep, _ = asyncio.run(collect_lines(s, lines, out, timeout_s, since, progress))
+    rep, _ = _kafka(s, collect_lines(s, lines, out, timeout_s, since, progress))
     progress.close()
     typer.echo(rep.summary(str(out)), err=True)
     raise typer.Exit(3 if rep.timed_out else 1 if rep.failed else 0)

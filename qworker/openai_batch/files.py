@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -54,11 +55,12 @@ class InputLine:
     def context(self) -> OpenAIRequest:
         """How to shape a native answer for this line (OpenAI answers come shaped)."""
         d = self.data or {}
+        now = int(time.time())  # a native result has no creation time of its own
         if self.fmt == "openai":
-            return OpenAIRequest(self.answer_id, ENDPOINTS.get(d.get("url"), "chat"))  # type: ignore[arg-type]
+            return OpenAIRequest(self.answer_id, ENDPOINTS.get(d.get("url"), "chat"), created=now)  # type: ignore[arg-type]
         sampling = d.get("sampling") if isinstance(d.get("sampling"), dict) else {}
         lp = sampling.get("logprobs")
-        return OpenAIRequest(self.answer_id, "chat" if "messages" in d else "completions", lp if isinstance(lp, int) else None)
+        return OpenAIRequest(self.answer_id, "chat" if "messages" in d else "completions", lp if isinstance(lp, int) else None, created=now)
 
 
 def classify(number: int, raw: bytes) -> InputLine:

@@ -83,13 +83,26 @@ def _byte_decoder() -> dict[str, int]:
 class TokenizerText:
     """Token pieces from a Hugging Face tokenizer, memoised by id. Byte-level BPE pieces give
     exact bytes (``text`` is their UTF-8 decoding, U+FFFD for a partial character, as OpenAI);
-    other tokenizers give ``decode([id])`` and its UTF-8 encoding."""
+    other tokenizers give ``decode([id])`` and its UTF-8 encoding.
+
+    It works on its own copy of the tokenizer, made on first use: the worker encodes prompts
+    on other threads, and a fast tokenizer used from two threads at once can raise "Already
+    borrowed"."""
 
     spells_text = True
 
     def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
+        self._source = tokenizer
+        self._tokenizer: Any = None
         self._cache: dict[int, tuple[str, list[int] | None]] = {}
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import copy
+
+            self._tokenizer = copy.deepcopy(self._source)
+        return self._tokenizer
 
     def piece(self, token_id: int) -> tuple[str, list[int] | None]:
         hit = self._cache.get(token_id)

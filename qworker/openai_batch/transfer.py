@@ -77,7 +77,7 @@ async def submit_lines(s: WorkerSettings, lines: list[InputLine], progress: Prog
             rep.openai += ln.fmt == "openai"
             rep.native += ln.fmt == "native"
             if progress is not None:
-                progress.update(acked[0])
+                progress.update(rep.submitted + len(rep.refused))
     finally:
         await p.stop()
     rep.seconds = time.monotonic() - t0

@@ -160,6 +160,8 @@ class Worker:
             self.producer = await start_producer(s.producer_options())  # falls back when idempotence is refused
         except KafkaConnectionError as e:
             raise StartupError(f"cannot reach Kafka at {s.bootstrap_servers!r} ({e}); check QWORKER_BOOTSTRAP_SERVERS") from e
+        except KafkaError as e:  # refused even without idempotence (e.g. not authorised)
+            raise StartupError(f"the Kafka producer did not start at {s.bootstrap_servers!r}: {e!r}") from e
         self.publisher = Publisher(self.producer, lambda: self.giving_up, s.max_message_bytes)
         self.runner = JobRunner(self.engine, self.publisher, s.tokens_topic, s.stream_interval_ms / 1000, self.model_name)
         if self.draining:  # the last await before subscribing: check once more

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -27,12 +28,26 @@ FALLBACK_WARNING = (
 )
 
 
+@contextlib.contextmanager
+def _quiet_sender() -> Iterator[None]:
+    """aiokafka logs the refused InitProducerId at ERROR before raising; the one warning below
+    says it better, so that line is held back while the idempotent start is tried."""
+    sender = logging.getLogger("aiokafka.producer.sender")
+    level = sender.level
+    sender.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        sender.setLevel(level)
+
+
 async def start_producer(options: dict[str, Any]) -> AIOKafkaProducer:
     """A started producer for ``options``; falls back to ``enable_idempotence=False`` (with a
     warning) when the broker refuses the idempotent start. Never leaves a half-started one."""
     p = AIOKafkaProducer(**options)
     try:
-        await p.start()
+        with _quiet_sender() if options.get("enable_idempotence") else contextlib.nullcontext():
+            await p.start()
         return p
     except KafkaConnectionError:
         with contextlib.suppress(Exception):

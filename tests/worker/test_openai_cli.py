@@ -94,14 +94,14 @@ async def test_native_result_converted_by_the_line_form(broker) -> None:
 
 async def test_producer_falls_back_when_idempotence_is_refused(broker, caplog) -> None:
     s = make_settings(broker.bootstrap, enable_idempotence=True)
-    with caplog.at_level(logging.WARNING, logger="qworker.producer"):
+    with caplog.at_level(logging.WARNING):
         p = await start_producer(s.producer_options())
     try:
         await p.send_and_wait("fallback-check", b"v", key=b"k")  # it works
     finally:
         await p.stop()
-    [rec] = [r for r in caplog.records if r.name == "qworker.producer"]
-    assert "QWORKER_ENABLE_IDEMPOTENCE=false" in rec.getMessage()
+    [rec] = [r for r in caplog.records if r.levelno >= logging.WARNING]  # one line, aiokafka's own error held back
+    assert rec.name == "qworker.producer" and "QWORKER_ENABLE_IDEMPOTENCE=false" in rec.getMessage()
     # nothing to fall back from: idempotence off raises nothing and warns nothing
     caplog.clear()
     p = await start_producer(make_settings(broker.bootstrap).producer_options())
