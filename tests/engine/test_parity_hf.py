@@ -1,7 +1,8 @@
 """Greedy token ids equal HF transformers' generate on the same fp32 weights, for a batch of
 mixed-length prompts run concurrently: plain, with prefix caching hits, with chunked prefill, and
-with a KV pool so small that preemption happens by swap and by recompute; and, with a looser tie
-allowance for the K/V rounding, with an fp16 KV cache."""
+with a KV pool so small that preemption happens by swap and by recompute; with speculative
+decoding (n-gram drafts; plain and under preemption); and, with a looser tie allowance for the K/V
+rounding, with an fp16 KV cache."""
 
 from __future__ import annotations
 
@@ -51,11 +52,14 @@ CONFIGS = {
     "chunked_prefill": dict(max_num_batched_tokens=24, enable_prefix_caching=False),
     "preempt_swap": dict(swap_space=64 << 20),
     "preempt_recompute": dict(swap_space=0),
+    # the prompts repeat their text, so the drafts are mostly accepted, and not always
+    "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+    "speculative_preempt": dict(swap_space=64 << 20, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
     # K/V rounded to half precision: logits move by ~1e-3, so near-ties may flip
     "kv_float16": dict(kv_cache_dtype="float16", swap_space=64 << 20),
 }
 TIE_GAPS = {"kv_float16": 0.05}
-TIGHT_POOL = {"preempt_swap", "preempt_recompute", "kv_float16"}
+TIGHT_POOL = {"preempt_swap", "preempt_recompute", "kv_float16", "speculative_preempt"}
 
 
 def tight_pool(model_dir, prompts: list[list[int]], config: dict) -> dict:
@@ -96,4 +100,6 @@ def test_greedy_matches_hf(model_dir, references, name):
             assert stats["blocks_swapped_out"] > 0 and swap_ins == stats["preemptions_swap"], stats
     if name == "preempt_recompute":
         assert stats["preemptions_swap"] == 0, stats
+    if name.startswith("speculative"):
+        assert stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert stats["kv_blocks_used"] == 0, "blocks leaked after every request finished"
