@@ -94,9 +94,7 @@ def submit(
 ) -> None:
     """Produce jobs from flags or a JSONL file (native jobs and OpenAI batch lines may mix).
 
-    A file's lines go out as written, keyed by their id (``custom_id`` or ``id``), invalid ones
-    too: the worker answers those with error lines. Lines without a usable id (not JSON, not an
-    object, no id) are not sent; ``qworker collect`` answers them as error lines."""
+    A file's lines go out as written, keyed by their id (custom_id or id), invalid ones too: the worker answers those with error lines. Lines without a usable id (not JSON, not an object, no id) are not sent; `qworker collect` answers them as error lines."""
     from qworker.messages import ChatMessage, Job, Sampling
 
     s = _settings(bootstrap_servers)
@@ -199,15 +197,13 @@ async def _follow(reader, ids: list[str], timeout_s: float) -> None:
 def collect(
     ids_from: Path = typer.Option(..., "--ids-from", help="The JSONL file that was submitted: one output line per input line"),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the OpenAI batch output lines (JSONL)"),
-    timeout_s: float = typer.Option(600.0, help="Give up waiting after this long; unanswered lines get status 504"),
+    timeout_s: float = typer.Option(600.0, "--timeout-s", "--timeout", help="Give up waiting after this many seconds; unanswered lines get status 504"),
     since: float = typer.Option(0.0, help="Ignore results produced before this Unix time (a file submitted again reuses its ids)"),
     bootstrap_servers: Optional[str] = typer.Option(None, help="[QWORKER_BOOTSTRAP_SERVERS]"),
 ) -> None:
     """Write the answers to a submitted file as OpenAI batch output lines.
 
-    Waits for every line's id on the completions topic, then writes one output line per input
-    line, in input order (native results converted). Exit 0: every line succeeded; 1: some are
-    errors; 3: the wait timed out (unanswered lines are written as errors too)."""
+    Waits for every line's id on the completions topic, then writes one output line per input line, in input order (native results converted). Exit 0: every line succeeded; 1: some are errors; 3: the wait timed out (unanswered lines are written as errors too)."""
     from qworker.openai_batch.progress import Progress
     from qworker.openai_batch.transfer import collect_lines
 
