@@ -169,28 +169,38 @@ async def _submit(s: WorkerSettings, flag_jobs: list[object], lines: list, follo
 
 
 async def _follow(reader, ids: list[str], timeout_s: float) -> None:
-    """Print deltas (native) or chunk text (OpenAI) and each job's final answer, by record key."""
+    """Print deltas (native) or chunk text (OpenAI) and each job's final answer, by record key.
+
+    The tokens and completions topics are not ordered with each other, so a final answer is
+    printed only once the reader has caught up (an empty poll): the worker acknowledges every
+    stream record before it sends the answer, so by then the stream's tail has been printed."""
     import orjson
 
     from qworker.worker.client import parse
 
-    waiting, deadline = set(ids), time.monotonic() + timeout_s
-    async for rec in reader.records(idle_timeout=timeout_s):
-        key = rec.key.decode("utf-8", "replace") if rec.key else None
-        msg = parse(rec.value)
-        if key not in waiting or not isinstance(msg, dict):
-            continue
-        if rec.topic == reader.topics[0]:  # tokens
+    tokens = reader.topics[0]
+    waiting, finals, deadline = set(ids), {}, time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        batches = await reader.consumer.getmany(timeout_ms=100, max_records=1000)
+        recs = sorted((r for rs in batches.values() for r in rs), key=lambda r: r.topic != tokens)
+        for rec in recs:
+            key = rec.key.decode("utf-8", "replace") if rec.key else None
+            msg = parse(rec.value)
+            if key not in waiting or not isinstance(msg, dict):
+                continue
+            if rec.topic != tokens:
+                finals[key] = msg
+                continue
             text = msg.get("text", "") if msg.get("type") == "delta" else "".join(
                 c.get("text") or (c.get("delta") or {}).get("content") or "" for c in msg.get("choices") or [])
             sys.stdout.write(text if len(ids) == 1 else f"[{key}] {text}\n")
             sys.stdout.flush()
-        else:
-            waiting.discard(key)
-            typer.echo("")
-            typer.echo(orjson.dumps(msg).decode())
-        if not waiting or time.monotonic() > deadline:
-            break
+        if not recs and finals:
+            for key, msg in finals.items():
+                waiting.discard(key)
+                typer.echo("")
+                typer.echo(orjson.dumps(msg).decode())
+            finals.clear()
 
 
 @app.command()

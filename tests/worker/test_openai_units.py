@@ -252,3 +252,13 @@ def test_schema_examples_are_what_the_worker_does() -> None:
         d = decode(orjson.dumps(ln))
         assert isinstance(d, Valid) == (out["response"]["status_code"] == 200)
     assert schemas_gen.diff() == []
+
+
+def test_the_runtime_never_imports_openai() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, qworker.cli, qworker.worker, qworker.openai_batch.transfer, qworker.schemas_gen; "
+            "qworker.schemas_gen.openai_examples(); print('openai' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -130,3 +130,39 @@ async def test_openai_lines_answered_in_openai_shapes(real_engine, topics) -> No
         await wait_committed(topics)
     finally:
         await w.stop()
+
+
+async def test_submit_follow_prints_native_and_openai_streams(real_engine, topics, tmp_path) -> None:
+    """``qworker submit --follow`` (the flags it always had, and a file) prints the streamed text
+    and each final answer, for both formats."""
+    import os
+    import sys
+
+    from .conftest import REPO
+
+    eng, refs = real_engine
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWORKER_")}
+    env.update({f"QWORKER_{f.upper()}": str(getattr(topics, f)) for f in ("bootstrap_servers", "jobs_topic", "tokens_topic", "completions_topic", "fetch_max_wait_ms")})
+    env["QWORKER_ENABLE_IDEMPOTENCE"] = "false"
+    batch = tmp_path / "b.jsonl"
+    batch.write_bytes(orjson.dumps(chat("follow-chat", "Name a colour.", max_tokens=8, stream=True)) + b"\n")
+    w = Worker(topics, eng)
+    await w.start()
+    try:
+        flags = await asyncio.create_subprocess_exec(sys.executable, "-m", "qworker.cli", "submit", "-p", "The capital of France is", "--max-tokens", "8", "--follow",
+                                                     "--id", "follow-native", cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(flags.communicate(), 60)
+        assert flags.returncode == 0, err.decode()[-2000:]
+        final = orjson.loads(out.decode().strip().splitlines()[-1])
+        assert final["type"] == "completion" and final["choices"][0]["text"] == refs["plain"].text
+        assert out.decode().startswith(refs["plain"].text + "\n")  # the whole stream, then the answer
+        fromfile = await asyncio.create_subprocess_exec(sys.executable, "-m", "qworker.cli", "submit", "--file", str(batch), "--follow", cwd=REPO, env=env,
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(fromfile.communicate(), 60)
+        assert fromfile.returncode == 0, err.decode()[-2000:]
+        final = orjson.loads(out.decode().strip().splitlines()[-1])
+        body = validate_line(final)
+        assert body.choices[0].message.content == refs["chat"].text and out.decode().startswith(refs["chat"].text + "\n")
+        assert "submitted 1 of 1 lines (1 OpenAI, 0 native)" in err.decode()
+    finally:
+        await w.stop()
