@@ -23,7 +23,8 @@ from .openai_support import validate_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.skipif(not engine_available(), reason="engine or model missing")]
 
-PROMPTS = [f"Item {i}: the colour of the sky is" for i in range(40)]
+# longer than a KV block (16 tokens), so that repeats of a prompt are mostly served from the prefix cache
+PROMPTS = [f"Item {i}: the colour of the sky on a clear summer day, seen from a quiet beach, is" for i in range(40)]
 
 
 def request(cid: str, i: int, rng: random.Random) -> dict:
