@@ -262,3 +262,24 @@ def test_the_runtime_never_imports_openai() -> None:
             "qworker.schemas_gen.openai_examples(); print('openai' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_an_answer_too_large_in_openai_shape_becomes_a_413_line() -> None:
+    """The size limit applies to the bytes that go out: the OpenAI shape (token strings, bytes)
+    is larger than the native message, so it is measured, not the native one."""
+    from qworker.config import WorkerSettings
+    from qworker.worker import Worker
+    from qworker.worker.wire import shape
+
+    w = Worker(WorkerSettings(max_message_bytes=16_384))
+    ids = list(range(1000, 1600))
+    msg = Completion(job_id="big", attempt=1, run_id="r", model="m", choices=[Choice(index=0, text="x" * 600, token_ids=ids, finish_reason="length",
+                                                                                         logprobs=[{str(t): -1.0} for t in ids])],
+                     usage=Usage(prompt_tokens=1, completion_tokens=600), timings=Timings(total_s=1.0))
+    wire = OpenAIRequest("big", "chat", 0)
+    native = len(msg.model_dump_json())
+    assert native < 16_384 - 1024 < len(shape(wire, IdText())(msg))  # fits natively, not as OpenAI's
+    out, data = w._encoded(msg, None, shape(wire, IdText()))
+    line = orjson.loads(data)
+    validate_line(line)
+    assert isinstance(out, JobError) and line["custom_id"] == "big" and line["response"]["status_code"] == 413 and line["error"]["code"] == "result_too_large"
