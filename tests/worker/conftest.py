@@ -98,10 +98,12 @@ class Results:
                 self.dlq.append(rec)
                 continue
             msg = parse(rec.value)
+            # native messages name their job; OpenAI-shaped ones are found by the record key
+            jid = msg.get("job_id") if isinstance(msg, dict) and "job_id" in msg else (rec.key or b"").decode("utf-8", "replace")
             if rec.topic == self.s.completions_topic:
-                self.completions.setdefault(msg["job_id"], []).append(msg)
+                self.completions.setdefault(jid, []).append(msg)
             elif rec.topic == self.s.tokens_topic:
-                self.deltas.setdefault(msg["job_id"], []).append(msg)
+                self.deltas.setdefault(jid, []).append(msg)
 
     def finals(self) -> int:
         return len(self.completions) + len(self.dlq)
