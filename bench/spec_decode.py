@@ -3,14 +3,15 @@ speculation off, on (fixed ``k``) and ``auto``, at 1, 4, 16 and 64 concurrent re
 
     python bench/spec_decode.py [--quick]
 
-Workload: chat prompts built from corpus passages (60-120 words of licence text) whose answer
+Workload: chat prompts built from corpus passages (100-180 words of licence text) whose answer
 copies them: two in three ask to rewrite the passage exactly as given, one in three to quote the
 passage's sentences that mention one of its words (SmolLM2-135M copies the first kind almost
 verbatim, the second partly). Greedy, ``max_tokens`` capped, EOS ends a job (outputs are
 identical in every mode, so each mode generates the same tokens; checked).
 
 Each concurrency level runs closed-loop: ``c`` jobs in flight, a finished one replaced by the
-next, until ``jobs`` jobs are done; tokens/s = output tokens / wall time of the level (prefill
+next, until ``jobs`` jobs are done (``2c`` up to 4 concurrent, at least 3; one wave of ``c`` above:
+the 64-job level alone takes minutes per mode on 2 cores); tokens/s = output tokens / wall time of the level (prefill
 included). The three engines (off, ``k`` fixed, ``auto`` with the same ``k``) live in one process
 and take turns per level, in an order that rotates per round; each is warmed up first. ``auto``
 keeps what it learned from one level to the next, as a pod would. Figures are medians over
@@ -35,7 +36,7 @@ EXTRACT = "Here is a document:\n\n{text}\n\nQuote the sentences of the document 
 MODES = ("off", "ngram", "auto")
 
 
-def make_jobs(tok, num: int, seed: int, max_tokens: int, words_range=(60, 120)) -> list[tuple[list[int], SamplingParams]]:
+def make_jobs(tok, num: int, seed: int, max_tokens: int, words_range=(100, 180)) -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(seed)
     words = workloads.corpus_text().split()
     jobs = []
@@ -78,18 +79,18 @@ def closed_loop(engine, jobs, concurrency: int, tag: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = report.parser(__doc__, quick_help="levels 1,4,16,64 with one wave of jobs (c, at least 3), outputs up to 64 tokens, 1 round")
+    ap = report.parser(__doc__, quick_help="levels 1,4,16,64 with one wave of jobs (c, at least 3), outputs up to 64 tokens")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--jobs-per-level", type=int, default=0, help="jobs per level (0: max(3, 2 x concurrency))")
-    ap.add_argument("--max-output", type=int, default=128)
+    ap.add_argument("--max-output", type=int, default=192)
     ap.add_argument("--k", type=int, default=6, help="num_speculative_tokens")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--kv-memory-mib", type=float, default=512)
     args = ap.parse_args(argv)
     if args.quick:
-        ap.set_defaults(max_output=64, rounds=1)
+        ap.set_defaults(max_output=64)
         args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result["levels"] = []
     for c in levels:
-        n = args.jobs_per_level or max(3, (1 if args.quick else 2) * c)
+        n = args.jobs_per_level or max(3, c if args.quick or c > 4 else 2 * c)
         jobs = make_jobs(tok, n, args.seed + c, args.max_output)
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for r in range(args.rounds):
