@@ -73,6 +73,9 @@ async def test_openai_lines_answered_in_openai_shapes(real_engine, topics) -> No
         {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
         chat("bad-model", "x", model="gpt-9", max_tokens=2),
         completion("too-long", "word " * (eng.max_model_len + 10), max_tokens=2),
+        chat("json", "Give a person as JSON.", max_tokens=6, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}}}),
+        chat("bad-schema", "x", max_tokens=2, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "strin"}}}),
     ]
     natives = [  # the same prompts in the native contract
         {"id": "n-chat", "messages": [{"role": "user", "content": "Name a colour."}], "sampling": {"max_tokens": 5, "temperature": 0.0}},
@@ -113,6 +116,9 @@ async def test_openai_lines_answered_in_openai_shapes(real_engine, topics) -> No
             assert out["bad-url"]["response"]["status_code"] == 400 and "url" in out["bad-url"]["error"]["message"]
             assert (out["bad-model"]["response"]["status_code"], out["bad-model"]["error"]["code"]) == (404, "wrong_model")
             assert (out["too-long"]["response"]["status_code"], out["too-long"]["error"]["code"]) == (400, "prompt_too_long")
+            # structured output: the native response_format, constrained from the first token
+            assert "".join(validate_line(out["json"]).choices[0].message.content.split()).startswith('{"name"')
+            assert (out["bad-schema"]["response"]["status_code"], out["bad-schema"]["error"]["code"]) == (400, "invalid_structured_output")
             # streams: chunks with the answer's body id rebuild its text, end with finish and usage
             for key, text_of in (("chat-stream", lambda c: c["choices"][0]["delta"].get("content", "")), ("cmpl-lp", lambda c: c["choices"][0]["text"])):
                 body = out[key]["response"]["body"]
