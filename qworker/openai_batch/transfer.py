@@ -125,6 +125,7 @@ async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | N
         except TimeoutError:
             reader = None  # the topic never appeared: nothing was answered
         order, idle = 0, 0
+        ends: dict | None = None  # end offsets once every id is answered
         try:
             while reader is not None:
                 batches = await reader.consumer.getmany(timeout_ms=100, max_records=2000)
@@ -147,10 +148,17 @@ async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | N
                             best[key] = (attempt, order, value)
                 if progress is not None:
                     progress.update(done)
-                # all answered: read on until caught up, so a rerun's later answer already on the topic is kept
+                # all answered: read on until caught up, so a rerun's later answer already on the topic is kept.
+                # Caught up means an empty poll, or (a shared topic is never quiet) past every partition's
+                # end as it was when the last id got its answer.
                 idle = 0 if got else idle + 1
-                if len(best) == len(per_key) and idle >= 2:
-                    break
+                if len(best) == len(per_key):
+                    if idle >= 2:
+                        break
+                    if ends is None:
+                        ends = await reader.consumer.end_offsets(list(reader.consumer.assignment()))
+                    if await _caught_up(reader.consumer, ends):
+                        break
                 if time.monotonic() > deadline:
                     rep.timed_out = len(best) < len(per_key)
                     break
@@ -181,6 +189,13 @@ async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | N
         os.replace(tmp, out)
     rep.seconds = time.monotonic() - t0
     return rep, results
+
+
+async def _caught_up(consumer: Any, ends: dict) -> bool:
+    for tp, end in ends.items():
+        if await consumer.position(tp) < end:
+            return False
+    return True
 
 
 def _parse(value: bytes | None) -> dict | None:
