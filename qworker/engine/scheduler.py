@@ -176,7 +176,7 @@ class Scheduler:
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             draft = drafts.get(seq.seq_id) if drafts else None
             if draft and num_new == 1 and len(seq.token_ids) - seq.num_computed_tokens == 1:
-                draft = draft[: max(0, budget - 1 - decodes_after[i])]
+                draft = self._fit_draft(seq, draft, budget - 1 - decodes_after[i], decodes_after[i])
                 if draft and self.kv.allocate_slots(seq, 1 + len(draft)):
                     out.scheduled.append(ScheduledSeq(seq, 1 + len(draft), list(draft)))
                     scheduled_ids.add(seq.seq_id)
@@ -199,6 +199,21 @@ class Scheduler:
         out.copies = self.kv.take_copies()
         out.registered = self.kv.take_registered()
         return out
+
+    def _fit_draft(self, seq: Sequence, draft: list[int], max_tokens: int, later_decodes: int) -> list[int]:
+        """``draft`` cut to ``max_tokens`` and, when taking new blocks for it could leave a later
+        decode (at most one new block each) short, cut to the blocks the sequence needs anyway:
+        a draft must never cost another sequence its place."""
+        draft = draft[: max(0, max_tokens)]
+        if not draft:
+            return draft
+        base = self.kv.blocks_needed(seq, 1)
+        if self.kv.pool.num_free - self.kv.blocks_needed(seq, 1 + len(draft)) >= later_decodes:
+            return draft
+        n = len(draft)
+        while n and self.kv.blocks_needed(seq, 1 + n) > base:
+            n -= 1
+        return draft[:n]
 
     def _take_queued(self, out: SchedulerOutput, budget: int, only: Request | None) -> None:
         """Swapped and waiting sequences in one priority order; stops at the first that cannot run."""
