@@ -172,7 +172,8 @@ async def _follow(reader, ids: list[str], timeout_s: float) -> None:
     """Print deltas (native) or chunk text (OpenAI) and each job's final answer, by record key.
 
     The tokens and completions topics are not ordered with each other, so a final answer is
-    printed only once the reader has caught up (an empty poll): the worker acknowledges every
+    printed only once the reader has caught up (an empty poll, or past the tokens topic's end as
+    it was when the answer was read: a busy topic is never quiet): the worker acknowledges every
     stream record before it sends the answer, so by then the stream's tail has been printed."""
     import orjson
 
@@ -180,27 +181,40 @@ async def _follow(reader, ids: list[str], timeout_s: float) -> None:
 
     tokens = reader.topics[0]
     waiting, finals, deadline = set(ids), {}, time.monotonic() + timeout_s
+    ends: dict | None = None  # the tokens topic's end offsets when the last held answer was read
     while waiting and time.monotonic() < deadline:
         batches = await reader.consumer.getmany(timeout_ms=100, max_records=1000)
         recs = sorted((r for rs in batches.values() for r in rs), key=lambda r: r.topic != tokens)
+        new = False
         for rec in recs:
             key = rec.key.decode("utf-8", "replace") if rec.key else None
             msg = parse(rec.value)
             if key not in waiting or not isinstance(msg, dict):
                 continue
             if rec.topic != tokens:
-                finals[key] = msg
+                finals[key], new = msg, True
                 continue
             text = msg.get("text", "") if msg.get("type") == "delta" else "".join(
                 c.get("text") or (c.get("delta") or {}).get("content") or "" for c in msg.get("choices") or [])
             sys.stdout.write(text if len(ids) == 1 else f"[{key}] {text}\n")
             sys.stdout.flush()
-        if not recs and finals:
+        if new:  # an answer read now: its stream ends before the topic's end now
+            ends = await reader.consumer.end_offsets([tp for tp in reader.consumer.assignment() if tp.topic == tokens])
+        # caught up: an empty poll, or (a busy tokens topic is never quiet) past its end as it was then
+        if finals and (not recs or await _past(reader.consumer, ends or {})):
+            ends = None
             for key, msg in finals.items():
                 waiting.discard(key)
                 typer.echo("")
                 typer.echo(orjson.dumps(msg).decode())
             finals.clear()
+
+
+async def _past(consumer, ends: dict) -> bool:  # noqa: ANN001
+    for tp, end in ends.items():
+        if await consumer.position(tp) < end:
+            return False
+    return True
 
 
 @app.command()

@@ -56,3 +56,42 @@ async def test_collect_finishes_on_a_busy_completions_topic(broker) -> None:
     assert not rep.timed_out and rep.ok == 1
     validate_line(line)
     assert took < 6.0, f"collect took {took:.1f} s with every id answered"
+
+
+async def test_submit_follow_prints_the_answer_on_a_busy_tokens_topic(broker, capsys) -> None:
+    """--follow holds an answer until the stream's tail is read; on a tokens topic other jobs
+    keep writing to, it must still print it (it printed nothing until its timeout)."""
+    from qworker.cli import _follow
+    from qworker.messages import Delta, dumps
+    from qworker.worker.client import ResultReader
+
+    s = make_settings(broker.bootstrap)
+    await create_topics(s, partitions=2)
+    reader = ResultReader(s, [s.tokens_topic, s.completions_topic], from_beginning=True)
+    await reader.start()
+    p = AIOKafkaProducer(bootstrap_servers=s.bootstrap_servers, enable_idempotence=False, linger_ms=0)
+    await p.start()
+    stop = asyncio.Event()
+
+    async def chatter() -> None:
+        i = 0
+        while not stop.is_set():
+            await p.send_and_wait(s.tokens_topic, b"{}", key=f"other-{i}".encode())
+            i += 1
+            await asyncio.sleep(0.02)
+
+    task = asyncio.create_task(chatter())
+    try:
+        await p.send_and_wait(s.tokens_topic, dumps(Delta(job_id="x", attempt=0, run_id="r", index=0, seq=0, text="hello", token_ids=[1])), key=b"x")
+        await p.send_and_wait(s.completions_topic, dumps(completion("x", 0, "hello")), key=b"x")
+        t0 = time.monotonic()
+        await _follow(reader, ["x"], 10.0)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        await task
+        await p.stop()
+        await reader.stop()
+    out = capsys.readouterr().out
+    assert out.startswith("hello") and '"job_id":"x"' in out, out
+    assert took < 5.0, f"--follow took {took:.1f} s"
