@@ -257,23 +257,27 @@ def broker(
         typer.echo(f"qworker: {HOST}:{port} is already in use; pick another --port", err=True)
         raise typer.Exit(2)
     b = Broker(port=port, inherit_output=True)
-    try:
-        b.start()
-    except (RuntimeError, TimeoutError, OSError) as e:
-        typer.echo(f"qworker: the broker did not start: {e}", err=True)
-        b.stop()
-        raise typer.Exit(2) from None
-
     stopping = []
 
     def stop(*_: object) -> None:
+        if stopping:
+            return  # already stopping: a second Ctrl-C must not cut b.stop() short
         stopping.append(True)
         raise KeyboardInterrupt
 
-    # Ctrl-C reaches Tansu too (same process group): whichever notices first, it is a clean stop
+    # Ctrl-C reaches Tansu too (same process group): whichever notices first, it is a clean stop.
+    # Installed before Tansu starts: a signal while it starts must stop it too, not orphan it.
     sig.signal(sig.SIGTERM, stop)
     sig.signal(sig.SIGINT, stop)
     try:
+        try:
+            b.start()
+        except (RuntimeError, TimeoutError, OSError) as e:
+            if stopping:
+                raise KeyboardInterrupt from None  # it died of the same Ctrl-C
+            typer.echo(f"qworker: the broker did not start: {e}", err=True)
+            b.stop()
+            raise typer.Exit(2) from None
         env = broker_env(b.bootstrap)
         if topics:
             from qworker.worker.client import create_topics

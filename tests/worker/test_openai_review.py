@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from qworker.broker import free_port
 from qworker.openai_batch.files import read_lines
 from qworker.openai_batch.requests import OpenAIRequest
 from qworker.openai_batch.results import IdText, output_line, run_headers
 from qworker.openai_batch.transfer import collect_lines
 from qworker.worker.client import create_topics
 
-from .conftest import make_settings
+from .conftest import REPO, make_settings
 from .openai_support import validate_line
 from .test_openai_cli import completion
 
@@ -95,3 +100,49 @@ async def test_submit_follow_prints_the_answer_on_a_busy_tokens_topic(broker, ca
     out = capsys.readouterr().out
     assert out.startswith("hello") and '"job_id":"x"' in out, out
     assert took < 5.0, f"--follow took {took:.1f} s"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_broker_command_stopped_while_starting_takes_the_broker_with_it(tmp_path, signum) -> None:
+    """A signal while Tansu is still starting (before it listens) must stop it too, not leave
+    it running orphaned on the port (SIGTERM killed qworker outright; SIGINT sent to the pid
+    alone was a traceback)."""
+    pidfile = tmp_path / "tansu.pid"
+    fake = tmp_path / "tansu"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}\nexec sleep 60\n")  # never listens
+    fake.chmod(0o755)
+    code = (f"import qworker.broker as b; b.tansu_bin = lambda: {str(fake)!r}\n"
+            f"from qworker.cli import app; app(['broker', '--port', '{free_port()}', '--no-topics'])")
+    log = tmp_path / "stderr"
+    with open(log, "wb") as f:  # not pipes: the broker inherits them and would hold them open
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL, stderr=f)
+    child = None
+    try:
+        deadline = time.monotonic() + 30
+        while not pidfile.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.02)
+        child = int(pidfile.read_text())
+        time.sleep(0.2)  # qworker is waiting for the port now
+        proc.send_signal(signum)
+        proc.wait(20)
+        err = log.read_text()
+        assert proc.returncode == 0 and "Traceback" not in err, err
+        deadline = time.monotonic() + 10
+        while _alive(child):
+            assert time.monotonic() < deadline, "the broker process outlived qworker broker"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
