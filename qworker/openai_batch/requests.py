@@ -204,7 +204,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise _invalid(where, "must be an object")
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # (a list or object is unhashable)
             if role in ("tool", "function"):
                 raise _unsupported(f"{where}.role", f"{role!r} is not supported by qworker (no tool calling)")
             raise _invalid(f"{where}.role", f"must be one of {sorted(CHAT_ROLES)}, got {role!r}")

@@ -146,3 +146,12 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("role", [["user"], {"r": 1}])
+def test_a_message_role_of_the_wrong_type_is_refused_by_name(role) -> None:
+    from qworker.worker.decode import Invalid, decode
+
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": role, "content": "x"}]}}
+    d = decode(orjson.dumps(line))
+    assert isinstance(d, Invalid) and d.param == "body.messages[0].role" and d.code == "invalid_job", d
