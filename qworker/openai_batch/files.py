@@ -10,7 +10,10 @@ Invariants:
   be keyed (not JSON, not an object, no usable id) are not submitted (the worker could only
   dead-letter them, and nothing could match its answer to the line); ``collect`` answers them
   locally with an ``invalid_job`` error line whose ``custom_id`` is the line's string
-  ``custom_id``/``id`` if it has one, else ``line-<N>`` (N counts lines from 1).
+  ``custom_id``/``id`` if it has one, else ``line-<N>`` (N counts lines from 1). A keyed line
+  too large for a job record (``MAX_JOB_RECORD_BYTES``, the submitting producer's limit) is not
+  submitted either (the producer would refuse it, and ``collect`` would wait out its timeout
+  for it): ``collect`` answers it with a ``request_too_large`` (413) line.
 - Native results are converted to OpenAI's shape by the line's form: ``messages`` ->
   ``chat.completion``, ``prompt`` / ``prompt_token_ids`` -> ``text_completion``; their
   logprobs name tokens ``token_id:<id>`` (no tokenizer here), without bytes.
@@ -29,7 +32,10 @@ from pydantic import ValidationError
 from qworker.messages import Completion, JobError, loads
 from qworker.openai_batch.requests import ENDPOINTS, OpenAIRequest, is_openai_line
 from qworker.openai_batch.results import IdText, error_line, output_line
+from qworker.worker.client import MAX_JOB_RECORD_BYTES
 from qworker.worker.decode import usable_id
+
+_RECORD_OVERHEAD = 256  # a record batch's header and the record's own framing, generously
 
 
 @dataclass(slots=True)
@@ -40,6 +46,7 @@ class InputLine:
     fmt: Literal["openai", "native"] | None = None
     data: dict[str, Any] | None = None
     problem: str | None = None  # why it cannot be submitted
+    code: str = "invalid_job"  # the error code collect answers an unsubmitted line with
 
     @property
     def answer_id(self) -> str:
@@ -79,6 +86,11 @@ def classify(number: int, raw: bytes) -> InputLine:
     if not usable_id(data.get(field)):
         line.problem = f"no usable '{field}' (a string of 1-256 characters)"
         return line
+    size = len(raw) + len(data[field].encode("utf-8")) + _RECORD_OVERHEAD
+    if size > MAX_JOB_RECORD_BYTES:
+        line.problem = f"{size} bytes as a record, more than the {MAX_JOB_RECORD_BYTES} a job record may be"
+        line.code = "request_too_large"
+        return line
     line.key = data[field]
     return line
 
@@ -95,7 +107,7 @@ def read_lines(content: bytes) -> list[InputLine]:
 
 def local_answer(line: InputLine) -> dict[str, Any]:
     """The error line for a line that was never submitted."""
-    return error_line(line.answer_id, "invalid_job", f"line {line.number}: {line.problem}; not submitted")
+    return error_line(line.answer_id, line.code, f"line {line.number}: {line.problem}; not submitted")
 
 
 def attempt_of(value: dict[str, Any], headers: dict[str, bytes]) -> int:

@@ -38,6 +38,7 @@ STATUS: dict[str, int] = {
     "wrong_model": 404,
     "deadline_exceeded": 408,
     "result_too_large": 413,
+    "request_too_large": 413,  # collect only: a file line too large to submit as a job record
     "cancelled": 499,  # the client (a cancel record) closed the request, as nginx's 499
     "internal_error": 500,
     "engine_error": 503,  # retryable: resubmitting may succeed

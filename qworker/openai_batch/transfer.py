@@ -28,14 +28,14 @@ class SubmitReport:
     submitted: int = 0
     openai: int = 0
     native: int = 0
-    skipped: list[InputLine] = field(default_factory=list)  # not keyed: answered by collect
+    skipped: list[InputLine] = field(default_factory=list)  # not keyed or too large: answered by collect
     refused: list[tuple[InputLine, str]] = field(default_factory=list)  # the producer refused them
     seconds: float = 0.0
 
     def summary(self) -> str:
         rate = self.submitted / self.seconds if self.seconds > 0 else 0.0
         text = (f"submitted {self.submitted} of {self.lines} lines ({self.openai} OpenAI, {self.native} native) in {self.seconds:.1f} s "
-                f"({rate:.0f} lines/s); {len(self.skipped)} not submitted (no usable id: collect answers them as error lines)")
+                f"({rate:.0f} lines/s); {len(self.skipped)} not submitted (no usable id or too large: collect answers them as error lines)")
         if self.refused:
             text += f"; {len(self.refused)} refused by the producer"
         return text

@@ -36,10 +36,13 @@ async def create_topics(s: WorkerSettings, partitions: int = 8, replication: int
         await admin.close()
 
 
+# jobs may be larger than results (a prompt may reach 4 M characters): the broker's and the
+# jobs topic's limits decide, not the worker's max_message_bytes
+MAX_JOB_RECORD_BYTES = 8 * 2**20
+
+
 async def producer_for(s: WorkerSettings) -> AIOKafkaProducer:
-    # jobs may be larger than results (a prompt may reach 4 M characters): the broker's and the
-    # jobs topic's limits decide, not the worker's max_message_bytes
-    return await start_producer({**s.producer_options(), "linger_ms": 2, "max_request_size": 8 * 2**20})
+    return await start_producer({**s.producer_options(), "linger_ms": 2, "max_request_size": MAX_JOB_RECORD_BYTES})
 
 
 async def submit(s: WorkerSettings, jobs: Iterable[Job | dict | bytes], producer: AIOKafkaProducer | None = None) -> list[str]:

@@ -155,3 +155,19 @@ def test_a_message_role_of_the_wrong_type_is_refused_by_name(role) -> None:
     line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": role, "content": "x"}]}}
     d = decode(orjson.dumps(line))
     assert isinstance(d, Invalid) and d.param == "body.messages[0].role" and d.code == "invalid_job", d
+
+
+def test_a_line_too_large_to_submit_is_answered_at_once_with_a_413() -> None:
+    """The submitting producer refuses a record over its limit; collect had no way to know and
+    waited out its whole timeout for the line (504). Both now agree it is not submitted."""
+    from qworker.openai_batch.files import local_answer
+    from qworker.worker.client import MAX_JOB_RECORD_BYTES
+
+    big = orjson.dumps({"custom_id": "big", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x" * MAX_JOB_RECORD_BYTES}})
+    ok = orjson.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x" * (MAX_JOB_RECORD_BYTES // 2)}})
+    big_line, ok_line = read_lines(big + b"\n" + ok)
+    assert ok_line.key == "ok"
+    assert big_line.key is None and "bytes" in big_line.problem
+    answer = local_answer(big_line)
+    validate_line(answer)
+    assert answer["custom_id"] == "big" and answer["response"]["status_code"] == 413 and answer["error"]["code"] == "request_too_large"
