@@ -231,8 +231,15 @@ def collect(
     from qworker.openai_batch.progress import Progress
     from qworker.openai_batch.transfer import collect_lines
 
+    import os
+
     s = _settings(bootstrap_servers)
     lines = _read_batch(ids_from)
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK) or out.is_dir():
+        # found out now, not after the whole wait (whose answers would be lost)
+        typer.echo(f"qworker: cannot write {out}: {'it is a folder' if out.is_dir() else f'{folder} is not a writable folder'}", err=True)
+        raise typer.Exit(2)
     progress = Progress("collect", len(lines))
     rep, _ = _kafka(s, collect_lines(s, lines, out, timeout_s, since, progress))
     progress.close()

@@ -171,3 +171,21 @@ def test_a_line_too_large_to_submit_is_answered_at_once_with_a_413() -> None:
     answer = local_answer(big_line)
     validate_line(answer)
     assert answer["custom_id"] == "big" and answer["response"]["status_code"] == 413 and answer["error"]["code"] == "request_too_large"
+
+
+def test_collect_refuses_an_unwritable_out_before_waiting(broker, tmp_path) -> None:
+    """--out in a folder that does not exist: one line and exit 2 at once, not a traceback after
+    the whole wait (with every answer collected lost)."""
+    from typer.testing import CliRunner
+
+    from qworker.cli import app
+
+    batch = tmp_path / "b.jsonl"
+    batch.write_bytes(orjson.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}) + b"\n")
+    s = make_settings(broker.bootstrap)
+    env = {"QWORKER_BOOTSTRAP_SERVERS": broker.bootstrap, "QWORKER_ENABLE_IDEMPOTENCE": "false", "QWORKER_COMPLETIONS_TOPIC": s.completions_topic}
+    t0 = time.monotonic()
+    res = CliRunner().invoke(app, ["collect", "--ids-from", str(batch), "--out", str(tmp_path / "missing" / "out.jsonl"), "--timeout", "2"], env=env)
+    assert res.exit_code == 2 and (res.exception is None or isinstance(res.exception, SystemExit)), res.exception
+    assert "missing" in res.output and "Traceback" not in res.output, res.output
+    assert time.monotonic() - t0 < 2.0
