@@ -289,7 +289,11 @@ def broker(
         if topics:
             from qworker.worker.client import create_topics
 
-            created = asyncio.run(create_topics(_settings(b.bootstrap, enable_idempotence=False), partitions))
+            try:
+                created = asyncio.run(create_topics(_settings(b.bootstrap, enable_idempotence=False), partitions))
+            except Exception as e:  # noqa: BLE001 - one line, and the broker goes too (finally)
+                typer.echo(f"qworker: the broker started but creating the topics failed: {e}", err=True)
+                raise typer.Exit(2) from None
             typer.echo(f"created topics: {', '.join(created) or 'none (all exist)'}")
         typer.echo(f"Tansu broker on {b.bootstrap} (in memory: its data goes when it stops). In other terminals:")
         typer.echo(f"  export {env}")
@@ -305,6 +309,8 @@ def broker(
         b.stop()
         typer.echo("broker stopped", err=True)
         raise typer.Exit(0) from None
+    finally:
+        b.stop()  # whatever ended it: never leave Tansu running behind us (a no-op once stopped)
 
 
 def broker_env(bootstrap: str) -> str:

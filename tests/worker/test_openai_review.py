@@ -189,3 +189,39 @@ def test_collect_refuses_an_unwritable_out_before_waiting(broker, tmp_path) -> N
     assert res.exit_code == 2 and (res.exception is None or isinstance(res.exception, SystemExit)), res.exception
     assert "missing" in res.output and "Traceback" not in res.output, res.output
     assert time.monotonic() - t0 < 2.0
+
+
+def test_broker_command_that_cannot_create_topics_stops_the_broker(tmp_path) -> None:
+    """Tansu up but creating the topics fails: one line and a non-zero exit, and the broker
+    stopped with it (it was a traceback that left Tansu running on the port)."""
+    port = free_port()
+    pidfile = tmp_path / "tansu.pid"
+    fake = tmp_path / "tansu"
+    server = ("import socket\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              f"s.bind(('127.0.0.1', {port}))\ns.listen()\nwhile True:\n    s.accept()[0].close()\n")
+    (tmp_path / "server.py").write_text(server)  # listens, but speaks no Kafka
+    fake.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec {sys.executable} {tmp_path / 'server.py'}\n")
+    fake.chmod(0o755)
+    code = (f"import qworker.broker as b; b.tansu_bin = lambda: {str(fake)!r}\n"
+            f"from qworker.cli import app; app(['broker', '--port', '{port}'])")
+    log = tmp_path / "stderr"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWORKER_")}
+    env["QWORKER_REQUEST_TIMEOUT_MS"] = "2000"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL, stderr=f, env=env)
+    child = None
+    try:
+        proc.wait(40)
+        err = log.read_text()
+        child = int(pidfile.read_text())
+        assert proc.returncode not in (0, None) and "Traceback" not in err, err
+        deadline = time.monotonic() + 10
+        while _alive(child):
+            assert time.monotonic() < deadline, "the broker process outlived qworker broker"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
