@@ -56,6 +56,10 @@ def usable_id(value: object) -> bool:
     return True
 
 
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def summarize(err: ValidationError, limit: int = 2000) -> str:
     parts = []
     for e in err.errors(include_url=False, include_input=False):
@@ -94,7 +98,9 @@ def _decode_openai(data: dict[str, Any]) -> Decoded:
     try:
         job, wire = map_line(data)
     except RequestError as e:
-        return Invalid(cid, e.message, None, e.code, OpenAIRequest(cid), e.param)
+        # the message and param quote the line (a field's name, sometimes its value): bounded, so
+        # the error line always fits the size limit (a long field name made one nothing could fit)
+        return Invalid(cid, _clip(e.message, 2000), None, e.code, OpenAIRequest(cid), None if e.param is None else _clip(e.param, 300))
     except (ValueError, TypeError, RecursionError) as e:  # pathological input: never kill the worker
         return Invalid(cid, f"invalid request line: {str(e)[:500]}", None, "invalid_job", OpenAIRequest(cid))
     return Valid(job, wire)

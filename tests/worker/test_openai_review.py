@@ -225,3 +225,26 @@ def test_broker_command_that_cannot_create_topics_stops_the_broker(tmp_path) -> 
             proc.wait()
         if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("line", [
+    {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "k" * 300_000: 1}},  # the name of a field
+    {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}, "k" * 300_000: 1},
+    {"custom_id": "a", "method": "P" * 300_000, "url": "/v1/completions", "body": {"prompt": "x"}},  # a value echoed
+    {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x", "k" * 300_000: 1}]}},
+    {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": list(range(100_000))}},
+])
+def test_an_error_line_stays_small_whatever_the_line_names(line) -> None:
+    """The error names the field (and sometimes echoes its value): both came unbounded from the
+    line, so a long field name made an error line no shortening could fit under the size limit
+    (the answer was refused and the line never answered)."""
+    from qworker.messages import JobError, json_bytes
+    from qworker.openai_batch.results import output_line
+    from qworker.worker.decode import Invalid, decode
+
+    d = decode(orjson.dumps(line))
+    assert isinstance(d, Invalid)
+    err = JobError.model_validate({"job_id": "a", "attempt": 0, "run_id": "r", "error": {"code": d.code, "message": d.message, "retryable": False}})
+    out = output_line(err, d.wire, IdText(), d.param)
+    validate_line(out)
+    assert len(json_bytes(out)) < 8192
