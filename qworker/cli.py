@@ -249,7 +249,7 @@ def collect(
 
 @app.command()
 def broker(
-    port: int = typer.Option(9092, help="Port on 127.0.0.1"),
+    port: int = typer.Option(9092, min=1, max=65535, help="Port on 127.0.0.1"),
     partitions: int = typer.Option(8, help="Partitions of the jobs, tokens and completions topics it creates"),
     topics: bool = typer.Option(True, help="Create qworker's topics once it is up"),
 ) -> None:

@@ -248,3 +248,13 @@ def test_an_error_line_stays_small_whatever_the_line_names(line) -> None:
     out = output_line(err, d.wire, IdText(), d.param)
     validate_line(out)
     assert len(json_bytes(out)) < 8192
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "-1"])
+def test_broker_command_refuses_a_port_out_of_range(port) -> None:
+    from typer.testing import CliRunner
+
+    from qworker.cli import app
+
+    res = CliRunner().invoke(app, ["broker", "--port", port])
+    assert res.exit_code == 2 and (res.exception is None or isinstance(res.exception, SystemExit)), res.exception
