@@ -64,7 +64,8 @@ class InputLine:
         d = self.data or {}
         now = int(time.time())  # a native result has no creation time of its own
         if self.fmt == "openai":
-            return OpenAIRequest(self.answer_id, ENDPOINTS.get(d.get("url"), "chat"), created=now)  # type: ignore[arg-type]
+            url = d.get("url")
+            return OpenAIRequest(self.answer_id, ENDPOINTS.get(url, "chat") if isinstance(url, str) else "chat", created=now)  # type: ignore[arg-type]
         sampling = d.get("sampling") if isinstance(d.get("sampling"), dict) else {}
         lp = sampling.get("logprobs")
         return OpenAIRequest(self.answer_id, "chat" if "messages" in d else "completions", lp if isinstance(lp, int) else None, created=now)

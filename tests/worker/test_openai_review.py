@@ -258,3 +258,14 @@ def test_broker_command_refuses_a_port_out_of_range(port) -> None:
 
     res = CliRunner().invoke(app, ["broker", "--port", port])
     assert res.exit_code == 2 and (res.exception is None or isinstance(res.exception, SystemExit)), res.exception
+
+
+def test_collect_converts_a_native_answer_for_a_line_with_an_odd_url() -> None:
+    """A native result keyed like an OpenAI line whose url is not a string (say, an older native
+    job with that id): collect crashed with 'unhashable type' after the whole wait."""
+    from qworker.messages import dumps
+    from qworker.openai_batch.files import to_output
+
+    [ln] = read_lines(orjson.dumps({"custom_id": "a", "method": "POST", "url": ["/v1/completions"], "body": {}}))
+    out = to_output(ln, orjson.loads(dumps(completion("a", 0, "hi"))))
+    assert validate_line(out).choices[0].message.content == "hi"
