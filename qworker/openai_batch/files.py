@@ -117,7 +117,7 @@ def attempt_of(value: dict[str, Any], headers: dict[str, bytes]) -> int:
         return value["attempt"]
     try:
         return int(headers.get("qworker.attempt", b"0"))
-    except ValueError:
+    except (TypeError, ValueError):  # not a number, or a null header value
         return 0
 
 

@@ -269,3 +269,11 @@ def test_collect_converts_a_native_answer_for_a_line_with_an_odd_url() -> None:
     [ln] = read_lines(orjson.dumps({"custom_id": "a", "method": "POST", "url": ["/v1/completions"], "body": {}}))
     out = to_output(ln, orjson.loads(dumps(completion("a", 0, "hi"))))
     assert validate_line(out).choices[0].message.content == "hi"
+
+
+def test_attempt_of_a_null_or_odd_attempt_header_is_zero() -> None:
+    from qworker.openai_batch.files import attempt_of
+
+    assert attempt_of({}, {"qworker.attempt": None}) == 0  # Kafka header values may be null
+    assert attempt_of({}, {"qworker.attempt": b"x"}) == 0
+    assert attempt_of({}, {"qworker.attempt": b"4"}) == 4
