@@ -201,6 +201,6 @@ async def _caught_up(consumer: Any, ends: dict) -> bool:
 def _parse(value: bytes | None) -> dict | None:
     try:
         v = loads(value) if value else None
-    except ValueError:
+    except (ValueError, RecursionError):  # someone's record under our key: not an answer
         return None
     return v if isinstance(v, dict) else None

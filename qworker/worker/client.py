@@ -133,5 +133,5 @@ class ResultReader:
 def parse(value: bytes | None) -> Any:
     try:
         return loads(value) if value else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None

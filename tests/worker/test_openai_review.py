@@ -277,3 +277,12 @@ def test_attempt_of_a_null_or_odd_attempt_header_is_zero() -> None:
     assert attempt_of({}, {"qworker.attempt": None}) == 0  # Kafka header values may be null
     assert attempt_of({}, {"qworker.attempt": b"x"}) == 0
     assert attempt_of({}, {"qworker.attempt": b"4"}) == 4
+
+
+def test_a_deeply_nested_record_is_no_answer_not_a_crash() -> None:
+    """A record under a line's key nested deeper than the parser recurses: collect and
+    --follow ended with RecursionError."""
+    from qworker.openai_batch.transfer import _parse
+    from qworker.worker.client import parse
+
+    assert _parse(b"[" * 100_000) is None and parse(b"[" * 100_000) is None
