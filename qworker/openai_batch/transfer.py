@@ -123,6 +123,7 @@ async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | N
         try:
             await reader.start(timeout=max(1.0, timeout_s))
         except TimeoutError:
+            await reader.stop()  # started, just found no topic: must not be left open
             reader = None  # the topic never appeared: nothing was answered
         order, idle = 0, 0
         ends: dict | None = None  # end offsets once every id is answered

@@ -106,6 +106,7 @@ class ResultReader:
             if tps and all(self.consumer.partitions_for_topic(t) for t in self.topics):
                 break
             if time.monotonic() > deadline:
+                await self.consumer.stop()  # not left open behind the error (a no-op if the caller stops it too)
                 raise TimeoutError(f"topics {self.topics} not found")
             await asyncio.sleep(0.2)
         self.consumer.assign(tps)

@@ -286,3 +286,23 @@ def test_a_deeply_nested_record_is_no_answer_not_a_crash() -> None:
     from qworker.worker.client import parse
 
     assert _parse(b"[" * 100_000) is None and parse(b"[" * 100_000) is None
+
+
+async def test_collect_stops_its_consumer_when_the_topic_never_appears(broker, monkeypatch) -> None:
+    """No completions topic before the timeout: every line a 504, and the reader's consumer
+    stopped (it was left open: 'Unclosed AIOKafkaConsumer' on exit)."""
+    from qworker.worker.client import ResultReader
+
+    stopped = []
+    orig = ResultReader.stop
+
+    async def stop(self) -> None:
+        stopped.append(self)
+        await orig(self)
+
+    monkeypatch.setattr(ResultReader, "stop", stop)
+    s = make_settings(broker.bootstrap)  # its topics were never created
+    lines = read_lines(orjson.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}))
+    rep, [line] = await collect_lines(s, lines, None, timeout_s=1.0)
+    assert rep.timed_out and line["response"]["status_code"] == 504
+    assert len(stopped) == 1
