@@ -226,7 +226,10 @@ def rotary_embedding_cpu_(
     ok = (
         lib is not None
         and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, cos, sin))
-        and q.stride(0) == k.stride(0) and q.stride(1) == k.stride(1) == q.shape[2] and q.stride(2) == k.stride(2) == 1
+        # one row stride serves both (fused qkv rows); with one row there is no second row, and a
+        # size-1 dim's stride is arbitrary (a [1, 576] view of q reports 576, k's 192)
+        and (q.shape[0] <= 1 or q.stride(0) == k.stride(0))
+        and q.stride(1) == k.stride(1) == q.shape[2] and q.stride(2) == k.stride(2) == 1
         and cos.is_contiguous() and sin.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
     )
     if not ok:
