@@ -7,6 +7,7 @@ timing knobs for the bundled Tansu broker (see DESIGN.md for its quirks).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -86,6 +87,9 @@ class WorkerSettings(BaseModel):
     # job gets invalid_structured_output
     grammar_cache_size: int | None = Field(None, ge=1)
     grammar_compile_timeout: float | None = Field(None, gt=0)
+    # speculative decoding: vLLM's speculative_config as JSON, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "policy": "auto"}
+    speculative_config: dict[str, Any] | None = None
 
     # --- admission, shutdown, ops ---
     max_waiting_jobs: int = Field(16, ge=1)
@@ -112,6 +116,24 @@ class WorkerSettings(BaseModel):
     @classmethod
     def _size(cls, v: Any) -> Any:
         return parse_size(v) if isinstance(v, str) else v
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative(cls, v: Any) -> Any:
+        if isinstance(v, str) and not v.strip():
+            return None
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"not JSON: {e}") from None
+        if v is not None:
+            from qworker.engine.spec_decode.config import SpeculativeConfig
+
+            if not isinstance(v, dict):
+                raise ValueError("must be a JSON object")
+            SpeculativeConfig.parse(v)  # checked at start-up, before the model loads
+        return v
 
     @field_validator("*", mode="before")
     @classmethod
@@ -145,7 +167,7 @@ class WorkerSettings(BaseModel):
     def engine_config(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncEngine.from_model`` (only what was set)."""
         keys = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size", "swap_space", "enable_prefix_caching", "device", "dtype", "kv_cache_dtype",
-                "grammar_cache_size", "grammar_compile_timeout")
+                "grammar_cache_size", "grammar_compile_timeout", "speculative_config")
         cfg = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         cfg["scheduling_policy"] = "priority"  # jobs carry a priority; lower runs first
         return cfg

@@ -119,6 +119,16 @@ class EngineStatsCollector(Collector):
         yield counter("grammar_compile_seconds", "Seconds spent compiling structured-output grammars.", g("grammar_compile_seconds", 0.0))
         yield counter("structured_mask_seconds", "Seconds the engine step spent filling and applying structured-output token masks.", g("mask_seconds", 0.0))
         yield counter("structured_masked_rows", "Sampling rows masked by a structured-output grammar.", g("masked_rows", 0))
+        # speculative decoding (issue 16), vLLM's spec_decode names
+        yield counter("spec_decode_num_drafts", "Draft proposals verified (one per speculating sequence per step).", g("spec_decode_num_drafts", 0))
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", g("spec_decode_num_draft_tokens", 0))
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", g("spec_decode_num_accepted_tokens", 0))
+        yield counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = first).",
+            {str(i): v for i, v in enumerate(g("spec_decode_num_accepted_tokens_per_pos", None) or [])},
+            "position",
+        )
 
 
 class WorkerSnapshot(Collector):

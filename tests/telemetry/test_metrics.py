@@ -74,6 +74,19 @@ def test_structured_output_stats_are_exported():
     assert s[("qworker:num_requests_compiling", ())] == 1
 
 
+def test_speculative_decoding_stats_are_exported():
+    stats = {**STATS, "spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 7,
+             "spec_decode_num_accepted_tokens_per_pos": [4, 2, 1]}
+    s = samples(WorkerMetrics("smol", stats=lambda: stats))
+    assert s[("qworker:spec_decode_num_drafts_total", ())] == 4
+    assert s[("qworker:spec_decode_num_draft_tokens_total", ())] == 12
+    assert s[("qworker:spec_decode_num_accepted_tokens_total", ())] == 7
+    assert [s[("qworker:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))] for i in range(3)] == [4, 2, 1]
+    off = samples(WorkerMetrics("smol", stats=lambda: STATS))  # speculation off: zeros, no positions
+    assert off[("qworker:spec_decode_num_drafts_total", ())] == 0
+    assert not any(k[0] == "qworker:spec_decode_num_accepted_tokens_per_pos_total" for k in off)
+
+
 def test_engine_not_up_yet_still_scrapes():
     def broken():
         raise RuntimeError("no engine")

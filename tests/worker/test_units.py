@@ -249,3 +249,23 @@ def test_coalescer_restart_splits_a_long_stream() -> None:
     replay = c.restart("r2", max_event_bytes=60)  # 2 bytes of text + 24 for two ids per piece: two pieces per event
     assert [e.seq for e in replay] == [0, 1, 2, 3, 4]
     assert "".join(e.text for e in replay) == "ab" * 10 and sum((e.token_ids for e in replay), []) == [i for i in range(10) for _ in (0, 1)]
+
+
+def test_speculative_config_setting_reaches_the_engine_and_bad_values_name_the_variable() -> None:
+    from pydantic import ValidationError
+
+    from qworker.engine.config import EngineConfig
+    from qworker.engine.spec_decode.config import SpeculativeConfig
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "policy": "auto"}
+    s = WorkerSettings.from_env({"QWORKER_SPECULATIVE_CONFIG": json.dumps(spec)})
+    cfg = s.engine_config()
+    assert cfg["speculative_config"] == spec
+    parsed = EngineConfig(model="m", **cfg).speculative_config
+    assert isinstance(parsed, SpeculativeConfig) and parsed.num_speculative_tokens == 3 and parsed.policy == "auto"
+    assert "speculative_config" not in WorkerSettings.from_env({"QWORKER_SPECULATIVE_CONFIG": " "}).engine_config()
+    assert "speculative_config" not in WorkerSettings.from_env({}).engine_config()
+    for bad in ("{not json", "[1, 2]", '{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"k": 3}'):
+        with pytest.raises(ValidationError) as e:
+            WorkerSettings.from_env({"QWORKER_SPECULATIVE_CONFIG": bad})
+        assert "QWORKER_SPECULATIVE_CONFIG" in WorkerSettings.explain(e.value), bad
