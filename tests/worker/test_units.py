@@ -269,3 +269,35 @@ def test_speculative_config_setting_reaches_the_engine_and_bad_values_name_the_v
         with pytest.raises(ValidationError) as e:
             WorkerSettings.from_env({"QWORKER_SPECULATIVE_CONFIG": bad})
         assert "QWORKER_SPECULATIVE_CONFIG" in WorkerSettings.explain(e.value), bad
+
+
+def test_kept_partitions_check_has_one_deadline_for_all_partitions(monkeypatch) -> None:
+    """A broker that never answers OffsetFetch holds a rebalance for one deadline, not one per
+    kept partition (it was 5 s each, one after the other); unchecked partitions are kept as is."""
+    import asyncio
+    import time
+
+    from aiokafka.structs import TopicPartition
+
+    from qworker.worker import app as app_mod
+
+    class Stalled:
+        calls = 0
+
+        async def committed(self, tp):
+            Stalled.calls += 1
+            await asyncio.sleep(3600)
+
+    monkeypatch.setattr(app_mod, "KEPT_CHECK_TIMEOUT_S", 0.3)
+    w = app_mod.Worker(WorkerSettings())
+    w.consumer = Stalled()
+    tps = {TopicPartition("jobs", p) for p in range(8)}
+    for tp in tps:
+        w.tracker.add(tp, 0)
+        w.tracker.done(tp, 0)
+        w.tracker.mark_committed({tp: 1})
+    t0 = time.monotonic()
+    asyncio.run(w._check_kept(tps))
+    elapsed = time.monotonic() - t0
+    assert elapsed < 8 * 0.3 / 2, f"{elapsed:.2f} s: the deadline was per partition"
+    assert sorted(tp.partition for tp in w.tracker.partitions()) == list(range(8)), "unchecked partitions are kept"
