@@ -13,6 +13,11 @@ verifications only (a prefill chunk would make the row count say nothing about t
 Between measured buckets it interpolates linearly; below the first, flat; above the last it
 assumes time proportional to rows (pessimistic: a GEMM never gets cheaper per row than that at
 sizes already compute-bound), so an unmeasured size is never chosen by exploitation alone.
+Readings that are no duration (NaN, infinite, negative) are dropped, 0 s is a tiny positive time,
+and a bucket's first ``warmup`` readings keep their minimum (a warm-up step is no cost estimate).
+The plain-decode baseline of a batch size is re-measured (a step without drafts, in turns with
+exploration) until it has ``min_samples`` readings, so one slow first step cannot make drafts look
+cheap for good.
 Exploration: at most every ``explore_every`` steps, the smallest cap whose row count lies past
 the measured range (or in a bucket with fewer than ``min_samples``) is tried if an optimistic
 estimate (its cost no higher than the largest measured bucket's) says it could pay. A loss of
@@ -24,6 +29,7 @@ from __future__ import annotations
 import math
 
 _BUCKET_RATIO = 1.25
+MIN_SECONDS = 1e-9  # a step measured as taking no time (coarse clock): no rate divides by zero
 _EXACT = 16
 
 
@@ -36,18 +42,28 @@ def bucket(rows: int) -> int:
 class CostModel:
     """Step seconds as a function of the rows it runs (see the module docstring)."""
 
-    def __init__(self, alpha: float = 0.2):
+    def __init__(self, alpha: float = 0.2, warmup: int = 2):
         self.alpha = alpha
+        self.warmup = warmup
         self._buckets: dict[int, list[float]] = {}  # bucket -> [ema rows, ema seconds, samples]
 
     def observe(self, rows: int, seconds: float) -> None:
+        """A step's duration. A reading that is not a finite number >= 0 says nothing and is
+        dropped; 0 (a coarse clock) counts as ``MIN_SECONDS`` so no rate divides by zero. Until a
+        bucket has ``warmup`` samples it keeps the fastest: a first step of a size can be many
+        times slower than the next (allocator, kernel selection, page faults), and an average
+        that began there would need dozens of steps to forget it, steps that a bucket no longer
+        chosen (the plain-decode baseline once drafts look cheaper) never gets."""
+        if rows < 1 or not math.isfinite(seconds) or seconds < 0:
+            return
+        seconds = max(seconds, MIN_SECONDS)
         b = self._buckets.get(bucket(rows))
         if b is None:
             self._buckets[bucket(rows)] = [float(rows), seconds, 1]
             return
         a = self.alpha
         b[0] += a * (rows - b[0])
-        b[1] += a * (seconds - b[1])
+        b[1] = min(b[1], seconds) if b[2] < self.warmup else b[1] + a * (seconds - b[1])
         b[2] += 1
 
     def samples(self, rows: int) -> int:
@@ -82,6 +98,7 @@ class AutoPolicy:
         self.drafted = [0] * k  # per draft position: times reached
         self.accepted = [0] * k  # per draft position: times accepted
         self._since_explore = explore_every
+        self._base_explored = False  # the last exploration time measured the baseline
         self.num_explorations = 0
         self.last_cap = 0
 
@@ -115,6 +132,15 @@ class AutoPolicy:
         if base_cost is None:  # nothing measured yet: measure plain decode first
             self.last_cap = 0
             return 0
+        if (self.cost.samples(num_decodes) < self.min_samples and self._since_explore >= self.explore_every
+                and not self._base_explored):
+            # the plain-decode baseline is measured (in turns with exploring drafts) until it has
+            # min_samples: a baseline read from one slow step would otherwise make every draft
+            # look cheap, and no step without drafts would ever come to correct it
+            self._since_explore = 0
+            self._base_explored = True
+            self.last_cap = 0
+            return 0
         base_rate = num_decodes / base_cost
         caps = []
         c = self.k
@@ -137,6 +163,7 @@ class AutoPolicy:
                     explore = c
         if explore is not None and explore > best and self._since_explore >= self.explore_every:
             self._since_explore = 0
+            self._base_explored = False
             self.num_explorations += 1
             best = explore
         self.last_cap = best

@@ -1,0 +1,58 @@
+"""Review of speculative decoding (issue 16): regression tests for defects found by trying to
+break it. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qworker.engine.spec_decode import AutoPolicy, SpeculativeConfig
+
+
+# -- the auto policy: odd timings ----------------------------------------------------------------
+@pytest.mark.parametrize("seconds", [0.0, -0.01, math.nan, math.inf])
+def test_auto_never_raises_on_odd_step_timings(seconds):
+    """A step timed as 0 s (a coarse clock) made ``choose_cap`` divide by zero; a negative, NaN or
+    infinite reading poisoned the cost curve (negative: rows looked free; NaN: never drafts)."""
+    for base, verify in ((seconds, 0.05), (0.04, seconds)):
+        pol = AutoPolicy(k=4, explore_every=1)
+        for _ in range(3):
+            pol.observe_step(1, base)
+            pol.observe_step(5, verify)
+        for _ in range(30):
+            pol.observe_draft(4, 1)
+        caps = [pol.choose_cap(1, [4]) for _ in range(4)]
+        assert all(c in (0, 1, 2, 4) for c in caps)
+    if seconds == 0.0:
+        return  # a zero reading is a (coarse) measurement: it may say rows are cheap
+    pol = AutoPolicy(k=4, explore_every=1)
+    pol.observe_step(1, 0.04)
+    pol.observe_step(1, 0.04)
+    pol.observe_step(5, seconds)
+    pol.observe_step(5, seconds)
+    pol.observe_step(5, 0.2)  # verifying costs 5x a plain decode: readings that are no time must not hide it
+    pol.observe_step(5, 0.2)
+    for _ in range(30):
+        pol.observe_draft(4, 1)
+    assert pol.choose_cap(1, [4]) == 0
+
+
+def test_auto_recovers_from_a_slow_first_plain_step():
+    """The first plain decode (warm-up) took 10 s; every later step then verified drafts, so the
+    baseline was never measured again and ``auto`` kept drafting although a verification step cost
+    more than the tokens it added (here ~15% slower than not speculating, for good)."""
+    def cost(rows):  # compute-bound: each row costs 3/4 of a plain decode step
+        return 0.04 + 0.03 * (rows - 1)
+
+    pol = AutoPolicy(k=4)
+    pol.observe_step(1, 10.0)
+    caps = []
+    for _ in range(300):
+        c = pol.choose_cap(1, [4])
+        caps.append(c)
+        rows = 1 + c
+        pol.observe_step(rows, cost(rows))
+        if c:
+            pol.observe_draft(c, 1)
+    assert sum(c > 0 for c in caps[100:]) <= 20, caps[100:]
