@@ -56,3 +56,11 @@ def test_auto_recovers_from_a_slow_first_plain_step():
         if c:
             pol.observe_draft(c, 1)
     assert sum(c > 0 for c in caps[100:]) <= 20, caps[100:]
+
+
+# -- the config --------------------------------------------------------------------------------
+def test_unknown_keys_of_mixed_types_are_a_value_error():
+    """``sorted`` over unknown keys of mixed types (a JSON-less caller's {1: ..., "x": ...}) raised
+    TypeError instead of the ValueError naming them."""
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        SpeculativeConfig.parse({"method": "ngram", 1: 2, "x": 3})

@@ -64,7 +64,7 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict or None, got {type(value).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(set(value) - known, key=repr)  # keys need not be strings, nor comparable
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {unknown} (known: {sorted(known)})")
         if "method" not in value:
