@@ -17,7 +17,8 @@ Readings that are no duration (NaN, infinite, negative) are dropped, 0 s is a ti
 and a bucket's first ``warmup`` readings keep their minimum (a warm-up step is no cost estimate).
 The plain-decode baseline of a batch size is re-measured (a step without drafts, in turns with
 exploration) until it has ``min_samples`` readings, so one slow first step cannot make drafts look
-cheap for good.
+cheap for good. The optimistic estimate that decides whether a size is worth exploring reads only
+buckets with ``min_samples`` readings, so a slow first step of a size does not bar it for good.
 Exploration: at most every ``explore_every`` steps, the smallest cap whose row count lies past
 the measured range (or in a bucket with fewer than ``min_samples``) is tried if an optimistic
 estimate (its cost no higher than the largest measured bucket's) says it could pay. A loss of
@@ -74,11 +75,14 @@ class CostModel:
     def max_rows(self) -> float:
         return max((b[0] for b in self._buckets.values()), default=0.0)
 
-    def estimate(self, rows: int, optimistic: bool = False) -> float | None:
-        """Seconds for a step of ``rows`` rows; None before any measurement."""
+    def estimate(self, rows: int, optimistic: bool = False, trusted: int = 0) -> float | None:
+        """Seconds for a step of ``rows`` rows; None before any measurement. ``trusted``: only
+        buckets with at least that many samples count (all, when none has them)."""
         if not self._buckets:
             return None
-        pts = sorted((b[0], b[1]) for b in self._buckets.values())
+        pts = sorted((b[0], b[1]) for b in self._buckets.values() if b[2] >= trusted)
+        if not pts:
+            pts = sorted((b[0], b[1]) for b in self._buckets.values())
         if rows <= pts[0][0]:
             return pts[0][1]
         for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
@@ -158,7 +162,9 @@ class AutoPolicy:
             if tokens / est > best_rate:
                 best, best_rate = c, tokens / est
             if not measured and explore is None:
-                opt = self.cost.estimate(rows, optimistic=True)
+                # not from under-sampled buckets: one slow first step of a size (a kernel compiled
+                # for a new shape) would otherwise keep that size from ever being tried again
+                opt = self.cost.estimate(rows, optimistic=True, trusted=self.min_samples)
                 if tokens / opt > base_rate * self.margin:
                     explore = c
         if explore is not None and explore > best and self._since_explore >= self.explore_every:
