@@ -201,20 +201,13 @@ async def _follow(reader, ids: list[str], timeout_s: float) -> None:
         if new:  # an answer read now: its stream ends before the topic's end now
             ends = await reader.consumer.end_offsets([tp for tp in reader.consumer.assignment() if tp.topic == tokens])
         # caught up: an empty poll, or (a busy tokens topic is never quiet) past its end as it was then
-        if finals and (not recs or await _past(reader.consumer, ends or {})):
+        if finals and (not recs or await reader.caught_up(ends or {})):
             ends = None
             for key, msg in finals.items():
                 waiting.discard(key)
                 typer.echo("")
                 typer.echo(orjson.dumps(msg).decode())
             finals.clear()
-
-
-async def _past(consumer, ends: dict) -> bool:  # noqa: ANN001
-    for tp, end in ends.items():
-        if await consumer.position(tp) < end:
-            return False
-    return True
 
 
 @app.command()

@@ -15,11 +15,11 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from qworker.config import WorkerSettings
-from qworker.messages import json_bytes, loads
+from qworker.messages import json_bytes
 from qworker.openai_batch.files import InputLine, attempt_of, local_answer, status_of, to_output
 from qworker.openai_batch.progress import Progress
 from qworker.openai_batch.results import error_line
-from qworker.worker.client import ResultReader, producer_for
+from qworker.worker.client import ResultReader, parse, producer_for
 
 
 @dataclass
@@ -158,7 +158,7 @@ async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | N
                         break
                     if ends is None:
                         ends = await reader.consumer.end_offsets(list(reader.consumer.assignment()))
-                    if await _caught_up(reader.consumer, ends):
+                    if await reader.caught_up(ends):
                         break
                 if time.monotonic() > deadline:
                     rep.timed_out = len(best) < len(per_key)
@@ -192,16 +192,6 @@ async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | N
     return rep, results
 
 
-async def _caught_up(consumer: Any, ends: dict) -> bool:
-    for tp, end in ends.items():
-        if await consumer.position(tp) < end:
-            return False
-    return True
-
-
 def _parse(value: bytes | None) -> dict | None:
-    try:
-        v = loads(value) if value else None
-    except (ValueError, RecursionError):  # someone's record under our key: not an answer
-        return None
+    v = parse(value)  # None for someone's unparseable record under our key: not an answer
     return v if isinstance(v, dict) else None

@@ -13,6 +13,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from qworker.config import WorkerSettings
 from qworker.messages import Cancel, Job, dumps, loads
+from qworker.openai_batch.requests import is_openai_line
 from qworker.worker.producer import start_producer
 
 
@@ -56,7 +57,7 @@ async def submit(s: WorkerSettings, jobs: Iterable[Job | dict | bytes], producer
                 key, value = j.id, dumps(j)
             elif isinstance(j, dict):
                 # an OpenAI batch request line is keyed by its custom_id, a native job by its id
-                key, value = str(j.get("custom_id" if "custom_id" in j else "id", "")), dumps_any(j)
+                key, value = str(j.get("custom_id" if is_openai_line(j) else "id", "")), dumps_any(j)
             else:
                 key, value = None, j
             ids.append(key)
@@ -126,6 +127,14 @@ class ResultReader:
                     yield r
             if idle_timeout is not None and time.monotonic() - last > idle_timeout:
                 return
+
+    async def caught_up(self, ends: dict) -> bool:
+        """The reader is at or past ``ends`` (end offsets taken earlier) on every partition in it:
+        a busy topic is never quiet, so "read up to where it ended then" stands in for "idle"."""
+        for tp, end in ends.items():
+            if await self.consumer.position(tp) < end:
+                return False
+        return True
 
     async def stop(self) -> None:
         await self.consumer.stop()
