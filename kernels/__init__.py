@@ -41,6 +41,7 @@ from .reference import (
     silu_and_mul_ref,
     store_kv_ref,
 )
+from .moe_reference import moe_experts_ref, moe_align
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -65,6 +66,9 @@ __all__ = [
     "paged_attention_ref",
     "rms_norm",
     "rms_norm_ref",
+    "moe_experts",
+    "moe_experts_ref",
+    "moe_align",
 ]
 
 
@@ -146,3 +150,17 @@ def rms_norm(
     from .rmsnorm import rms_norm as impl
 
     return impl(x, weight, eps, residual)
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weights_in_act_dtype: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Mixture-of-experts grouped GEMM ``x [T, H]`` -> ``[T, H]``. See :mod:`kernels.fused_moe`."""
+    from .fused_moe import moe_experts as impl
+
+    return impl(x, gate_up, down, topk_weights, topk_ids, weights_in_act_dtype, **kwargs)

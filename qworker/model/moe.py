@@ -1,0 +1,121 @@
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): a router picks ``top_k`` of ``E``
+SwiGLU experts per token and the layer returns their outputs summed with the router's weights.
+
+Routing is in fp32 whatever the model dtype: ``softmax(x @ router.T)`` over the experts, the
+``top_k`` largest probabilities (``torch.topk``: ties go to the lower expert id, as in
+transformers), optionally divided by their sum (``renormalize``; Mixtral's softmax over its top-k
+logits is the same thing, Qwen3-MoE and OLMoE do it iff ``norm_topk_prob``).
+
+Two paths, chosen by ``kernel_backend``:
+
+* ``"cpu"``: the step's ``T * top_k`` (token, expert) pairs are sorted by expert once, and each
+  active expert runs its two GEMMs once on its gathered tokens through the model's
+  :class:`~qworker.model.linear.Linear` backend (oneDNN packed weights where they win, one
+  ``Linear`` per expert projection built at load), the SwiGLU in the C kernel between them; the
+  weighted outputs are scatter-added back with ``index_add_``. A decode step of batch ``B`` thus
+  runs ``min(E, B * top_k)`` small GEMM pairs instead of a per-token loop.
+* ``"triton"``: the fused grouped GEMM of :func:`kernels.moe_experts` (:mod:`kernels.fused_moe`) over the stacked weights.
+
+Rounding follows transformers' eager experts loop: each expert's output is multiplied by its fp32
+routing weight (Mixtral), or by the weight rounded to the activation dtype first
+(``weights_in_act_dtype``: Qwen3-MoE and OLMoE), and the products are added in ascending expert
+order per token. In fp32 this matches transformers up to GEMM rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from qworker.model.linear import Linear
+
+
+class MoE:
+    """``moe(x)``: ``[T, H]`` -> ``[T, H]`` in ``act_dtype``."""
+
+    def __init__(
+        self,
+        router: torch.Tensor,  # [E, H]: the checkpoint's gate/router weight, [out, in]
+        gate_up: torch.Tensor,  # [E, 2I, H]: per expert the gate rows, then the up rows
+        down: torch.Tensor,  # [E, H, I]
+        top_k: int,
+        renormalize: bool,
+        linear_backend: str,
+        act_dtype: torch.dtype,
+        kernel_backend: str,
+        *,
+        weights_in_act_dtype: bool = False,
+    ):
+        E, two_i, H = gate_up.shape
+        if router.shape != (E, H) or down.shape != (E, H, two_i // 2) or two_i % 2:
+            raise ValueError(f"MoE weights disagree: router {tuple(router.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
+        if not 1 <= top_k <= E:
+            raise ValueError(f"top_k must be in 1..{E} (the number of experts), got {top_k}")
+        if kernel_backend not in ("cpu", "triton"):
+            raise ValueError(f"kernel_backend must be 'cpu' or 'triton', got {kernel_backend!r}")
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, two_i // 2
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.act_dtype = act_dtype
+        self.kernel_backend = kernel_backend
+        self.weights_in_act_dtype = weights_in_act_dtype
+        # [H, E] fp32: the router GEMM is tiny, and fp32 keeps near-ties between experts stable
+        self.router_t = router.float().t().contiguous()
+        if kernel_backend == "triton":
+            # the fused kernel reads the stacked [out, in] weights by expert id
+            self.gate_up_w = gate_up.contiguous()
+            self.down_w = down.contiguous()
+            self.gate_up = self.down = None
+        else:
+            self.gate_up = [Linear(gate_up[e], None, linear_backend, act_dtype) for e in range(E)]
+            self.down = [Linear(down[e], None, linear_backend, act_dtype) for e in range(E)]
+            self.gate_up_w = self.down_w = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights fp32 [T, K], topk_ids int64 [T, K])`` for ``x`` ``[T, H]``."""
+        logits = x.float() @ self.router_t
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if self.kernel_backend == "triton":
+            return kernels.moe_experts(x, self.gate_up_w, self.down_w, weights, ids, weights_in_act_dtype=self.weights_in_act_dtype)
+        return self._grouped(x, weights, ids)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each active expert's GEMMs once, on its tokens (the pairs sorted by expert, stable, so a
+        token's contributions are added in ascending expert id)."""
+        K = self.top_k
+        flat = ids.reshape(-1)
+        if self.weights_in_act_dtype:
+            weights = weights.to(self.act_dtype)
+        if flat.numel() == K:  # one token (a batch-1 decode step): its experts are the groups
+            order = torch.argsort(flat, stable=True)
+            experts = flat[order].tolist()
+            counts = [1] * K
+        else:
+            order = torch.argsort(flat, stable=True)
+            counts_t = torch.bincount(flat, minlength=self.num_experts)
+            experts = counts_t.nonzero().flatten().tolist()
+            counts = counts_t[experts].tolist()
+        tokens = order // K
+        xs = x.index_select(0, tokens)  # [T*K, H], grouped by expert
+        ws = weights.reshape(-1, 1).index_select(0, order)
+        ys = torch.empty((flat.numel(), self.hidden_size), dtype=self.act_dtype, device=x.device)
+        swiglu = kernels.silu_and_mul_cpu if x.device.type == "cpu" else kernels.silu_and_mul_ref
+        at = 0
+        for e, n in zip(experts, counts):
+            seg = slice(at, at + n)
+            h = self.down[e](swiglu(self.gate_up[e](xs[seg])))
+            torch.mul(h, ws[seg], out=ys[seg])
+            at += n
+        out = torch.zeros((x.shape[0], self.hidden_size), dtype=self.act_dtype, device=x.device)
+        out.index_add_(0, tokens, ys)
+        return out
+
+
+__all__ = ["MoE"]
