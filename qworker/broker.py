@@ -27,7 +27,14 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
+    """Whether a server could listen on ``HOST:port`` now.
+
+    SO_REUSEADDR, as every server sets it (Tansu included): without it, the connections a
+    stopped broker left in TIME_WAIT make its own port look taken for about a minute, although
+    a new broker can listen there at once. A socket still listening on the port is refused
+    either way."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((HOST, port))
         except OSError:
