@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -98,6 +100,19 @@ def render(jobs: list[str], text: dict[str, str], final: dict[str, dict]) -> Tab
     return t
 
 
+@contextmanager
+def live_view(console: Console, table: Table) -> Iterator[Live]:
+    """A live table that leaves the cursor on a fresh line when it ends.
+
+    On a terminal rich ends a ``Live`` with a newline itself; written to a file or a pipe
+    (``make demo | tee log``) it prints the last frame without one, so whatever came next (the
+    summary's title) was drawn on the table's bottom border."""
+    with Live(table, console=console, refresh_per_second=8) as live:
+        yield live
+    if not console.is_terminal:
+        console.line()
+
+
 def summary(jobs: list[str], final: dict[str, dict]) -> Table:
     t = Table(title="summary")
     for col in ("job", "finish", "TTFT s", "tokens", "tokens/s", "cached prompt tokens"):
@@ -131,7 +146,7 @@ async def run_demo(s: WorkerSettings, console: Console, timeout: float) -> dict[
         await submit(s, jobs[1:] + [INVALID])  # type: ignore[list-item]
         cancelled = False
         deadline = time.monotonic() + timeout
-        with Live(render(order, text, final), console=console, refresh_per_second=8) as live:
+        with live_view(console, render(order, text, final)) as live:
             async for rec in reader.records(idle_timeout=timeout):
                 msg = parse(rec.value)
                 if not isinstance(msg, dict) or msg.get("job_id") not in order:
