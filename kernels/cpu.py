@@ -151,12 +151,15 @@ def paged_decode_attention_cpu(
     num_splits: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`kernels.reference.paged_decode_attention_ref` (``num_splits`` is
     ignored: the kernel parallelises over sequences and KV heads)."""
+    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
     fn = _cache_fn("qw_paged_decode", k_cache.dtype)
-    if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out):
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=out)
+    if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out) or sliding_window or softcap:
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, **opts)
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
     result = out if out is not None else torch.empty_like(q)
@@ -175,7 +178,7 @@ def paged_decode_attention_cpu(
     if rc == -2:
         raise IndexError(f"a block table entry is outside the cache's {k_cache.shape[0]} blocks")
     if rc != 0:  # no scratch memory: the reference
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=out)
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, **opts)
     return result
 
 

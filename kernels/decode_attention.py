@@ -22,6 +22,16 @@ its log-sum-exp (base 2). Stage 2, one program per (b, query head), merges
 the non-empty splits: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``.
 With a single split stage 1 writes the final output and stage 2 is skipped.
 
+Sliding window (``HAS_WINDOW``): the query at ``seq_len - 1`` sees positions
+``[lo, seq_len)``, ``lo = max(0, seq_len - window)``. Splits are laid out from
+``lo`` instead of 0 (split ``s`` covers ``[lo + s * split_size, ...)``) and the
+split size is derived from ``min(max_ctx, window)``, so pages before the window
+are never read and no program is spent on them; every position a tile visits
+is inside the window, so no per-position window mask is needed.
+
+Soft-capping (``HAS_SOFTCAP``): ``qk_scale`` is then ``scale / softcap`` and
+the base-2 score is ``tanh(q.k * qk_scale) * softcap * log2(e)``.
+
 Invariant that keeps the online softmax NaN-free: every tile a program visits
 holds at least one live position (tiles start inside ``[start, end)``), so the
 running max is finite after the first tile; masked scores are ``-inf`` and
@@ -41,10 +51,20 @@ MAX_SPLITS = 64
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp of a non-positive argument: no overflow for any x."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr,
     part_out_ptr, part_lse_ptr, out_ptr,
-    qk_scale,  # softmax scale * log2(e): scores live in base 2
+    qk_scale,  # softmax scale * log2(e): scores live in base 2 (scale / softcap with HAS_SOFTCAP)
+    cap_log2e,  # softcap * log2(e); unused without HAS_SOFTCAP
+    window,  # sliding window in positions; unused without HAS_WINDOW
     split_size,
     stride_qb, stride_qh,
     stride_cb, stride_cs, stride_ch,
@@ -55,12 +75,15 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the final output, no stage 2
     DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = s * split_size
+    if HAS_WINDOW:
+        start += tl.maximum(seq_len - window, 0)
     end = tl.minimum(start + split_size, seq_len)
 
     offs_g = tl.arange(0, G_PAD)
@@ -88,6 +111,8 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N]
+        if HAS_SOFTCAP:
+            scores = _tanh(scores) * cap_log2e
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -114,15 +139,20 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
+    window,
     split_size,
     stride_ob, stride_oh,
     HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    n_live = tl.cdiv(seq_len, split_size)  # splits past this one are empty: never read them
+    span = seq_len  # positions attended, laid out over the splits from the first one
+    if HAS_WINDOW:
+        span = tl.minimum(seq_len, window)
+    n_live = tl.cdiv(span, split_size)  # splits past this one are empty: never read them
     offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, D_PAD)
     s_mask = (offs_s < n_live) & (offs_s < NUM_SPLITS)
@@ -168,13 +198,15 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.reference.paged_decode_attention_ref`.
 
-    No host sync: the split size is derived from the block table's width, so
-    the call can be captured in a CUDA graph. ``out`` (``[B, Hq, D]``) may be
-    given to write in place; ``block_n``/``num_warps``/``num_stages`` are
-    tuning knobs (positions per tile, launch config).
+    No host sync: the split size is derived from the block table's width (and
+    the window), so the call can be captured in a CUDA graph. ``out``
+    (``[B, Hq, D]``) may be given to write in place; ``block_n``/``num_warps``/
+    ``num_stages`` are tuning knobs (positions per tile, launch config).
     """
     B, Hq, D = q.shape
     _, block_size, Hkv, Dc = k_cache.shape
@@ -186,6 +218,9 @@ def paged_decode_attention(
     if B == 0:
         return out
     max_ctx = max(1, block_tables.shape[1] * block_size)
+    if sliding_window is not None:
+        assert sliding_window >= 1, f"sliding_window {sliding_window}"
+        max_ctx = min(max_ctx, sliding_window)  # positions one query can attend
     if num_splits is None:
         num_splits = choose_num_splits(B, Hkv, max_ctx, block_n, q.device)
     # Equal split sizes, rounded up to whole tiles; drop splits that no sequence can reach.
@@ -201,7 +236,9 @@ def paged_decode_attention(
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         part_out, part_lse, out,
-        scale * _LOG2E, split_size,
+        scale / softcap if softcap is not None else scale * _LOG2E,
+        softcap * _LOG2E if softcap is not None else 0.0,
+        sliding_window or 0, split_size,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -210,14 +247,15 @@ def paged_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         _decode_reduce_kernel[(B, Hq)](
             part_out, part_lse, seq_lens, out,
-            split_size, out.stride(0), out.stride(1),
+            sliding_window or 0, split_size, out.stride(0), out.stride(1),
             HQ=Hq, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
-            D=D, D_PAD=D_PAD,
+            D=D, D_PAD=D_PAD, HAS_WINDOW=sliding_window is not None,
             num_warps=4 if D_PAD >= 128 else 2,
         )
     return out

@@ -13,6 +13,16 @@ of ``BLOCK_N``, looking each position's page up in the block table. Tiles of
 a sequence past its ``q_len`` run no loop and store nothing (the grid is sized
 by ``max_query_len`` for the whole batch). The first key tile holds position 0,
 which every row may attend, so the running max is finite from then on.
+With a sliding window (``HAS_WINDOW``) row ``i`` attends only positions
+``> prefix + i - window``: the key loop starts at the first row's first visible
+position, so key tiles wholly before every row's window are never read. A row
+may then see a tile with no visible key while its running max is still
+``-inf``; the max is replaced by 0 for the exponentials (all of which are
+``exp2(-inf) = 0``) so that no ``-inf - -inf`` NaN arises.
+
+Soft-capping (``HAS_SOFTCAP``): ``qk_scale`` is ``scale / softcap`` and the
+base-2 score is ``tanh(q.k * qk_scale) * softcap * log2(e)``.
+
 Query heads of a GQA group each re-read their kv head's K/V (through L2);
 prefill is compute-bound, so packing the group is left for later.
 """
@@ -23,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_attention import _tanh
+
 _LOG2E = 1.4426950408889634
 
 
@@ -30,6 +42,8 @@ _LOG2E = 1.4426950408889634
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     qk_scale,
+    cap_log2e,  # softcap * log2(e); unused without HAS_SOFTCAP
+    window,  # unused without HAS_WINDOW
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_btb,
@@ -37,6 +51,7 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     mt = tl.program_id(0)
     h = tl.program_id(1)
@@ -56,6 +71,9 @@ def _prefill_kernel(
     q_pos = prefix + rows
     # Causal bound of this tile's last row; 0 (no loop) for a tile past q_len.
     kv_end = tl.where(mt * BLOCK_M < q_len, tl.minimum(seq_len, prefix + (mt + 1) * BLOCK_M), 0)
+    kv_start = 0
+    if HAS_WINDOW:  # the first row's first visible key
+        kv_start = tl.maximum(prefix + mt * BLOCK_M - window + 1, 0)
 
     q_rows = (q_start + rows).to(tl.int64) * stride_qt + h * stride_qh
     md_mask = row_mask[:, None] & d_mask[None, :]
@@ -65,7 +83,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
 
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < kv_end
         page = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -73,11 +91,18 @@ def _prefill_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if HAS_SOFTCAP:
+            scores = _tanh(scores) * cap_log2e
         keep = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(keep, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_use = m_new
+        if HAS_WINDOW:
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(scores - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -103,6 +128,8 @@ def paged_prefill_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.reference.paged_prefill_attention_ref`.
 
@@ -118,12 +145,15 @@ def paged_prefill_attention(
         out = torch.empty_like(q)
     if T == 0 or B == 0 or max_query_len == 0:
         return out
+    assert sliding_window is None or sliding_window >= 1, f"sliding_window {sliding_window}"
     if max_query_len <= 16:  # decode-heavy or small chunks: don't waste a 64-row tile
         block_m = min(block_m, 16)
     grid = (triton.cdiv(max_query_len, block_m), Hq, B)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * _LOG2E,
+        scale / softcap if softcap is not None else scale * _LOG2E,
+        softcap * _LOG2E if softcap is not None else 0.0,
+        sliding_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -131,6 +161,7 @@ def paged_prefill_attention(
         G=Hq // Hkv, D=D, D_PAD=triton.next_power_of_2(D),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

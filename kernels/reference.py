@@ -18,6 +18,14 @@ Layout shared by every function in this package
 * GQA: ``Hq = Hkv * G``; query head ``h`` reads kv head ``h // G``.
 * All softmax arithmetic is fp32 (or fp64 for fp64 inputs); outputs have the
   dtype of ``q``.
+
+Options shared by every attention function (keyword-only, off by default)
+-------------------------------------------------------------------------
+* ``sliding_window=W``: the query at position ``p`` attends keys ``j`` with
+  ``p - W < j <= p`` (at most ``W`` keys, itself included), as transformers'
+  sliding-window masks. Blocks wholly before the window are never read.
+* ``softcap=c``: scores are ``c * tanh(q.k * scale / c)`` (Gemma 2), applied
+  after scaling and before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -70,18 +78,30 @@ def store_kv_ref(
 
 
 def _gather_seq_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_blocks: int,
+    first_block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather ``[B, num_blocks * block_size, Hkv, D]`` through the block table.
 
+    With ``first_block`` ([B] long), row b's column c is table column
+    ``first_block[b] + c`` (a sliding window's live blocks only).
     Padding entries of the table (past each sequence's last used block) are
     replaced by block 0 before indexing: they may hold any value, even out of
     range, and the positions they cover are masked out by the caller anyway.
     """
     bs = cache.shape[1]
-    table = block_tables[:, :num_blocks].to(torch.long)
     used = (seq_lens.to(torch.long) + bs - 1) // bs
-    col = torch.arange(num_blocks, device=table.device)
+    col = torch.arange(num_blocks, device=block_tables.device)
+    if first_block is None:
+        table = block_tables[:, :num_blocks].to(torch.long)
+    else:
+        cols = first_block[:, None] + col[None, :]
+        used = used - first_block
+        safe = cols.clamp(max=max(0, block_tables.shape[1] - 1))
+        table = torch.gather(block_tables.to(torch.long), 1, safe) if num_blocks else cols
     table = torch.where(col[None, :] < used[:, None], table, torch.zeros_like(table))
     kv = cache[table]  # [B, nb, bs, Hkv, D]: one index op for the whole batch
     return kv.view(table.shape[0], num_blocks * bs, *cache.shape[2:])
@@ -97,8 +117,11 @@ def paged_decode_attention_ref(
     num_splits: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence (position ``seq_lens[b] - 1``) over its whole context.
+    """One query token per sequence (position ``seq_lens[b] - 1``) over its whole context
+    (or its last ``sliding_window`` tokens: only the blocks holding them are gathered).
 
     Batched: one index op gathers the live blocks of every sequence into
     ``[B, L, Hkv, D]`` (L = the longest context rounded up to whole blocks),
@@ -113,28 +136,66 @@ def paged_decode_attention_ref(
     B, Hq, D = q.shape
     bs = k_cache.shape[1]
     lens = seq_lens.to(torch.long)
-    # Only gather as many columns as the longest live sequence needs.
-    nb = _cdiv(int(lens.max()), bs) if B else 0
-    k = _gather_seq_kv(k_cache, block_tables, lens, nb).transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather_seq_kv(v_cache, block_tables, lens, nb).transpose(1, 2)
-    live = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]  # [B, L]
     acc = _acc_dtype(q.dtype)
-    res = F.scaled_dot_product_attention(
-        q.to(acc)[:, :, None, :], k.to(acc), v.to(acc),
-        attn_mask=live[:, None, None, :], scale=scale, enable_gqa=True,
-    )[:, :, 0, :]
+    if sliding_window is None:
+        # Only gather as many columns as the longest live sequence needs.
+        nb = _cdiv(int(lens.max()), bs) if B else 0
+        k = _gather_seq_kv(k_cache, block_tables, lens, nb).transpose(1, 2)  # [B, Hkv, L, D]
+        v = _gather_seq_kv(v_cache, block_tables, lens, nb).transpose(1, 2)
+        live = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]  # [B, L]
+    else:
+        # Gather from each sequence's first block inside its window: column c is position
+        # first * bs + c; live positions are [len - W, len).
+        lo = (lens - sliding_window).clamp(min=0)
+        first = lo // bs
+        nb = int(((lens + bs - 1) // bs - first).max()) if B else 0
+        k = _gather_seq_kv(k_cache, block_tables, lens, nb, first).transpose(1, 2)
+        v = _gather_seq_kv(v_cache, block_tables, lens, nb, first).transpose(1, 2)
+        pos = first[:, None] * bs + torch.arange(k.shape[2], device=q.device)[None, :]
+        live = (pos < lens[:, None]) & (pos >= lo[:, None])
+    res = _attend(q.to(acc)[:, :, None, :], k.to(acc), v.to(acc), live[:, None, None, :], scale, softcap)[:, :, 0, :]
     if out is None:
         return res.to(q.dtype)
     out.copy_(res)
     return out
 
 
-def _causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
-    """``[q_len, ctx]`` bool, True = attend. Query row i sits at position ctx - q_len + i."""
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    softcap: float | None, is_causal: bool = False,
+) -> torch.Tensor:
+    """``q [..., Hq, M, D]`` over ``k``/``v`` ``[..., Hkv, L, D]`` (GQA: query head h reads kv
+    head h // G) with a bool ``mask`` broadcastable to ``[..., Hq, M, L]`` (True = attend).
+    Without a softcap this is one SDPA call; with one, the scores are materialised to cap them.
+    Every query row must attend at least one key."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _causal_mask(
+    q_len: int, ctx: int, device: torch.device, sliding_window: int | None = None, first: int = 0
+) -> torch.Tensor:
+    """``[q_len, ctx - first]`` bool, True = attend. Query row i sits at position ctx - q_len + i;
+    column c is key position first + c. With a window, row p sees ``p - W < j <= p``."""
     prefix = ctx - q_len
     rows = torch.arange(q_len, device=device)[:, None] + prefix
-    cols = torch.arange(ctx, device=device)[None, :]
-    return cols <= rows
+    cols = torch.arange(first, ctx, device=device)[None, :]
+    mask = cols <= rows
+    if sliding_window is not None:
+        mask &= cols > rows - sliding_window
+    return mask
 
 
 def paged_prefill_attention_ref(
@@ -148,6 +209,8 @@ def paged_prefill_attention_ref(
     max_query_len: int,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of each sequence's new queries over its cached context.
 
@@ -155,7 +218,9 @@ def paged_prefill_attention_ref(
     they are the last ``q_len`` of its ``seq_lens[b]`` tokens, whose K/V
     (prefix and chunk alike) are already in the cache. Rows with ``q_len == 1``
     (decode rows of a mixed batch) go through the batched decode reference in
-    one call; the others loop over sequences with one SDPA call each.
+    one call; the others loop over sequences with one SDPA call each. With a
+    window, a sequence reads only the blocks from the one holding its first
+    query's first visible key.
     """
     del max_query_len
     T, Hq, D = q.shape
@@ -172,7 +237,8 @@ def paged_prefill_attention_ref(
     if single:
         idx = torch.tensor(single, device=q.device, dtype=torch.long)
         rows = query_start_loc.to(torch.long)[idx]
-        res = paged_decode_attention_ref(q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
+        res = paged_decode_attention_ref(q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale,
+                                         sliding_window=sliding_window, softcap=softcap)
         out[rows] = res.to(out.dtype)
 
     acc = _acc_dtype(q.dtype)
@@ -180,17 +246,20 @@ def paged_prefill_attention_ref(
         ql, ctx = qlens[b], lens[b]
         if ql <= 1:
             continue
-        table = block_tables[b, : _cdiv(ctx, bs)].to(torch.long)
-        k = k_cache[table].reshape(-1, Hkv, D)[:ctx]  # [ctx, Hkv, D]
-        v = v_cache[table].reshape(-1, Hkv, D)[:ctx]
+        # first key any query row sees, rounded down to its block
+        first_blk = 0 if sliding_window is None else max(0, ctx - ql + 1 - sliding_window) // bs
+        first = first_blk * bs
+        table = block_tables[b, first_blk : _cdiv(ctx, bs)].to(torch.long)
+        k = k_cache[table].reshape(-1, Hkv, D)[: ctx - first]  # [ctx - first, Hkv, D]
+        v = v_cache[table].reshape(-1, Hkv, D)[: ctx - first]
         qb = q[starts[b] : starts[b + 1]].transpose(0, 1).to(acc)  # [Hq, ql, D]
         kb = k.transpose(0, 1).to(acc)
         vb = v.transpose(0, 1).to(acc)
-        if ql == ctx:  # no cached prefix: plain causal, SDPA's fast path
-            res = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+        if ql == ctx and sliding_window is None:  # no cached prefix: plain causal, SDPA's fast path
+            res = _attend(qb, kb, vb, None, scale, softcap, is_causal=True)
         else:
-            mask = _causal_mask(ql, ctx, q.device)
-            res = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+            mask = _causal_mask(ql, ctx, q.device, sliding_window, first)
+            res = _attend(qb, kb, vb, mask, scale, softcap)
         out[starts[b] : starts[b + 1]] = res.transpose(0, 1).to(out.dtype)
     return out
 
@@ -206,13 +275,16 @@ def paged_attention_ref(
     max_query_len: int,
     *,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Route a step's attention: a pure-decode batch (``max_query_len == 1``) to the
     decode reference, anything else to the prefill reference."""
+    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
     if max_query_len == 1:
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, **opts)
     return paged_prefill_attention_ref(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, out=out
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, **opts
     )
 
 

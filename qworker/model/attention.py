@@ -24,9 +24,22 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    def __init__(self, backend: str, scale: float):
-        """``backend``: "triton" (CUDA) or "cpu" (the C decode/store kernels, the torch prefill reference)."""
+    def __init__(self, backend: str, scale: float, sliding_window: int | None = None, softcap: float | None = None):
+        """``backend``: "triton" (CUDA) or "cpu" (the C decode/store kernels, the torch prefill reference).
+
+        ``sliding_window``: a query at position p attends keys ``p - sliding_window < j <= p``;
+        ``softcap``: scores become ``softcap * tanh(score / softcap)`` (Gemma 2). Both are per
+        layer kind and passed to every kernel call; None (the default) is plain causal attention.
+        """
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+        # only non-default options are passed, so the plain calls stay exactly as before
+        self._opts = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
         triton = backend == "triton"
         self._store = kernels.store_kv if triton else kernels.store_kv_cpu
         self._decode = kernels.paged_decode_attention if triton else kernels.paged_decode_attention_cpu
@@ -45,13 +58,15 @@ class PagedAttention:
         nd = meta.num_decodes
         num_seqs = meta.seq_lens.shape[0]
         if nd == num_seqs:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, **self._opts)
         if nd == 0:
             return self._prefill(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale, meta.max_query_len
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
+                meta.max_query_len, **self._opts,
             )
         out = torch.empty_like(q)
-        self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out=out[:nd])
+        self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out=out[:nd],
+                     **self._opts)
         self._prefill(
             q[nd:],
             k_cache,
@@ -62,5 +77,6 @@ class PagedAttention:
             self.scale,
             meta.max_query_len,
             out=out[nd:],
+            **self._opts,
         )
         return out

@@ -3,7 +3,8 @@
 Run as a script in a fresh interpreter with TRITON_INTERPRET unset (compiled
 and interpreted Triton do not mix in one process); prints one JSON object:
 ``{name: {"ops": [...PTX instruction kinds...], "shared": bytes}}``.
-``--full`` adds fp32/fp16 variants and the store_kv/rms_norm kernels.
+``--full`` adds fp32/fp16 variants and the store_kv/rms_norm kernels. The
+sliding-window + softcap variants of the attention kernels (bf16) are always built.
 """
 
 from __future__ import annotations
@@ -37,26 +38,36 @@ def compile_sm90(fn, types: dict[str, str], consts: dict, num_warps: int = 4, nu
 
 def paged_types(dt: str) -> dict[str, str]:
     return {"k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
-            "q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "qk_scale": "fp32", "qsl_ptr": "*i32",
+            "q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "qk_scale": "fp32", "cap_log2e": "fp32", "qsl_ptr": "*i32",
             "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 
 
 def main(full: bool) -> dict:
     res = {}
+    plain = dict(HAS_WINDOW=False, HAS_SOFTCAP=False)
     for dt in ["bf16"] + (["fp16", "fp32"] if full else []):
         prec = "ieee" if dt == "fp32" else "tf32"
         t = paged_types(dt)
         res[f"decode_split_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
             HQ=32, NUM_SPLITS=4, G=4, G_PAD=16, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, DIRECT=False,
-            DOT_PREC=prec))
+            DOT_PREC=prec, **plain))
         res[f"decode_reduce_{dt}"] = compile_sm90(decode_attention._decode_reduce_kernel, t, dict(
-            HQ=32, NUM_SPLITS=5, S_PAD=8, D=128, D_PAD=128))
+            HQ=32, NUM_SPLITS=5, S_PAD=8, D=128, D_PAD=128, HAS_WINDOW=False))
         res[f"prefill_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
-            G=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec))
+            G=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **plain))
+        if dt == "bf16":  # sliding window + softcap (Gemma 2's local layers)
+            both = dict(HAS_WINDOW=True, HAS_SOFTCAP=True)
+            res[f"decode_split_window_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
+                HQ=16, NUM_SPLITS=4, G=2, G_PAD=16, D=256, D_PAD=256, BLOCK_SIZE=16, BLOCK_N=64, DIRECT=False,
+                DOT_PREC=prec, **both))
+            res[f"decode_reduce_window_{dt}"] = compile_sm90(decode_attention._decode_reduce_kernel, t, dict(
+                HQ=16, NUM_SPLITS=4, S_PAD=4, D=256, D_PAD=256, HAS_WINDOW=True))
+            res[f"prefill_window_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
+                G=2, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **both))
         if full:
             res[f"decode_direct_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
                 HQ=24, NUM_SPLITS=1, G=3, G_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=32, BLOCK_N=64, DIRECT=True,
-                DOT_PREC=prec))
+                DOT_PREC=prec, **plain))
             res[f"store_kv_{dt}"] = compile_sm90(kv_store._store_kv_kernel, {
                 **{n: f"*{dt}" for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}, "slot_ptr": "*i64"},
                 dict(BLOCK_SIZE=16, HKV=8, D=128, HD_PAD=1024))

@@ -119,8 +119,12 @@ def random_lens(gen: torch.Generator, n: int, block_size: int, max_len: int) -> 
     return [lens[i] for i in perm]
 
 
-def oracle_attention(batch: PagedBatch) -> torch.Tensor:
-    """Per query row, per head, per token: float64 ``[T, Hq, D]`` on CPU."""
+def oracle_attention(batch: PagedBatch, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Per query row, per head, per token: float64 ``[T, Hq, D]`` on CPU.
+
+    With ``sliding_window`` a query at position ``pos`` sees the tokens ``j`` with
+    ``pos - sliding_window < j <= pos``; with ``softcap`` each score ``s`` becomes
+    ``softcap * tanh(s / softcap)`` before the softmax."""
     kc = batch.k_cache.double().cpu()
     vc = batch.v_cache.double().cpu()
     q = batch.q.double().cpu()
@@ -131,11 +135,14 @@ def oracle_attention(batch: PagedBatch) -> torch.Tensor:
     row = 0
     for table, L, ql in zip(batch.tables, batch.lens, batch.q_lens):
         for i in range(ql):
-            pos = L - ql + i  # this query's position; it sees tokens 0..pos
-            keys = torch.stack([kc[table[j // bs], j % bs] for j in range(pos + 1)])  # [n, Hkv, D]
-            vals = torch.stack([vc[table[j // bs], j % bs] for j in range(pos + 1)])
+            pos = L - ql + i  # this query's position; it sees tokens 0..pos (its window of them)
+            seen = [j for j in range(pos + 1) if sliding_window is None or pos - j < sliding_window]
+            keys = torch.stack([kc[table[j // bs], j % bs] for j in seen])  # [n, Hkv, D]
+            vals = torch.stack([vc[table[j // bs], j % bs] for j in seen])
             for h in range(Hq):
                 scores = keys[:, h // G] @ q[row, h] * batch.scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
                 probs = torch.softmax(scores, dim=0)
                 out[row, h] = probs @ vals[:, h // G]
             row += 1
@@ -170,3 +177,19 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
 
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def poison_before_window(batch: PagedBatch, sliding_window: int, value: float = NAN) -> tuple[PagedBatch, int]:
+    """The batch with every block that lies wholly before all its queries' windows set to ``value``
+    (a kernel that skips them, as it must, is unaffected); also returns how many were poisoned.
+    Blocks partly inside a window are left alone: masked slots of a visited block may be read."""
+    k, v = batch.k_cache.clone(), batch.v_cache.clone()
+    bs = k.shape[1]
+    poisoned = 0
+    for table, L, ql in zip(batch.tables, batch.lens, batch.q_lens):
+        first_seen = max(0, L - ql + 1 - sliding_window)  # the first query's first visible key
+        for blk in table[: first_seen // bs]:
+            k[blk] = value
+            v[blk] = value
+            poisoned += 1
+    return PagedBatch(**{**batch.__dict__, "k_cache": k, "v_cache": v}), poisoned
