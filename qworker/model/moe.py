@@ -25,6 +25,7 @@ order per token. In fp32 this matches transformers up to GEMM rounding.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 from qworker.model.linear import Linear
@@ -59,8 +60,9 @@ class MoE:
         self.act_dtype = act_dtype
         self.kernel_backend = kernel_backend
         self.weights_in_act_dtype = weights_in_act_dtype
-        # [H, E] fp32: the router GEMM is tiny, and fp32 keeps near-ties between experts stable
-        self.router_t = router.float().t().contiguous()
+        # fp32 [E, H] through F.linear, the very call transformers makes in fp32: the same logits to
+        # the bit, so near-ties between experts are settled the same way
+        self.router = router.float().contiguous()
         if kernel_backend == "triton":
             # the fused kernel reads the stacked [out, in] weights by expert id
             self.gate_up_w = gate_up.contiguous()
@@ -73,7 +75,7 @@ class MoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights fp32 [T, K], topk_ids int64 [T, K])`` for ``x`` ``[T, H]``."""
-        logits = x.float() @ self.router_t
+        logits = F.linear(x.float(), self.router)
         probs = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
