@@ -6,7 +6,9 @@ The torch reference (:func:`kernels.reference.paged_decode_attention_ref`) must 
 sequence's pages into a contiguous copy before one SDPA call; on a CPU that copy costs as much as
 the attention itself (decode is memory-bound, and the gather reads and writes the whole context
 once more). ``csrc/paged_decode.c`` walks the block table instead, as the Triton kernel does on
-the GPU, and reads an fp16 or bf16 cache as well as an fp32 one. ``csrc/elementwise.c`` replaces the 2-15
+the GPU, and reads an fp16 or bf16 cache as well as an fp32 one. Under a sliding window it reads
+only the pages holding the window (the plain path is the same loop from token 0), and it applies
+Gemma 2's score soft-capping in its softmax pass. ``csrc/elementwise.c`` replaces the 2-15
 small torch ops per norm, rotary, KV write or SwiGLU, whose dispatch cost dominates at decode
 batch sizes. The sources are compiled on first use with the system C compiler (``-O3
 -march=native -fopenmp``, about a second) into a per-user cache (``$QWORKER_KERNEL_CACHE``, else
@@ -61,7 +63,7 @@ def _cache_dir() -> Path:
 
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_DECODE_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I64]
+_DECODE_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I64, _I32, _F32]
 _STORE_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I32, _I64]
 # C function -> (argument types, return type); the *_f16 ones exist only in F16C builds
 _SIGNATURES = {
@@ -158,7 +160,7 @@ def paged_decode_attention_cpu(
     ignored: the kernel parallelises over sequences and KV heads)."""
     opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
     fn = _cache_fn("qw_paged_decode", k_cache.dtype)
-    if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out) or sliding_window or softcap:
+    if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, **opts)
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
@@ -173,13 +175,22 @@ def paged_decode_attention_cpu(
     rc = fn(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), result.data_ptr(), result.stride(0), B, Hq, Hkv, D, block_size, float(scale), torch.get_num_threads(),
-        k_cache.shape[0],
+        k_cache.shape[0], _window_arg(sliding_window), float(softcap or 0.0),
     )
     if rc == -2:
         raise IndexError(f"a block table entry is outside the cache's {k_cache.shape[0]} blocks")
     if rc != 0:  # no scratch memory: the reference
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, **opts)
     return result
+
+
+def _window_arg(sliding_window: int | None) -> int:
+    """The C kernel's window argument: 0 = off (a window reaching past int32 is off too)."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    return min(sliding_window, 2**31 - 1)
 
 
 def _covered(q, k_cache, v_cache, block_tables, seq_lens, out) -> bool:

@@ -15,6 +15,8 @@
  * order and finish each page for every head the item owns before the next one, so every page
  * is read from memory once, as one contiguous run (block_size * Hkv * D floats): scores
  * (q . k) for all heads, a softmax per query head, then the weighted sum of V rows.
+ * Under a sliding window only the pages holding the last `window` tokens are read; soft-capping
+ * (Gemma 2) maps each score s to softcap * tanh(s / softcap) before the softmax.
  * q, out and all arithmetic are fp32; the cache is fp32, fp16 (converted on load, F16C) or
  * bf16 (converted on load: a 16-bit shift), one copy of paged_decode_impl.h each.
  *
@@ -31,6 +33,15 @@
 #include <immintrin.h>
 #define QW_AVX 1
 #endif
+
+/* cap * tanh(x / cap) from one exp of a non-positive argument: vectorisable (tanhf is not without
+ * -ffast-math) and finite for any x; the absolute error stays at fp32 rounding level. */
+static inline float qw_softcap(float x, float cap) {
+    const float y = x / cap;
+    const float e = exp_nonpositive(-2.0f * (y < 0.0f ? -y : y));
+    const float t = (1.0f - e) / (1.0f + e);
+    return cap * (y < 0.0f ? -t : t);
+}
 
 #define QW_CAT2(a, b) a##_##b
 #define QW_CAT(a, b) QW_CAT2(a, b)

@@ -94,39 +94,48 @@ static inline void FN(prefetch_page)(const KV_T *cache, const int32_t *table, in
             __builtin_prefetch(line, 0, 3);
 }
 
-/* One sequence, KV heads [h0, h1): nq = (h1 - h0) * G query heads.
- * scores: nq x len scratch; acc: nq x D scratch; qs/outs: the first query head's row. */
+/* One sequence, KV heads [h0, h1): nq = (h1 - h0) * G query heads, over tokens [lo, len) (lo > 0
+ * under a sliding window: the pages before the one holding lo are never touched, and the tokens
+ * before lo in that page are skipped). softcap > 0 caps the scores (softcap * tanh(s / softcap)).
+ * scores: nq x (len - lo) scratch; acc: nq x D scratch; qs/outs: the first query head's row. */
 static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, const KV_T *restrict v_cache,
-                   const int32_t *restrict table, int len, int block_size, int64_t token_stride, int h0,
-                   int h1, int G, int D, float scale, float *restrict scores, float *restrict acc,
+                   const int32_t *restrict table, int lo, int len, int block_size, int64_t token_stride, int h0,
+                   int h1, int G, int D, float scale, float softcap, float *restrict scores, float *restrict acc,
                    float *restrict outs) {
     const int nq = (h1 - h0) * G;
+    const int span = len - lo;
     const int num_blks = (len + block_size - 1) / block_size;
-    /* pass 1: scores[qh * len + t] = scale * q_qh . k_t, page by page */
-    for (int t0 = 0, blk = 0; t0 < len; t0 += block_size, blk++) {
+    const int blk0 = lo / block_size;
+    /* pass 1: scores[qh * span + t - lo] = scale * q_qh . k_t, page by page */
+    for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
         FN(prefetch_page)(k_cache, table, blk + 1, num_blks, block_size, token_stride, h0, h1, D);
         const int64_t page = (int64_t)table[blk] * block_size * token_stride;
         const int n = len - t0 < block_size ? len - t0 : block_size;
+        const int j0 = lo > t0 ? lo - t0 : 0; /* nonzero only in the window's first page */
         for (int h = h0; h < h1; h++) {
             const KV_T *k = k_cache + page + (int64_t)h * D;
             for (int g = 0; g < G; g++) {
                 const int qh = (h - h0) * G + g;
-                for (int j = 0; j < n; j += 8)
+                for (int j = j0; j < n; j += 8)
                     FN(score_tokens)(qs + (int64_t)qh * D, k + j * token_stride, token_stride, n - j < 8 ? n - j : 8,
-                                 D, scale, scores + (int64_t)qh * len + t0 + j);
+                                 D, scale, scores + (int64_t)qh * span + (t0 - lo) + j);
             }
         }
     }
     /* softmax numerators in place; the 1/sum is applied once at the end */
     float inv_sum[nq];
     for (int qh = 0; qh < nq; qh++) {
-        float *restrict s = scores + (int64_t)qh * len;
+        float *restrict s = scores + (int64_t)qh * span;
+        if (softcap > 0.0f) {
+#pragma omp simd
+            for (int t = 0; t < span; t++) s[t] = qw_softcap(s[t], softcap);
+        }
         float m = s[0];
 #pragma omp simd reduction(max : m)
-        for (int t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+        for (int t = 0; t < span; t++) m = s[t] > m ? s[t] : m;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < len; t++) {
+        for (int t = 0; t < span; t++) {
             s[t] = exp_nonpositive(s[t] - m);
             sum += s[t];
         }
@@ -134,15 +143,17 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
     }
     /* pass 2: acc_qh = sum_t p[qh, t] * v_t, page by page */
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
-    for (int t0 = 0, blk = 0; t0 < len; t0 += block_size, blk++) {
+    for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
         FN(prefetch_page)(v_cache, table, blk + 1, num_blks, block_size, token_stride, h0, h1, D);
         const int64_t page = (int64_t)table[blk] * block_size * token_stride;
         const int n = len - t0 < block_size ? len - t0 : block_size;
+        const int j0 = lo > t0 ? lo - t0 : 0;
         for (int h = h0; h < h1; h++) {
-            const KV_T *v = v_cache + page + (int64_t)h * D;
+            const KV_T *v = v_cache + page + (int64_t)(j0 * token_stride) + (int64_t)h * D;
             for (int g = 0; g < G; g++) {
                 const int qh = (h - h0) * G + g;
-                FN(accumulate)(scores + (int64_t)qh * len + t0, v, n, token_stride, D, acc + (int64_t)qh * D);
+                FN(accumulate)(scores + (int64_t)qh * span + (t0 - lo) + j0, v, n - j0, token_stride, D,
+                               acc + (int64_t)qh * D);
             }
         }
     }
@@ -150,15 +161,21 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
 }
 
+/* First token a query at position len - 1 attends: len - window under a window (> 0), else 0. */
+static inline int FN(window_start)(int len, int window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* Returns 0; -1 when a thread could not allocate its scratch (the caller falls back); -2, before
- * reading anything, when a live block-table entry is outside [0, num_blocks). */
+ * reading anything, when a live block-table entry (one the kernel would read) is outside
+ * [0, num_blocks). window > 0: attend only the last `window` tokens; softcap > 0: cap the scores. */
 int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
                         const KV_T *v_cache, const int32_t *block_tables, int64_t table_stride,
                         const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq,
                         int Hkv, int D, int block_size, float scale, int num_threads,
-                        int64_t num_blocks) {
+                        int64_t num_blocks, int window, float softcap) {
     for (int b = 0; b < B; b++)
-        for (int i = 0; i * block_size < seq_lens[b]; i++)
+        for (int i = FN(window_start)(seq_lens[b], window) / block_size; i * block_size < seq_lens[b]; i++)
             if (block_tables[b * table_stride + i] < 0 || block_tables[b * table_stride + i] >= num_blocks) return -2;
     const int G = Hq / Hkv;
     const int64_t token_stride = (int64_t)Hkv * D;
@@ -166,12 +183,15 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
     const int heads_per_item = B >= 2 * num_threads ? Hkv : 1;
     const int items_per_seq = Hkv / heads_per_item;
     const int nq = heads_per_item * G;
-    int max_len = 1;
-    for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    int max_span = 1; /* the longest run of attended tokens: the scores scratch per query head */
+    for (int b = 0; b < B; b++) {
+        const int span = seq_lens[b] - FN(window_start)(seq_lens[b], window);
+        max_span = span > max_span ? span : max_span;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scratch = malloc(sizeof(float) * ((size_t)nq * max_len + (size_t)nq * D));
+        float *scratch = malloc(sizeof(float) * ((size_t)nq * max_span + (size_t)nq * D));
         if (!scratch) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < (int64_t)B * items_per_seq; item++) {
@@ -183,9 +203,9 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
                 memset(outs, 0, sizeof(float) * (size_t)nq * D);
                 continue;
             }
-            FN(attend)(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, block_tables + b * table_stride, len,
-                   block_size, token_stride, h0, h0 + heads_per_item, G, D, scale, scratch,
-                   scratch + (size_t)nq * max_len, outs);
+            FN(attend)(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, block_tables + b * table_stride,
+                   FN(window_start)(len, window), len, block_size, token_stride, h0, h0 + heads_per_item, G, D, scale,
+                   softcap, scratch, scratch + (size_t)nq * max_span, outs);
         }
         free(scratch);
     }
