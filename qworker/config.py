@@ -32,6 +32,37 @@ def parse_size(value: str | int | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+# Below this a byte count is a mistake (a fraction written without its decimal point, a unit
+# left out), never a KV cache that holds a useful number of tokens.
+MIN_KV_BYTES = 1 << 20
+_FRACTION = re.compile(r"^\s*\d*\.\d*\s*$")
+
+
+def parse_kv_memory(value: Any) -> int | float | None:
+    """``kv_cache_memory``: bytes (``"512MiB"``, ``"2G"``, ``1073741824``; at least 1 MiB) or a
+    fraction of memory in (0, 1] written with a decimal point (``"0.9"``, ``0.9``, ``"1.0"``)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, bool):
+        raise ValueError("must be bytes (e.g. 512MiB, 2G) or a fraction of memory such as 0.9")
+    if isinstance(value, float) or (isinstance(value, str) and _FRACTION.match(value)):
+        try:
+            f = float(value)
+        except ValueError:
+            raise ValueError("must be bytes (e.g. 512MiB, 2G) or a fraction of memory such as 0.9") from None
+        if not 0.0 < f <= 1.0:
+            raise ValueError(f"a fraction of memory must be in (0, 1], got {f:g} (bytes take a unit: 512MiB, 2G)")
+        return f
+    try:
+        n = parse_size(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError("must be bytes (e.g. 512MiB, 2G) or a fraction of memory such as 0.9") from None
+    if not isinstance(n, int) or n < MIN_KV_BYTES:
+        raise ValueError(f"{n} bytes is too small for a KV cache (at least 1MiB); give bytes with a unit "
+                         "(512MiB, 2G) or a fraction of memory in (0, 1] such as 0.9")
+    return n
+
+
 class WorkerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -74,7 +105,10 @@ class WorkerSettings(BaseModel):
     # --- engine ---
     model: str | None = None  # model directory
     model_name: str | None = None  # the name jobs' "model" must match; default: the engine's
-    kv_cache_memory: int | None = None  # bytes; accepts 512MiB, 2G, ...
+    # bytes (512MiB, 2G, ...) or a fraction of memory in (0, 1] with a decimal point (0.9): on
+    # CUDA vLLM's gpu_memory_utilization, on CPU of the memory available at start less the
+    # weights (qworker/host_memory.py)
+    kv_cache_memory: int | float | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
@@ -112,10 +146,31 @@ class WorkerSettings(BaseModel):
             raise ValueError(f"not a log level: {v!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
         return v
 
-    @field_validator("kv_cache_memory", "swap_space", mode="before")
+    @field_validator("swap_space", mode="before")
     @classmethod
     def _size(cls, v: Any) -> Any:
         return parse_size(v) if isinstance(v, str) else v
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _kv_memory(cls, v: Any) -> Any:
+        return parse_kv_memory(v)
+
+    @field_validator("block_size", "max_num_seqs", "max_num_batched_tokens", "swap_space", "kv_cache_dtype", "dtype")
+    @classmethod
+    def _engine_rule(cls, v: Any, info: Any) -> Any:
+        # the engine's own rules, checked here so a bad value is one line naming its variable
+        # rather than a traceback once the model has loaded
+        if v is None:
+            return v
+        if info.field_name == "dtype":
+            if v not in ("auto", "float32", "bfloat16", "float16"):
+                raise ValueError("must be auto, float32, bfloat16 or float16")
+            return v
+        from qworker.engine.config import EngineConfig
+
+        EngineConfig(model="-", **{info.field_name: v})
+        return v
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -169,6 +224,12 @@ class WorkerSettings(BaseModel):
         keys = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size", "swap_space", "enable_prefix_caching", "device", "dtype", "kv_cache_dtype",
                 "grammar_cache_size", "grammar_compile_timeout", "speculative_config")
         cfg = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        if isinstance(self.kv_cache_memory, float):  # a fraction: the engine sizes the pool per device
+            from qworker.host_memory import cpu_kv_budget
+
+            del cfg["kv_cache_memory"]
+            cfg["gpu_memory_utilization"] = self.kv_cache_memory
+            cfg["cpu_kv_cache_memory"] = cpu_kv_budget(self.kv_cache_memory, self.model)
         cfg["scheduling_policy"] = "priority"  # jobs carry a priority; lower runs first
         return cfg
 

@@ -1,0 +1,93 @@
+"""``QWORKER_KV_CACHE_MEMORY`` takes bytes or a fraction of memory, and a bad value is one line.
+
+The GPU example's ``kvCacheMemory: "0.90"`` (vLLM's ``gpu_memory_utilization``) was read as a
+byte count, 0, and the pod died after loading the model with a long traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from qworker.config import WorkerSettings
+from qworker.host_memory import available_memory, cpu_kv_budget
+from qworker.model.runner import ModelRunner
+
+from .conftest import REPO
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("given", ["0.90", "0.9", " .9 ", "0.90"])
+def test_a_fraction_is_a_share_of_memory_not_bytes(given: str) -> None:
+    s = WorkerSettings.from_env({"QWORKER_KV_CACHE_MEMORY": given})
+    assert s.kv_cache_memory == pytest.approx(0.9)
+    cfg = s.engine_config()
+    assert "kv_cache_memory" not in cfg  # the engine sizes the pool from the fraction, per device
+    assert cfg["gpu_memory_utilization"] == pytest.approx(0.9)  # CUDA: vLLM's meaning
+    assert cfg["cpu_kv_cache_memory"] > 0
+    # CPU: what the engine's runner then budgets for the pool
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert ModelRunner.device_kv_budget(cpu, None, cfg["gpu_memory_utilization"], cfg["cpu_kv_cache_memory"]) == cfg["cpu_kv_cache_memory"]
+
+
+def test_bytes_and_units_still_mean_bytes() -> None:
+    assert WorkerSettings.from_env({"QWORKER_KV_CACHE_MEMORY": "512MiB"}).engine_config()["kv_cache_memory"] == 512 << 20
+    assert WorkerSettings.from_env({"QWORKER_KV_CACHE_MEMORY": "2G"}).kv_cache_memory == 2 * 10**9
+    assert WorkerSettings.from_env({"QWORKER_KV_CACHE_MEMORY": "1073741824"}).kv_cache_memory == GiB
+    assert WorkerSettings(kv_cache_memory=GiB).engine_config()["kv_cache_memory"] == GiB
+    assert WorkerSettings(kv_cache_memory=1.0).engine_config()["gpu_memory_utilization"] == 1.0
+
+
+def test_cpu_fraction_is_of_the_memory_left_after_the_weights(tmp_path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    assert cpu_kv_budget(0.5, tmp_path, available=11_000) == 5_000
+    assert cpu_kv_budget(0.5, None, available=11_000) == 5_500
+    assert cpu_kv_budget(0.9, tmp_path, available=500) == 0  # nothing left: the engine then says so
+
+
+def test_available_memory_prefers_the_containers_headroom(tmp_path) -> None:
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir(), v1.mkdir()
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
+    assert available_memory(v2, v1, meminfo) == 8_000_000 * 1024  # no cgroup limit: the machine's
+    (v2 / "memory.max").write_text("4294967296\n")
+    (v2 / "memory.current").write_text("1073741824\n")
+    assert available_memory(v2, v1, meminfo) == 3 * GiB  # a pod's limit less its usage
+    (v2 / "memory.max").write_text("max\n")
+    assert available_memory(v2, v1, meminfo) == 8_000_000 * 1024
+
+
+@pytest.mark.parametrize("given, says", [
+    ("0", "too small"), ("0.0", "in (0, 1]"), ("1.5", "in (0, 1]"), ("-0.5", "bytes"), ("abc", "bytes"), ("100", "too small"),
+])
+def test_a_bad_value_names_the_variable(given: str, says: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        WorkerSettings.from_env({"QWORKER_KV_CACHE_MEMORY": given})
+    line = WorkerSettings.explain(e.value)
+    assert "QWORKER_KV_CACHE_MEMORY" in line and says in line and "\n" not in line
+
+
+@pytest.mark.parametrize("var, value", [
+    ("QWORKER_BLOCK_SIZE", "3"), ("QWORKER_DTYPE", "fp8"), ("QWORKER_KV_CACHE_DTYPE", "int8"), ("QWORKER_MAX_NUM_SEQS", "0"),
+])
+def test_engine_rules_are_checked_with_the_settings(var: str, value: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        WorkerSettings.from_env({var: value})
+    line = WorkerSettings.explain(e.value)
+    assert line.startswith(f"invalid settings: {var}: ") and "\n" not in line
+
+
+def test_qworker_run_with_a_bad_setting_is_one_line_and_exit_2(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWORKER_")}
+    env.update({"QWORKER_KV_CACHE_MEMORY": "0", "QWORKER_MODEL": str(tmp_path), "QWORKER_HTTP_PORT": "-1", "QWORKER_BOOTSTRAP_SERVERS": "127.0.0.1:1"})
+    r = subprocess.run([sys.executable, "-m", "qworker.cli", "run"], cwd=REPO, env=env, capture_output=True, timeout=120)
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2, err
+    assert len(err.splitlines()) == 1 and "QWORKER_KV_CACHE_MEMORY" in err and "Traceback" not in err, err
