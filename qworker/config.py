@@ -134,6 +134,9 @@ class WorkerSettings(BaseModel):
     # /healthz fails when the engine loop made no progress for this long while jobs run; it
     # must exceed the longest step (a full prefill batch on a slow device)
     liveness_timeout_s: float = Field(120.0, gt=0)
+    # /readyz's in_group fails when the consumer has not confirmed its group state with the
+    # broker (coordinator answering, assignment current, fetches answered) for this long
+    ready_timeout_s: float = Field(30.0, gt=0)
     log_level: str = "INFO"
     log_format: Literal["json", "text"] = "json"  # json: one object per line, with trace ids
 
