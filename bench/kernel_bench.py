@@ -11,6 +11,11 @@ Decode attention is memory-bound: its figure of merit is the bytes of K/V it
 must read (each live token's K and V once) over its time, against the card's
 device-to-device copy bandwidth (bytes read + written per second). Prefill is
 reported in TFLOP/s of causal attention, store_kv and rms_norm in GB/s.
+
+Sliding-window (and softcapped) attention is timed on the same kernels with the
+options on ("decode:window", "prefill:window"): decode's bytes are those of the
+window only (what it must read), and ``full_ms`` is the same shape without the
+window, so ``full_ms / ms`` shows what skipping the blocks outside it saves.
 """
 
 from __future__ import annotations
@@ -161,6 +166,56 @@ def bench_prefill() -> list[dict]:
     return rows
 
 
+def bench_window(copy_gbps: float) -> list[dict]:
+    """Decode and prefill with a sliding window (and Gemma 2's softcap) against the same shapes
+    without them and against the references with them."""
+    if DRY:
+        dec_cases = [(2, 100, 4, 2, 64, 37, 50.0)]
+        pre_cases = [(2, 40, 20, 4, 2, 64, 13, 50.0)]
+        kw = dict(block_m=16, block_n=16)
+    else:
+        # (B, ctx, Hq, Hkv, D, window, softcap): Mistral-like (4k window of a 32k context),
+        # Gemma 2-like (D 256, softcap 50), Gemma 3 270M's local layers (window 512)
+        dec_cases = [(8, 32768, 32, 8, 128, 4096, None), (32, 8192, 16, 8, 256, 4096, 50.0),
+                     (64, 4096, 4, 1, 256, 512, None)]
+        # (B, ctx, q_len, Hq, Hkv, D, window, softcap): whole prompts and a chunk after a prefix
+        pre_cases = [(2, 8192, 8192, 32, 8, 128, 4096, None), (4, 4096, 4096, 16, 8, 256, 4096, 50.0),
+                     (4, 4096, 1024, 4, 1, 256, 512, None)]
+        kw = {}
+    dtype = torch.float32 if DRY else torch.bfloat16
+    rows = []
+    for B, ctx, Hq, Hkv, D, W, cap in dec_cases:
+        q, kc, vc, bt, _, lens = paged_inputs(B, ctx, 1, Hq, Hkv, D, dtype)
+        opts = dict(sliding_window=W, softcap=cap)
+        scale = D ** -0.5
+        kv_bytes = 2 * B * min(ctx, W) * Hkv * D * kc.element_size()
+        dkw = dict(block_n=16) if DRY else {}
+        err = rel_err(kernels.paged_decode_attention(q, kc, vc, bt, lens, scale, **dkw, **opts),
+                      kernels.paged_decode_attention_ref(q, kc, vc, bt, lens, scale, **opts))
+        ms = bench_ms(lambda: kernels.paged_decode_attention(q, kc, vc, bt, lens, scale, **dkw, **opts))
+        full_ms = bench_ms(lambda: kernels.paged_decode_attention(q, kc, vc, bt, lens, scale, **dkw))
+        ref_ms = bench_ms(lambda: kernels.paged_decode_attention_ref(q, kc, vc, bt, lens, scale, **opts))
+        rows.append(dict(kernel="decode:window", B=B, ctx=ctx, Hq=Hq, Hkv=Hkv, D=D, window=W, softcap=cap,
+                         dtype=str(dtype), ms=ms, full_ms=full_ms, ref_ms=ref_ms, kv_bytes=kv_bytes,
+                         GBps=kv_bytes / ms / 1e6, frac_copy_bw=kv_bytes / ms / 1e6 / copy_gbps, rel_err=err))
+        del q, kc, vc
+    for B, ctx, ql, Hq, Hkv, D, W, cap in pre_cases:
+        q, kc, vc, bt, qsl, lens = paged_inputs(B, ctx, ql, Hq, Hkv, D, dtype)
+        opts = dict(sliding_window=W, softcap=cap)
+        args = (q, kc, vc, bt, qsl, lens, D ** -0.5, ql)
+        prefix = ctx - ql
+        attended = B * sum(min(prefix + i + 1, W) for i in range(ql))  # keys per query row in its window
+        flops = 4 * attended * Hq * D
+        err = rel_err(kernels.paged_prefill_attention(*args, **kw, **opts), kernels.paged_prefill_attention_ref(*args, **opts))
+        ms = bench_ms(lambda: kernels.paged_prefill_attention(*args, **kw, **opts))
+        full_ms = bench_ms(lambda: kernels.paged_prefill_attention(*args, **kw))
+        ref_ms = bench_ms(lambda: kernels.paged_prefill_attention_ref(*args, **opts))
+        rows.append(dict(kernel="prefill:window", B=B, ctx=ctx, q_len=ql, Hq=Hq, Hkv=Hkv, D=D, window=W, softcap=cap,
+                         dtype=str(dtype), ms=ms, full_ms=full_ms, ref_ms=ref_ms, TFLOPs=flops / ms / 1e9, rel_err=err))
+        del q, kc, vc
+    return rows
+
+
 def bench_store_kv(copy_gbps: float) -> list[dict]:
     T, Hkv, D = (20, 2, 64) if DRY else (8192, 8, 128)
     dtype = torch.float32 if DRY else torch.bfloat16
@@ -197,22 +252,25 @@ def bench_rms_norm(copy_gbps: float) -> list[dict]:
 # ---------------------------------------------------------------- report
 def table(result: dict) -> str:
     lines = [f"copy bandwidth: {result['copy']['GBps']:.0f} GB/s (read+write)  device: {result['device']}"]
-    lines.append(f"{'kernel':<14} {'shape':<34} {'ms':>8} {'ref ms':>8} {'x ref':>6} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8}")
+    lines.append(f"{'kernel':<14} {'shape':<52} {'ms':>8} {'ref ms':>8} {'x ref':>6} {'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8}")
     for r in result["rows"]:
         if r["kernel"] == "decode":
             continue  # the sweep: in the JSON; the table shows the default and the best
-        if r["kernel"] == "decode:best" or r["kernel"] == "decode:default":
+        if r["kernel"] in ("decode:best", "decode:default", "decode:window"):
             shape = f"B{r['B']} ctx{r['ctx']} H{r['Hq']}/{r['Hkv']} D{r['D']}"
-        elif r["kernel"] == "prefill":
+        elif r["kernel"] in ("prefill", "prefill:window"):
             shape = f"B{r['B']} ctx{r['ctx']} q{r['q_len']} H{r['Hq']}/{r['Hkv']} D{r['D']}"
         elif r["kernel"] == "store_kv":
             shape = f"T{r['T']} Hkv{r['Hkv']} D{r['D']}"
         else:
             shape = f"{r['rows']}x{r['hidden']}"
+        if "window" in r:  # the window's figures, then the same shape without it
+            shape += f" W{r['window']}" + (f" cap{r['softcap']:g}" if r.get("softcap") else "")
+            shape += f" (full {r['full_ms']:.3f}ms)"
         gb = f"{r['GBps']:.0f}" if "GBps" in r else "-"
         frac = f"{100 * r['frac_copy_bw']:.0f}%" if "frac_copy_bw" in r else "-"
         tf = f"{r['TFLOPs']:.1f}" if "TFLOPs" in r else "-"
-        lines.append(f"{r['kernel']:<14} {shape:<34} {r['ms']:>8.3f} {r['ref_ms']:>8.3f} "
+        lines.append(f"{r['kernel']:<14} {shape:<52} {r['ms']:>8.3f} {r['ref_ms']:>8.3f} "
                      f"{r['ref_ms'] / r['ms']:>6.1f} {gb:>7} {frac:>6} {tf:>8}")
     return "\n".join(lines)
 
@@ -240,7 +298,7 @@ def main() -> None:
             rows.append({**r, "kernel": "decode:default"})
         rows.append(r)
     print("decode done", flush=True)
-    for part in (bench_prefill, lambda: bench_store_kv(bw), lambda: bench_rms_norm(bw)):
+    for part in (bench_prefill, lambda: bench_window(bw), lambda: bench_store_kv(bw), lambda: bench_rms_norm(bw)):
         rows += part()
     result["rows"] = rows
     bad = [r for r in rows if r.get("rel_err", 0.0) > 2e-2 or r.get("exact") is False]

@@ -44,6 +44,10 @@ __all__ = [
 ]
 
 
+# Under a sliding window W, prefill queries go in tiles of max(W, this) rows (see the prefill reference)
+_WINDOW_Q_TILE = 32
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -219,8 +223,10 @@ def paged_prefill_attention_ref(
     (prefix and chunk alike) are already in the cache. Rows with ``q_len == 1``
     (decode rows of a mixed batch) go through the batched decode reference in
     one call; the others loop over sequences with one SDPA call each. With a
-    window, a sequence reads only the blocks from the one holding its first
-    query's first visible key.
+    window ``W`` a sequence's queries go in tiles of ``max(W, 32)`` rows, each
+    over the blocks from the one holding its first row's first visible key to
+    its last row: keys wholly outside a tile's windows are neither gathered nor
+    scored (a long prompt costs ~2W keys per row instead of its length).
     """
     del max_query_len
     T, Hq, D = q.shape
@@ -246,21 +252,27 @@ def paged_prefill_attention_ref(
         ql, ctx = qlens[b], lens[b]
         if ql <= 1:
             continue
-        # first key any query row sees, rounded down to its block
-        first_blk = 0 if sliding_window is None else max(0, ctx - ql + 1 - sliding_window) // bs
-        first = first_blk * bs
-        table = block_tables[b, first_blk : _cdiv(ctx, bs)].to(torch.long)
-        k = k_cache[table].reshape(-1, Hkv, D)[: ctx - first]  # [ctx - first, Hkv, D]
-        v = v_cache[table].reshape(-1, Hkv, D)[: ctx - first]
-        qb = q[starts[b] : starts[b + 1]].transpose(0, 1).to(acc)  # [Hq, ql, D]
-        kb = k.transpose(0, 1).to(acc)
-        vb = v.transpose(0, 1).to(acc)
-        if ql == ctx and sliding_window is None:  # no cached prefix: plain causal, SDPA's fast path
-            res = _attend(qb, kb, vb, None, scale, softcap, is_causal=True)
-        else:
-            mask = _causal_mask(ql, ctx, q.device, sliding_window, first)
-            res = _attend(qb, kb, vb, mask, scale, softcap)
-        out[starts[b] : starts[b + 1]] = res.transpose(0, 1).to(out.dtype)
+        prefix = ctx - ql
+        tile = ql if sliding_window is None else max(sliding_window, _WINDOW_Q_TILE)
+        for i0 in range(0, ql, tile):
+            i1 = min(ql, i0 + tile)
+            hi = prefix + i1  # keys [first, hi) for query rows [i0, i1)
+            # first key this tile's first row sees, rounded down to its block
+            first_blk = 0 if sliding_window is None else max(0, prefix + i0 + 1 - sliding_window) // bs
+            first = first_blk * bs
+            table = block_tables[b, first_blk : _cdiv(hi, bs)].to(torch.long)
+            k = k_cache[table].reshape(-1, Hkv, D)[: hi - first]  # [hi - first, Hkv, D]
+            v = v_cache[table].reshape(-1, Hkv, D)[: hi - first]
+            rows = slice(starts[b] + i0, starts[b] + i1)
+            qb = q[rows].transpose(0, 1).to(acc)  # [Hq, i1 - i0, D]
+            kb = k.transpose(0, 1).to(acc)
+            vb = v.transpose(0, 1).to(acc)
+            if ql == ctx and sliding_window is None:  # no cached prefix: plain causal, SDPA's fast path
+                res = _attend(qb, kb, vb, None, scale, softcap, is_causal=True)
+            else:
+                mask = _causal_mask(i1 - i0, hi, q.device, sliding_window, first)
+                res = _attend(qb, kb, vb, mask, scale, softcap)
+            out[rows] = res.transpose(0, 1).to(out.dtype)
     return out
 
 

@@ -45,6 +45,7 @@ BATCHES = [
     (4, 1, 4, 16, [13, 23, 8, 30], [13, 7, 1, 4]),
     (8, 3, 1, 32, [40, 5, 19], [40, 5, 1]),
     (4, 2, 2, 16, [31, 26, 3, 11], [31, 1, 3, 6]),
+    (4, 1, 2, 16, [100, 83], [100, 45]),  # long enough for several query tiles per sequence
 ]
 WINDOWS = [1, 3, 4, 7, 8, 23, 64]  # 1 token, under/at/over a block, and over every context
 
