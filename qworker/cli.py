@@ -59,12 +59,9 @@ def run(
     except ValidationError as e:  # a misconfiguration: one line naming the variable, no traceback
         typer.echo(f"qworker: {WorkerSettings.explain(e)}", err=True)
         raise typer.Exit(2) from None
-    if settings.log_format == "json":
-        from qworker.telemetry import configure_json_logging
+    from qworker.telemetry.logging import configure_logging
 
-        configure_json_logging(settings.log_level.upper())
-    else:
-        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(settings.log_format, settings.log_level.upper())  # escapes control characters in every line
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
     from qworker.worker import serve
     from qworker.worker.app import StartupError

@@ -31,6 +31,10 @@ MAX_METADATA_BYTES = 64 * 1024  # as compact JSON
 
 JobId = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, description="Job id: the idempotency key and the Kafka key of every message about the job.")]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
+# JSON object keys are strings: a token id in decimal, as OpenAI's logit_bias spells it
+LogitBiasToken = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 
 
 def check_metadata(value: Any) -> Any:
@@ -87,10 +91,20 @@ class Sampling(_Strict):
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top-N logprobs per generated token.")
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     include_stop_str_in_output: StrictBool = Field(False, description="Keep a matched stop string, or the text of a stop token / EOS, in the text.")
+    logit_bias: dict[LogitBiasToken, LogitBias] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS,
+        description="OpenAI's logit_bias: {token id as a string: bias in [-100, 100]}, added to the logits before sampling "
+        "(-100 in effect bans a token, 100 forces it).",
+    )
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``qworker.engine.SamplingParams``."""
-        return self.model_dump()
+        """Keyword arguments for ``qworker.engine.SamplingParams`` (logit_bias keyed by int, and
+        only when set: a job without one asks the engine for nothing new)."""
+        kw = self.model_dump()
+        bias = kw.pop("logit_bias")
+        if bias:
+            kw["logit_bias"] = {int(tok): b for tok, b in bias.items()}
+        return kw
 
 
 class ChatMessage(_Strict):
@@ -178,13 +192,15 @@ class _Out(BaseModel):
 class Delta(_Out):
     """Streamed tokens of one choice (tokens topic, key = job id), coalesced over a short interval.
 
-    ``seq`` starts at 0 and increases by one per event of a run; readers order by ``seq`` and
-    concatenate ``text`` of the events whose ``run_id`` matches the completion's.
+    ``seq`` starts at 0 and increases by one per event of a run, across all its choices (an
+    ``n > 1`` job's choices share one numbering; ``index`` says whose tokens an event holds).
+    Readers take the events whose ``run_id`` matches the completion's, order them by ``seq`` and
+    concatenate ``text`` per ``index``; the completion's ``last_seq`` says when they have all.
     """
 
     type: Literal["delta"] = "delta"
     index: int = 0
-    seq: int
+    seq: int = Field(description="0, 1, 2, ... per run, across all choices; the completion's last_seq is the last one.")
     text: str
     token_ids: list[int]
 
@@ -232,6 +248,11 @@ class Completion(_Out):
     usage: Usage
     timings: Timings
     metadata: dict[str, Any] | None = None
+    last_seq: int | None = Field(
+        None,
+        description="The seq of the last stream event of this run_id: a reader has the whole stream once it holds every seq "
+        "from 0 to last_seq. None: no event belongs to this run (stream false, or nothing was streamed).",
+    )
 
 
 class ErrorInfo(BaseModel):
@@ -264,7 +285,8 @@ class Cancel(_Strict):
 # headers, appended after the original ones, say why and where from. A header whose key is not
 # UTF-8 cannot be produced again: such records (code bad_headers) carry the original headers in
 # DLQ_HEADER_RAW_HEADERS instead (JSON list of [key, value] pairs, hex-encoded, value null when null).
-DLQ_HEADER_ERROR = "qworker.dlq.error"  # machine code: empty | not_json | not_object | no_id | bad_headers
+DLQ_HEADER_ERROR = "qworker.dlq.error"  # machine code: empty | not_json | not_object | no_id | bad_headers | too_deep
+# too_deep: valid JSON nested deeper than the decoder takes; a copy, the job is also answered invalid_job
 DLQ_HEADER_MESSAGE = "qworker.dlq.message"
 DLQ_HEADER_TOPIC = "qworker.source.topic"
 DLQ_HEADER_PARTITION = "qworker.source.partition"

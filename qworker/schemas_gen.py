@@ -89,6 +89,7 @@ def examples() -> dict[str, Any]:
             usage=Usage(prompt_tokens=12, completion_tokens=4, cached_tokens=0),
             timings=Timings(queue_s=0.012, ttft_s=0.081, total_s=0.31),
             metadata=meta,
+            last_seq=1,  # its stream (job-1 streams): the delta example is seq 0, one more event follows
         ),
         "completion.cancelled": Completion(
             job_id="job-4",

@@ -5,12 +5,12 @@
 - ``spans``/``genai``: the per-job span tree and its gen_ai attributes and events
 - ``metrics``: ``qworker:*`` Prometheus metrics and the engine stats collector
 - ``http``: ``/healthz``, ``/readyz``, ``/metrics``
-- ``logging``: JSON log lines with trace ids
+- ``logging``: JSON or text log lines with trace ids, control characters escaped
 """
 
 from qworker.telemetry.genai import GenerationTrace, operation_name
 from qworker.telemetry.http import EngineLiveness, TelemetryServer
-from qworker.telemetry.logging import JsonFormatter, configure_json_logging, log_job_outcome
+from qworker.telemetry.logging import JsonFormatter, TextFormatter, configure_json_logging, configure_logging, log_job_outcome
 from qworker.telemetry.metrics import WorkerMetrics
 from qworker.telemetry.propagation import extract, inject
 from qworker.telemetry.spans import JobTrace, JobTracer
@@ -23,9 +23,11 @@ __all__ = [
     "JobTracer",
     "JsonFormatter",
     "TelemetryServer",
+    "TextFormatter",
     "Tracing",
     "WorkerMetrics",
     "configure_json_logging",
+    "configure_logging",
     "configure_tracing",
     "extract",
     "inject",

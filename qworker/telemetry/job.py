@@ -127,6 +127,15 @@ class JobTelemetry:
         """Headers for streamed delta events (the job span's context)."""
         return self.trace.headers()
 
+    def log_fields(self) -> dict[str, str]:
+        """``extra=`` for a log line about this job: its id, and its trace id when it has one
+        (the producer's, passed through, when tracing is off)."""
+        out = {"job_id": self.job_id}
+        ctx = self.trace.span.get_span_context()
+        if ctx.is_valid:
+            out["trace_id"] = format(ctx.trace_id, "032x")
+        return out
+
     def outcome(self, outcome: str, code: str | None = None, **fields: Any) -> None:
         """Exactly once per job: the jobs counter, the process span's end, the log line."""
         if self._done:
@@ -158,6 +167,9 @@ class NullJobTelemetry:
 
     def stream_headers(self) -> list[tuple[str, bytes]]:
         return []
+
+    def log_fields(self) -> dict[str, str]:
+        return {}
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:

@@ -34,7 +34,7 @@ from qworker.worker.admission import Admission, PendingQueue
 from qworker.worker.cancellation import CancelRegistry, CancelWatcher
 from qworker.worker.decode import Invalid, Unparseable, Valid, decode
 from qworker.worker.dlq import dlq_headers, raw_headers_header, with_original
-from qworker.worker.jobs import JobRunner, JobState, cancelled_completion, error_message
+from qworker.worker.jobs import Attempts, JobRunner, JobState, cancelled_completion, error_message, log_fields
 from qworker.worker.offsets import OffsetTracker
 from qworker.worker.producer import start_producer
 from qworker.worker.publisher import DeliveryAborted, DeliveryRefused, Publisher, record_size
@@ -78,6 +78,7 @@ class Worker:
         self.giving_up = False  # deliveries stop retrying; unfinished offsets stay uncommitted
         self.ready = False
         self.generation = 0
+        self.attempts = Attempts()  # each answer to an id gets a higher attempt than the one before
         self.model_names: set[str] = set()
         self.model_name = ""
         self.consumer: AIOKafkaConsumer | None = None
@@ -90,6 +91,7 @@ class Worker:
         self.warmed_up = False
         self.token_text = IdText()  # token pieces for OpenAI logprobs: the tokenizer's once loaded
         self.joined = False  # the consumer joined its group (it may own no partition)
+        self.group_health: kc.GroupHealth | None = None  # /readyz: the consumer's state as the broker confirms it
         self._cancel_watcher: CancelWatcher | None = None
         self._side: set[asyncio.Task] = set()  # DLQ/error/cancel publications
         self._validating: dict[asyncio.Task, JobState] = {}  # jobs whose grammar compiles at admission
@@ -120,7 +122,7 @@ class Worker:
                 readiness={
                     "model_loaded": lambda: self.engine is not None and bool(getattr(self.engine, "ready", False)),
                     "warmed_up": lambda: self.warmed_up,
-                    "in_group": lambda: self.joined,
+                    "in_group": lambda: self.group_health is not None and self.group_health.ready(),
                     "not_draining": lambda: not self.draining,
                 },
             )
@@ -173,12 +175,14 @@ class Worker:
         self.consumer.subscribe([s.jobs_topic], listener=kc.Listener(self._on_revoked, self._on_assigned))
         await self._connect(self.consumer)
         self.pauser = kc.Pauser(self.consumer)
+        self.group_health = kc.GroupHealth(self.consumer, TopicPartition(s.jobs_topic, 0), s.ready_timeout_s)
         self._cancel_watcher = CancelWatcher(s.cancel_topic, s.consumer_options(), self.cancel, s.cancel_ttl_s)
         await self._cancel_watcher.start()
         self._loops = [
             asyncio.create_task(self._poll_loop(), name="poll"),
             asyncio.create_task(self._admit_loop(), name="admit"),
             asyncio.create_task(self._commit_loop(), name="commit"),
+            asyncio.create_task(self.group_health.run(), name="group-health"),
         ]
         for t in self._loops:
             t.add_done_callback(self._loop_ended)
@@ -408,10 +412,13 @@ class Worker:
             return None
         if isinstance(d, Invalid):
             self.stats.errors += 1
-            msg = error_message(d.job_id, d.code, d.message, retryable=False, metadata=d.metadata, attempt=self.generation)
+            msg = error_message(d.job_id, d.code, d.message, retryable=False, metadata=d.metadata, attempt=self.attempts.next(d.job_id, self.generation))
             tele = self._job_telemetry(d.job_id, tp, rec, now)
             headers = answer_headers(msg, d.wire)
             data = self._encode(msg, headers, answer_shape(d.wire, self.token_text, d.param))
+            if d.dead_letter:  # answered, and also kept byte for byte for an operator (best effort: the answer moves the offset)
+                copy = with_original(rec.headers, dlq_headers(d.dead_letter, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp))
+                self._publish_side(self.settings.dlq_topic, rec.key, rec.value, copy, [])
             self._publish_side(self.settings.completions_topic, d.job_id, data, headers or None, [(tp, rec.offset)], tele, ("error", d.code))
             return None
         assert isinstance(d, Valid)
@@ -423,7 +430,7 @@ class Worker:
             return None
         ts = rec.timestamp / 1000 if rec.timestamp and rec.timestamp > 0 else now
         st = JobState(job=job, tp=tp, offset=rec.offset, produced_at=min(ts, now), received_at=now, wire=d.wire)
-        st.attempt = self.generation
+        st.attempt = self.attempts.next(job.id, self.generation)
         st.tele = self._job_telemetry(job.id, tp, rec, now)
         if job.id in self.cancels:
             self._finish_now(st, cancelled_completion(st, self.model_name))
@@ -492,7 +499,7 @@ class Worker:
         try:
             return self._precheck(st)
         except Exception as e:  # noqa: BLE001 - every job must be answered
-            log.exception("precheck of job %s failed", st.job.id)
+            log.exception("precheck failed", extra=log_fields(st))
             return error_message(st, "internal_error", f"{type(e).__name__}: {e}"[:2000], retryable=True)
 
     def _precheck(self, st: JobState) -> BaseModel | None:
@@ -545,7 +552,7 @@ class Worker:
             if not self.admission.can_admit(st, self.engine.capacity(), running):
                 break
             self.pending.pop()
-            st.new_run(self.generation)
+            st.new_run(self.attempts.next(st.job.id, self.generation))
             st.task = asyncio.create_task(self._run(st), name=f"job:{st.job.id}")
 
     async def _run(self, st: JobState) -> None:
@@ -563,7 +570,7 @@ class Worker:
             except (asyncio.CancelledError, DeliveryAborted):
                 raise
             except Exception as e:  # noqa: BLE001 - a bug must still answer the job
-                log.exception("job %s: unexpected failure", st.job.id)
+                log.exception("unexpected failure of a run", extra=log_fields(st))
                 result = error_message(st, "internal_error", f"{type(e).__name__}: {e}"[:2000], retryable=False)
             with st.tele.publish(topic, answer_headers(result, st.wire) or None) as headers:
                 result = await self._deliver_answer(topic, st.job.id, result, headers or None, answer_shape(st.wire, self.token_text))
@@ -577,7 +584,7 @@ class Worker:
         except DeliveryRefused as e:
             # Nothing can be published for it (e.g. not authorised for the topic): leave its
             # records uncommitted rather than commit past an unanswered job; an operator must act.
-            log.error("job %s: no answer can be published: %s", st.job.id, e)
+            log.error("no answer can be published: %s", e, extra=log_fields(st))
             self._forget(st)
             st.tele.outcome("error", "undeliverable")
             return
@@ -690,13 +697,13 @@ class Worker:
                 return  # stays uncommitted
             except DeliveryRefused as e:
                 if not e.too_large:  # not authorised, no such topic: stays uncommitted
-                    log.error("%s refused the record for %s: %s; leaving it uncommitted", topic, offsets, e)
+                    log.error("%s refused the record for %s: %s; leaving it uncommitted", topic, offsets, e, extra=tele.log_fields() if tele is not None else None)
                     if tele is not None:
                         tele.outcome("error", "undeliverable")
                     return
                 # only a DLQ copy can be too large (answers are bounded): retrying would pin the
                 # partition, and the record cannot be answered anyway; log loudly and move on
-                log.error("%s refused the record for %s: %s; committing past it", topic, offsets, e)
+                log.error("%s refused the record for %s: %s; committing past it", topic, offsets, e, extra=tele.log_fields() if tele is not None else None)
             for tp, off in offsets:
                 self.tracker.done(tp, off)
             if tele is not None and outcome is not None:

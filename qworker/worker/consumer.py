@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -29,7 +31,7 @@ class Listener(ConsumerRebalanceListener):
 
 
 def generation(consumer: AIOKafkaConsumer) -> int:
-    """The group generation (it grows with every rebalance); used as a run's ``attempt``."""
+    """The group generation (it grows with every rebalance); the base of a run's ``attempt``."""
     coord = getattr(consumer, "_coordinator", None)
     gen = getattr(coord, "generation", -1)
     return gen if isinstance(gen, int) and gen >= 0 else 0
@@ -109,3 +111,78 @@ async def getmany(consumer: AIOKafkaConsumer, timeout_ms: int, max_records: int)
     if out:
         return out
     return await consumer.getmany(timeout_ms=timeout_ms, max_records=1)
+
+
+class GroupHealth:
+    """Whether the jobs consumer really works now: /readyz's ``in_group`` check.
+
+    A flag set when the group was first joined stays true with the broker frozen or gone
+    (aiokafka notices a dead coordinator only after ``request_timeout_ms`` plus the session
+    timeout, 80 s with the defaults). So readiness is what was *confirmed* lately: a round
+    (every ``interval_s``) passes when the group coordinator is known, the assignment is
+    current (joined, no rebalance pending), the coordinator answers a request (the group's
+    committed offset of one partition) within ``timeout_s``, and every assigned partition that
+    is not paused got a fetch response within ``bound_s``. Ready while the last passing round
+    is at most ``bound_s`` old: a frozen or vanished broker turns the pod unready within about
+    ``bound_s + interval_s``, and one passing round after its return makes it ready again. A
+    short rebalance (under ``bound_s``) does not flap it.
+    """
+
+    def __init__(self, consumer: AIOKafkaConsumer, probe: TopicPartition, bound_s: float, clock: Callable[[], float] = time.monotonic):
+        self.consumer, self.probe, self.bound_s, self.clock = consumer, probe, bound_s, clock
+        self.interval_s = min(5.0, bound_s / 4)
+        self.timeout_s = max(0.1, bound_s / 2)
+        self.last_ok: float | None = None
+        self.reason = "not checked yet"  # why the last round failed (for logs)
+
+    def ready(self) -> bool:
+        return self.last_ok is not None and self.clock() - self.last_ok <= self.bound_s
+
+    async def run(self) -> None:
+        """The checking loop; never ends (the worker runs it with its other loops)."""
+        was_ready = False
+        while True:
+            passed = False
+            try:
+                passed = await self.check()
+            except Exception as e:  # noqa: BLE001 - a failed round is a failed round, never the end
+                self.reason = f"check failed: {e!r}"
+            if passed:
+                self.last_ok = self.clock()
+            if self.ready() != was_ready:
+                was_ready = not was_ready
+                if was_ready:
+                    log.info("consumer confirmed its group state with the broker: ready")
+                else:
+                    log.warning("consumer unready: %s (nothing confirmed for %.1fs)", self.reason, self.bound_s)
+            # after a failed round, look again soon: a pod that just joined (or a broker that just
+            # came back) should not wait a whole interval to be ready
+            await asyncio.sleep(self.interval_s if passed else min(self.interval_s, 0.5))
+
+    async def check(self) -> bool:
+        """One round; True when everything above holds now (``reason`` says what did not)."""
+        coord = getattr(self.consumer, "_coordinator", None)
+        if coord is None or coord.coordinator_id is None:
+            self.reason = "group coordinator unknown"
+            return False
+        subscription = self.consumer._subscription.subscription
+        if subscription is None or coord.need_rejoin(subscription):
+            self.reason = "not joined, or rejoining the group"
+            return False
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.consumer.committed(self.probe)
+        except TimeoutError:
+            self.reason = f"the group coordinator did not answer within {self.timeout_s:.1f}s"
+            return False
+        except KafkaError as e:
+            self.reason = f"the group coordinator refused a request: {e!r}"
+            return False
+        now_ms = time.time() * 1000
+        paused = set(self.consumer.paused())
+        for tp in self.consumer.assignment():
+            last = self.consumer.last_poll_timestamp(tp) if tp not in paused else None
+            if last is not None and now_ms - last > self.bound_s * 1000:
+                self.reason = f"no fetch response for {tp.topic}/{tp.partition} for {(now_ms - last) / 1000:.1f}s"
+                return False
+        return True

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from qworker.messages import MAX_ID_LEN, Job, bounded_metadata, loads
 from qworker.openai_batch.requests import OpenAIRequest, RequestError, is_openai_line, map_line
+from qworker.worker.jsonscan import NotJson, scan
 
 
 @dataclass(slots=True)
@@ -33,13 +34,14 @@ class Invalid:
     code: str = "invalid_job"
     wire: OpenAIRequest | None = None
     param: str | None = None  # the offending field, as the record spelled it
+    dead_letter: str | None = None  # also copy the record to the DLQ with this code (too_deep)
 
 
 @dataclass(slots=True)
 class Unparseable:
     """Cannot be answered (no id to key a reply by): goes to the DLQ with these reasons."""
 
-    code: str  # empty | not_json | not_object | no_id (bad_headers: see rawfetch)
+    code: str  # empty | not_json | not_object | no_id (bad_headers: see rawfetch; too_deep: see Invalid)
     message: str
 
 
@@ -75,7 +77,7 @@ def decode(value: bytes | None) -> Decoded:
     try:
         data = loads(value)
     except (ValueError, RecursionError) as e:
-        return Unparseable("not_json", f"not valid JSON: {str(e)[:500]}")
+        return _undecodable(value, e)
     if not isinstance(data, dict):
         return Unparseable("not_object", f"JSON {type(data).__name__}, expected an object")
     if is_openai_line(data):
@@ -104,3 +106,31 @@ def _decode_openai(data: dict[str, Any]) -> Decoded:
     except (ValueError, TypeError, RecursionError) as e:  # pathological input: never kill the worker
         return Invalid(cid, f"invalid request line: {str(e)[:500]}", None, "invalid_job", OpenAIRequest(cid))
     return Valid(job, wire)
+
+
+def _undecodable(value: bytes, err: BaseException) -> Decoded:
+    """The decoders refused ``value``. Valid JSON nested deeper than they go (orjson stops at
+    1,024 levels, the stdlib at its recursion limit) still names its job: scanned without
+    recursion, a top-level object with a usable id is answered ``invalid_job`` (and copied to
+    the DLQ as ``too_deep``); anything else is dead-lettered, as the scan classifies it."""
+    try:
+        found = scan(value, {"id", "custom_id"})
+    except (NotJson, RecursionError, MemoryError):
+        return Unparseable("not_json", f"not valid JSON: {str(err)[:500]}")
+    if not found.is_object:
+        return Unparseable("not_object", f"JSON nests {found.depth} levels deep and is not an object")
+    message = f"the job's JSON nests {found.depth} levels deep; the decoder takes at most {_DECODER_DEPTH}"
+    if "custom_id" in found.fields:  # an OpenAI request line, as is_openai_line tells them apart
+        cid = found.fields["custom_id"]
+        if not usable_id(cid):
+            return Unparseable("no_id", f"'custom_id' must be a string of 1-{MAX_ID_LEN} characters ({message})")
+        assert isinstance(cid, str)
+        return Invalid(cid, message, None, wire=OpenAIRequest(cid), dead_letter="too_deep")
+    jid = found.fields.get("id")
+    if not usable_id(jid):
+        return Unparseable("no_id", f"'id' must be a string of 1-{MAX_ID_LEN} characters ({message})")
+    assert isinstance(jid, str)
+    return Invalid(jid, message, None, dead_letter="too_deep")
+
+
+_DECODER_DEPTH = 1024  # orjson's limit; the stdlib fallback stops at about the recursion limit

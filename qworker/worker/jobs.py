@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,38 @@ class JobState:
         # Unique per run: an aborted run of the same job may still be unwinding in the engine.
         self.request_id = f"{self.job.id}#{self.run_id}"
         self.in_engine = self.gen_done = self.cancel_requested = False
+
+
+ATTEMPT_SPAN = 1000  # answers to one id one pod numbers apart within one generation
+
+
+class Attempts:
+    """The ``attempt`` of each answer: ``generation * ATTEMPT_SPAN + k``, where ``k`` counts the
+    answers this worker gave the same job id earlier in the same group generation.
+
+    So a later answer to an id always has a higher attempt: a rerun after a rebalance (a higher
+    generation beats any ``k``), and a resubmission of an id that was already answered (the same
+    generation, a higher ``k``). Within a generation only the owner of the id's partition answers
+    it (records are keyed by job id), so counting here is enough. Bounded: the ``max_ids`` most
+    recently answered ids are remembered; ``k`` stops growing at ``ATTEMPT_SPAN - 1``."""
+
+    def __init__(self, max_ids: int = 65_536):
+        self.max_ids = max_ids
+        self._last: OrderedDict[str, tuple[int, int]] = OrderedDict()  # job id -> (generation, k)
+
+    def next(self, job_id: str, generation: int) -> int:
+        gen, k = self._last.pop(job_id, (generation, -1))
+        k = min(k + 1, ATTEMPT_SPAN - 1) if gen == generation else 0
+        self._last[job_id] = (generation, k)
+        if len(self._last) > self.max_ids:
+            self._last.popitem(last=False)
+        return generation * ATTEMPT_SPAN + k
+
+
+def log_fields(state: JobState) -> dict[str, str]:
+    """``extra=`` for a log line about this job: its id (and trace id when it has one), so
+    every per-job line names its job in either log format."""
+    return {**state.tele.log_fields(), "job_id": state.job.id}
 
 
 def error_message(state_or_id: JobState | str, code: str, message: str, retryable: bool, metadata: dict | None = None, attempt: int = 0, run_id: str = "") -> JobError:
@@ -125,7 +158,7 @@ class JobRunner:
         if job.stream:
             # one traceparent for every delta event of the run
             stream = StreamSender(self.publisher, self.tokens_topic, StreamCoalescer(job.id, state.attempt, state.run_id, self.interval_s), tele.stream_headers() or None,
-                                  chunk_render(state.wire, self.model_name))
+                                  chunk_render(state.wire, self.model_name), log_fields(state))
         tick = asyncio.create_task(self._tick(stream)) if stream is not None else None
         last = None
         cached = 0
@@ -161,7 +194,7 @@ class JobRunner:
                     if c.finish_reason is not None:
                         acc.finish_reason = c.finish_reason
                     if want_logprobs and c.logprobs:
-                        acc.logprobs = (acc.logprobs or []) + [{str(k): float(v) for k, v in lp.items()} for lp in c.logprobs]
+                        acc.logprobs = (acc.logprobs or []) + [{str(k): v.logprob for k, v in lp.items()} for lp in c.logprobs]
                     if stream is not None:
                         stream.coalescer.add(c.index, c.text, list(c.token_ids))
                 if out.finished:
@@ -181,6 +214,7 @@ class JobRunner:
                 if isinstance(res, Exception):
                     raise res  # a publishing failure in the ticker (stopping, refused)
         reasons = {a.finish_reason for a in accs.values()}
+        last_seq: int | None = None
         # Cancelled only when the abort actually cut a choice short: a cancel that arrives after
         # the last token leaves a complete result, which stands (status and reasons agree).
         cancelled = state.cancel_requested and bool(reasons & {None, "abort"})
@@ -200,6 +234,7 @@ class JobRunner:
             # The stream must be complete before the completion is acknowledged and the offset moves.
             await stream.settle()
             state.run_id = stream.run_id  # a replayed stream has a fresh run id
+            last_seq = stream.coalescer.last_seq
         if not cancelled and reasons & {None, "abort"}:
             code = getattr(last, "error_code", None) if last is not None else None
             err = getattr(last, "error", None) if last is not None else None
@@ -228,6 +263,7 @@ class JobRunner:
             usage=Usage(prompt_tokens=state.prompt_len, completion_tokens=sum(len(c.token_ids) for c in choices), cached_tokens=cached),
             timings=timings(state, getattr(last, "metrics", None)),
             metadata=job.metadata,
+            last_seq=last_seq,
         )
 
 

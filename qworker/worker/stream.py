@@ -55,6 +55,12 @@ class StreamCoalescer:
         self._taken_ends: list[tuple[int, str | None, Usage | None]] = []
         self._last_flush = float("-inf")
 
+    @property
+    def last_seq(self) -> int | None:
+        """The ``seq`` of the last event taken (None before the first): the completion's end
+        marker for its stream."""
+        return self.seq - 1 if self.seq > 0 else None
+
     def add(self, index: int, text: str, token_ids: list[int]) -> None:
         if not text and not token_ids:
             return
@@ -146,9 +152,10 @@ class StreamSender:
     fresh ``run_id`` instead; events of the abandoned id are stale, like those of an aborted run.
     """
 
-    def __init__(self, publisher, topic: str, coalescer: StreamCoalescer, headers: list | None, render: Render | None = None):
+    def __init__(self, publisher, topic: str, coalescer: StreamCoalescer, headers: list | None, render: Render | None = None, log_extra: dict | None = None):
         self.publisher, self.topic, self.coalescer, self.headers = publisher, topic, coalescer, headers
         self.render = render  # None: native Delta messages
+        self.log_extra = log_extra or {"job_id": coalescer.job_id}  # the job (and trace) ids on its log lines
         self._sent: list[asyncio.Future] = []
         self._lock = asyncio.Lock()
         self.restarts = 0
@@ -186,7 +193,7 @@ class StreamSender:
                     return
                 self.restarts += 1
                 new_id = uuid.uuid4().hex[:16]
-                log.warning("stream %s/%s: delivery failed (%r); replaying it as run %s", self.coalescer.job_id, self.run_id, failed, new_id)
+                log.warning("stream of run %s: delivery failed (%r); replaying it as run %s", self.run_id, failed, new_id, extra=self.log_extra)
                 await self.publisher.wait_retry(self.topic, failed, 0.2)  # raises when stopping
                 # each replayed event must fit the size limit the original events were sent under
             limit = getattr(self.publisher, "max_message_bytes", None) or 1_000_000
