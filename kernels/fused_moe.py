@@ -35,7 +35,7 @@ def _gate_up_kernel(
     M, H, I,
     stride_xt, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -55,10 +55,15 @@ def _gate_up_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_ok = offs_k + k0 < H
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if EVEN_K:  # no mask along the contiguous dimension: vectorised, asynchronous copies
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k + k0 < H
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PREC)
         acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
@@ -80,7 +85,7 @@ def _down_kernel(
     M, H, I,
     stride_hm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, W_IN_ACT: tl.constexpr,
+    DOT_PREC: tl.constexpr, W_IN_ACT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -97,9 +102,13 @@ def _down_kernel(
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        k_ok = offs_k + k0 < I
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k + k0 < I
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -154,14 +163,15 @@ def moe_experts(
         x, gate_up, h, sorted_ids, block_expert,
         M, H, I,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        TOP_K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, num_warps=4,
+        TOP_K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, EVEN_K=H % bk == 0, num_warps=4,
     )
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(H, bn))](
         h, down, y, sorted_ids, block_expert, weights,
         M, H, I,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, W_IN_ACT=weights_in_act_dtype, num_warps=4,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, W_IN_ACT=weights_in_act_dtype, EVEN_K=I % bk == 0,
+        num_warps=4,
     )
     return y.view(T, K, H).sum(dim=1)
 

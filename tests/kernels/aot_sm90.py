@@ -20,7 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import decode_attention, kv_store, prefill_attention, rmsnorm  # noqa: E402
+from kernels import decode_attention, fused_moe, kv_store, prefill_attention, rmsnorm  # noqa: E402
 
 OPS = r"(ld\.global\.b16|cp\.async\.cg\.shared\.global|wgmma\.mma_async|mma\.sync)"
 
@@ -64,6 +64,14 @@ def main(full: bool) -> dict:
                 HQ=16, NUM_SPLITS=4, S_PAD=4, D=256, D_PAD=256, HAS_WINDOW=True))
             res[f"prefill_window_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
                 G=2, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **both))
+        # mixture of experts: decode-sized (16-row) and prefill-sized (64-row) expert tiles
+        moe_t = {**{n: f"*{dt}" for n in ("x_ptr", "w_ptr", "out_ptr", "h_ptr")}, "sorted_ids_ptr": "*i32",
+                 "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
+        for bm in (16, 64):
+            res[f"moe_gate_up_m{bm}_{dt}"] = compile_sm90(fused_moe._gate_up_kernel, moe_t, dict(
+                TOP_K=8, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=32 if dt == "fp32" else 64, DOT_PREC=prec, EVEN_K=True))
+            res[f"moe_down_m{bm}_{dt}"] = compile_sm90(fused_moe._down_kernel, moe_t, dict(
+                BLOCK_M=bm, BLOCK_N=64, BLOCK_K=32 if dt == "fp32" else 64, DOT_PREC=prec, W_IN_ACT=False, EVEN_K=True))
         if full:
             res[f"decode_direct_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
                 HQ=24, NUM_SPLITS=1, G=3, G_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=32, BLOCK_N=64, DIRECT=True,

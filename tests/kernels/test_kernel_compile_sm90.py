@@ -45,3 +45,8 @@ def test_kernels_compile_for_sm90_with_fast_instructions():
             assert "cp.async.cg.shared.global" in r["ops"] and "ld.global.b16" not in r["ops"], (name, r)
         if name.startswith("prefill") and not name.endswith("fp32"):
             assert "wgmma.mma_async" in r["ops"], (name, r)
+        if name.startswith("moe") and not name.endswith("fp32"):
+            # expert weights and gathered token rows by 16-byte cp.async; tensor cores (wgmma
+            # from 64-row tiles, mma.sync for the 16-row decode tiles)
+            assert "cp.async.cg.shared.global" in r["ops"] and "ld.global.b16" not in r["ops"], (name, r)
+            assert ("wgmma.mma_async" if "_m64_" in name else "mma.sync") in r["ops"], (name, r)
