@@ -249,6 +249,34 @@ def bench_rms_norm(copy_gbps: float) -> list[dict]:
                  rel_err=err, GBps=nbytes / ms / 1e6, frac_copy_bw=nbytes / ms / 1e6 / copy_gbps)]
 
 
+def bench_moe(copy_gbps: float) -> list[dict]:
+    """Fused mixture-of-experts (kernels.moe_experts) against its eager per-expert reference:
+    GB/s of the expert weights the step touches (decode is bound by them), TFLOP/s of the
+    active experts' GEMMs."""
+    if DRY:
+        cases, dtype = [(5, 4, 2, 64, 32)], torch.float32
+    else:  # (T, E, K, H, I): Qwen3-30B-A3B's MoE layer at decode 1 / 64 and a 4k-token prefill
+        cases, dtype = [(1, 128, 8, 2048, 768), (64, 128, 8, 2048, 768), (4096, 128, 8, 2048, 768)], torch.bfloat16
+    rows = []
+    for T, E, K, H, I in cases:
+        gen = torch.Generator().manual_seed(T)
+        gate_up = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(DEV, dtype)
+        down = (torch.randn(E, H, I, generator=gen) / I**0.5).to(DEV, dtype)
+        x = torch.randn(T, H, generator=gen).to(DEV, dtype)
+        w, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=gen), -1), K, dim=-1)
+        w, ids = (w / w.sum(-1, keepdim=True)).to(DEV), ids.to(DEV)
+        err = rel_err(kernels.moe_experts(x, gate_up, down, w, ids), kernels.moe_experts_ref(x, gate_up, down, w, ids))
+        ms = bench_ms(lambda: kernels.moe_experts(x, gate_up, down, w, ids))
+        ref_ms = bench_ms(lambda: kernels.moe_experts_ref(x, gate_up, down, w, ids))
+        touched = len(set(ids.flatten().tolist()))
+        nbytes = touched * 3 * H * I * gate_up.element_size()
+        flops = 2 * 3 * H * I * T * K
+        rows.append(dict(kernel="moe", T=T, E=E, K=K, H=H, I=I, dtype=str(dtype), experts_hit=touched, ms=ms, ref_ms=ref_ms,
+                         rel_err=err, GBps=nbytes / ms / 1e6, frac_copy_bw=nbytes / ms / 1e6 / copy_gbps,
+                         TFLOPs=flops / ms / 1e9))
+    return rows
+
+
 # ---------------------------------------------------------------- report
 def table(result: dict) -> str:
     lines = [f"copy bandwidth: {result['copy']['GBps']:.0f} GB/s (read+write)  device: {result['device']}"]
@@ -260,6 +288,8 @@ def table(result: dict) -> str:
             shape = f"B{r['B']} ctx{r['ctx']} H{r['Hq']}/{r['Hkv']} D{r['D']}"
         elif r["kernel"] in ("prefill", "prefill:window"):
             shape = f"B{r['B']} ctx{r['ctx']} q{r['q_len']} H{r['Hq']}/{r['Hkv']} D{r['D']}"
+        elif r["kernel"] == "moe":
+            shape = f"T{r['T']} E{r['E']} top{r['K']} H{r['H']} I{r['I']} ({r['experts_hit']} hit)"
         elif r["kernel"] == "store_kv":
             shape = f"T{r['T']} Hkv{r['Hkv']} D{r['D']}"
         else:
@@ -298,7 +328,8 @@ def main() -> None:
             rows.append({**r, "kernel": "decode:default"})
         rows.append(r)
     print("decode done", flush=True)
-    for part in (bench_prefill, lambda: bench_window(bw), lambda: bench_store_kv(bw), lambda: bench_rms_norm(bw)):
+    for part in (bench_prefill, lambda: bench_window(bw), lambda: bench_store_kv(bw), lambda: bench_rms_norm(bw),
+                 lambda: bench_moe(bw)):
         rows += part()
     result["rows"] = rows
     bad = [r for r in rows if r.get("rel_err", 0.0) > 2e-2 or r.get("exact") is False]
