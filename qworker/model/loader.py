@@ -1,4 +1,5 @@
-"""Load a Llama-family checkpoint (Llama, Mistral, Qwen2) from safetensors + transformers' config."""
+"""Load a checkpoint of a supported family (:mod:`qworker.model.families`) from safetensors +
+transformers' config."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-SUPPORTED = {"llama", "mistral", "qwen2"}
+from qworker.model.families import FAMILIES, SUPPORTED
+
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -28,9 +30,22 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_config(model_dir: str | Path) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(model_dir)
-    if config.model_type not in SUPPORTED:
-        raise ValueError(f"unsupported model type {config.model_type!r}; supported: {sorted(SUPPORTED)}")
+    """The model's transformers config; a ValueError of one line for a model type no family serves
+    (including one transformers itself does not know)."""
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError) as exc:
+        import json
+
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        if model_type not in FAMILIES:
+            raise ValueError(f"unsupported model type {model_type!r}; supported: {', '.join(SUPPORTED)}") from None
+        raise ValueError(f"{model_dir}/config.json: {str(exc).splitlines()[0]}") from None
+    if config.model_type not in FAMILIES:
+        raise ValueError(f"unsupported model type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
     return config
 
 

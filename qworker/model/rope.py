@@ -1,4 +1,9 @@
-"""Rotary position embeddings, as a cos/sin table indexed by position (rotate-half convention)."""
+"""Rotary position embeddings, as a cos/sin table indexed by position (rotate-half convention).
+
+``layer_type``: for configs whose ``rope_parameters`` hold one dict per layer type (Gemma 3:
+"sliding_attention" / "full_attention"), the table of that type. A ``partial_rotary_factor``
+below 1 (Phi) gives a table narrower than the head: only the first ``rotary_dim`` channels of
+each head rotate (:attr:`RotaryEmbedding.rotary_dim`)."""
 
 from __future__ import annotations
 
@@ -8,38 +13,65 @@ from transformers import PretrainedConfig
 import kernels
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     return params
 
 
-def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(config)
+def inverse_frequencies(config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config, layer_type)
     if params["rope_type"] == "default":
+        dim = int(head_dim * (params["partial_rotary_factor"] or 1.0))
         # float32 like the reference implementation, so greedy outputs match it bit for bit
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), scale
 
 
 class RotaryEmbedding:
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype, backend: str = "cpu"):
-        inv_freq, scale = inverse_frequencies(config, head_dim)
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype, backend: str = "cpu",
+                 layer_type: str | None = None):
+        inv_freq, scale = inverse_frequencies(config, head_dim, layer_type)
+        self.rotary_dim = 2 * inv_freq.shape[0]
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
-
         # in place: the C kernel on CPU, the torch reference with the Triton backend (no Triton rope kernel)
         self._apply = kernels.rotary_embedding_cpu_ if backend == "cpu" else kernels.rotary_embedding_ref
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` in place."""
         self._apply(positions, q, k, self.cos, self.sin)
+
+
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """Rotates only each head's first ``rotary_dim`` channels (the rest pass through)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the C kernel rotates whole heads; the reference rotates views of the first channels
+        self._apply = kernels.rotary_embedding_ref
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        d = self.rotary_dim
+        self._apply(positions, q[..., :d], k[..., :d], self.cos, self.sin)
+
+
+def rotary_embedding(config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype, backend: str = "cpu",
+                     layer_type: str | None = None) -> RotaryEmbedding:
+    rope = RotaryEmbedding(config, head_dim, max_positions, device, dtype, backend, layer_type)
+    if rope.rotary_dim == head_dim:
+        return rope
+    return PartialRotaryEmbedding(config, head_dim, max_positions, device, dtype, backend, layer_type)

@@ -14,7 +14,7 @@ from qworker.model.attention import AttentionMetadata
 from qworker.model.batch import Batch
 from qworker.model.kv_cache import KVCache, bytes_per_block
 from qworker.model.linear import check_cpu_bf16
-from qworker.model.llama import LlamaModel
+from qworker.model.decoder import DecoderModel
 from qworker.model.loader import load_config, load_state_dict, resolve_device, resolve_dtype
 
 
@@ -33,7 +33,7 @@ class ModelRunner:
         model_len = getattr(self.config, "max_position_embeddings", 4096)
         self.max_model_len = min(max_model_len or model_len, model_len)
         weights = load_state_dict(model_dir, self.device, self.dtype)
-        self.model = LlamaModel(self.config, weights, self.device, self.dtype, self.max_model_len, kernel_backend)
+        self.model = DecoderModel(self.config, weights, self.device, self.dtype, self.max_model_len, kernel_backend)
         self.kv: KVCache | None = None
         self.block_size = 0
 

@@ -1,0 +1,268 @@
+"""The decoder every family shares (norm -> attention -> norm -> MLP) over a paged KV cache.
+
+A family (:mod:`qworker.model.families`) says what differs as a :class:`DecoderSpec`: weight
+names, q/k norms, MLP kind, the norms' form, extra norms, attention options per layer, embedding
+scale, logit soft-capping. Two forwards: :meth:`DecoderModel.forward` is the Llama loop, used
+whenever the spec adds nothing but one window for all layers (Llama, Mistral, Qwen2 without
+per-layer windows, Phi-3), so that path does no per-layer work beyond what it always did;
+:meth:`DecoderModel._forward_general` carries every hook.
+
+Weights are plain tensors; q/k/v and gate/up projections are fused into one matmul each, because
+on every device a few large matmuls beat many small ones. Only the rows that need logits go
+through the final norm and the LM head.
+
+Every projection is a :class:`~qworker.model.linear.Linear`: on CUDA ``x @ w`` with ``w`` the
+checkpoint's weight as a free transposed view (cuBLAS takes it as is); on CPU oneDNN with the
+weight packed once at load, or ``x @ w`` with a row-major ``[in, out]`` copy where oneDNN is
+unavailable or slower (chosen at start-up, see :mod:`qworker.model.linear`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+import kernels
+from qworker.model.attention import AttentionMetadata, PagedAttention
+from qworker.model.families import spec_for
+from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLayer, dims, take
+from qworker.model.linear import Linear, cpu_linear_backend
+from qworker.model.moe import MoE
+from qworker.model.rope import RotaryEmbedding, rotary_embedding
+
+
+class GatedMLP:
+    """``down(act(gate(x)) * up(x))`` with gate/up fused; ``act`` maps ``[T, 2I]`` -> ``[T, I]``."""
+
+    __slots__ = ("gate_up", "down", "act")
+
+    def __init__(self, gate_up: Linear, down: Linear, act: Callable[[torch.Tensor], torch.Tensor]):
+        self.gate_up, self.down, self.act = gate_up, down, act
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate_up(x)))
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Linear  # q, k, v fused (with their biases, Qwen2)
+    o: Linear
+    post_norm: torch.Tensor  # the norm before the MLP
+    gate_up: Linear | None  # gate and up fused (None for a MoE layer)
+    down: Linear | None
+    mlp: Callable[[torch.Tensor], torch.Tensor]  # the general forward's MLP (dense or MoE)
+    attn: PagedAttention
+    rope: RotaryEmbedding
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+
+
+class DecoderModel:
+    """``kernel_backend``: "triton" (the default on CUDA) or "cpu" (the default on CPU: the C kernels
+    with torch references). Tests run the Triton backend on CPU tensors under the interpreter."""
+
+    def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, max_positions: int,
+                 kernel_backend: str | None = None, spec: DecoderSpec | None = None):
+        backend = kernel_backend or ("triton" if device.type == "cuda" else "cpu")
+        if backend not in ("triton", "cpu"):
+            raise ValueError(f"kernel_backend must be 'triton' or 'cpu', got {backend!r}")
+        spec = spec or spec_for(config)
+        d = dims(config)
+        if len(spec.layers) != config.num_hidden_layers:
+            raise ValueError(f"config.layer_types has {len(spec.layers)} entries for {config.num_hidden_layers} layers")
+        self.config = config
+        self.spec = spec
+        self.device = device
+        self.dtype = dtype
+        self.num_heads = d.num_heads
+        self.num_kv_heads = d.num_kv_heads
+        self.head_dim = d.head_dim
+        self.num_layers = config.num_hidden_layers
+        self.eps = config.rms_norm_eps
+        self.vocab_size = config.vocab_size
+        self.q_size = d.q_size
+        self.kv_size = d.kv_size
+
+        # CPU bf16: bf16 weights and GEMMs (oneDNN, fp32 accumulation), fp32 activations between
+        # them (norms, rotary, attention and the residual stream in fp32, as the C kernels want)
+        self.act_dtype = torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+        act = self.act_dtype
+        embed = take(weights, "model.embed_tokens.weight", (d.vocab, d.hidden))
+        self.embed = embed.to(act)  # the lookup table
+        self.norm = self._norm_weight(take(weights, "model.norm.weight", (d.hidden,)))
+        lm_head = weights.pop("lm_head.weight", None)
+        if lm_head is None or getattr(config, "tie_word_embeddings", False):
+            lm_head = embed
+        elif tuple(lm_head.shape) != (d.vocab, d.hidden):
+            raise ValueError(f"tensor 'lm_head.weight' has shape {list(lm_head.shape)}, expected {[d.vocab, d.hidden]}")
+        # every layer's tensors are taken (and checked) before any is converted
+        raw = [spec.take_layer(weights, i) for i in range(self.num_layers)]
+        if device.type == "cuda":
+            self.linear_backend = "transposed"
+        else:
+            # a few layers' projections are enough for the start-up timing (and more than the cache)
+            sample = [w for layer in raw[:2] for w in self._dense_weights(layer)]
+            self.linear_backend = cpu_linear_backend(dtype, sample)
+        # a tied head gets its own copy in the GEMM layout; the embedding keeps its rows for lookups
+        self.lm_head = Linear(lm_head, None, self.linear_backend, act)
+        del embed, lm_head
+        # the embedding scale is rounded to the model dtype first, as transformers does
+        self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale, dtype=dtype).to(device=device, dtype=act)
+        self.final_softcap = spec.final_softcap
+
+        self.ropes = {key: rotary_embedding(config, self.head_dim, max_positions, device, act, backend, layer_type)
+                      for key, layer_type in spec.rope_tables.items()}
+        scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
+        attns: dict[int | None, PagedAttention] = {}
+        for a in spec.layers:
+            if a.sliding_window not in attns:
+                attns[a.sliding_window] = self._attention(backend, scale, a.sliding_window, spec.attn_softcap)
+        triton = backend == "triton"
+        # fused residual-add + RMSNorm: the Triton kernel, or the C kernel on CPU
+        self.norm_fn = kernels.rms_norm if triton else kernels.rms_norm_cpu
+        self.swiglu = kernels.silu_and_mul_ref if triton else kernels.silu_and_mul_cpu
+        activation = self.swiglu if spec.activation == "silu" else gelu_tanh_and_mul
+
+        self.layers = []
+        for layer, a in zip(raw, spec.layers):
+            gate_up = down = None
+            if isinstance(layer.mlp, DenseMLP):
+                gate_up = Linear(layer.mlp.gate_up, None, self.linear_backend, act)
+                down = Linear(layer.mlp.down, None, self.linear_backend, act)
+                mlp = GatedMLP(gate_up, down, activation)
+            else:
+                m: MoEWeights = layer.mlp
+                mlp = MoE(m.router, m.gate_up, m.down, m.top_k, m.renormalize, self.linear_backend, act, backend,
+                          weights_in_act_dtype=m.weights_in_act_dtype)
+            opt = self._norm_weight
+            self.layers.append(LayerWeights(
+                input_norm=opt(layer.input_norm),
+                qkv=Linear(layer.qkv, layer.qkv_bias, self.linear_backend, act),
+                o=Linear(layer.o, layer.o_bias, self.linear_backend, act),
+                post_norm=opt(layer.mlp_norm),
+                gate_up=gate_up,
+                down=down,
+                mlp=mlp,
+                attn=attns[a.sliding_window],
+                rope=self.ropes[a.rope],
+                q_norm=opt(layer.q_norm),
+                k_norm=opt(layer.k_norm),
+                attn_out_norm=opt(layer.attn_out_norm),
+                mlp_out_norm=opt(layer.mlp_out_norm),
+            ))
+            layer.mlp = None  # the [out, in] originals go as each layer is converted
+        raw.clear()
+        # the plain loop reads these two; with one window and one rope table they are every layer's
+        self.rope = self.layers[0].rope
+        self.attn = self.layers[0].attn
+        if not spec.is_plain() or len(self.ropes) != 1 or any(layer.gate_up is None for layer in self.layers):
+            self.forward = self._forward_general
+
+    def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
+        if w is None:
+            return None
+        if self.spec.norm_plus_one:  # Gemma's (1 + w), added in fp32 as its RMSNorm does
+            w = w.float() + 1.0
+        return w.to(self.act_dtype)
+
+    @staticmethod
+    def _dense_weights(layer: RawLayer) -> list[torch.Tensor]:
+        mlp = [layer.mlp.gate_up, layer.mlp.down] if isinstance(layer.mlp, DenseMLP) else []
+        return [layer.qkv, layer.o, *mlp]
+
+    @staticmethod
+    def _attention(backend: str, scale: float, window: int | None, softcap: float | None) -> PagedAttention:
+        options = {k: v for k, v in (("sliding_window", window), ("softcap", softcap)) if v is not None}
+        return PagedAttention(backend, scale=scale, **options)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # rows whose next-token logits are wanted
+    ) -> torch.Tensor:
+        norm = self.norm_fn
+        h = F.embedding(input_ids, self.embed)
+        T = h.shape[0]
+        residual = None  # the running sum of the residual stream; h is the latest branch output
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x, residual = norm(h, layer.input_norm, self.eps, residual)
+            qkv = layer.qkv(x)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.reshape(T, self.num_kv_heads, self.head_dim)
+            self.rope(positions, q, k)  # in place, in the qkv buffer
+            attn = self.attn(q, k, v, k_cache, v_cache, meta)
+            h = layer.o(attn.reshape(T, self.q_size))
+            x, residual = norm(h, layer.post_norm, self.eps, residual)
+            h = layer.down(self.swiglu(layer.gate_up(x)))
+        x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
+        return self.lm_head(x).float()
+
+    @torch.inference_mode()
+    def _forward_general(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` with every family hook (see :class:`DecoderSpec`)."""
+        norm, eps = self.norm_fn, self.eps
+        qk_norm, clip = self.spec.qk_norm, self.spec.clip_qkv
+        h = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        T = h.shape[0]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x, residual = norm(h, layer.input_norm, eps, residual)
+            qkv = layer.qkv(x)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if qk_norm == "full":  # over q's and k's whole width, before the head split
+                q.copy_(norm(q, layer.q_norm, eps)[0])
+                k.copy_(norm(k, layer.k_norm, eps)[0])
+            if clip is not None:
+                qkv.clamp_(-clip, clip)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.reshape(T, self.num_kv_heads, self.head_dim)
+            if qk_norm == "head":  # written back into the qkv buffer, where the rope kernel wants them
+                q.copy_(norm(q, layer.q_norm, eps)[0])
+                k.copy_(norm(k, layer.k_norm, eps)[0])
+            layer.rope(positions, q, k)
+            attn = layer.attn(q, k, v, k_cache, v_cache, meta)
+            h = layer.o(attn.reshape(T, self.q_size))
+            if layer.attn_out_norm is not None:
+                h = norm(h, layer.attn_out_norm, eps)[0]
+            x, residual = norm(h, layer.post_norm, eps, residual)
+            h = layer.mlp(x)
+            if layer.mlp_out_norm is not None:
+                h = norm(h, layer.mlp_out_norm, eps)[0]
+        x, _ = norm(h[logits_indices], self.norm, eps, residual[logits_indices])
+        logits = self.lm_head(x)
+        if self.final_softcap is not None:
+            c = self.final_softcap
+            logits = torch.tanh(logits / c) * c
+        return logits.float()
+
+
+# the name the runner and benches knew it by
+LlamaModel = DecoderModel

@@ -1,0 +1,33 @@
+"""The model registry: ``model_type`` -> the family module that builds its :class:`DecoderSpec`.
+
+Adding a family is one short module with a ``build(config) -> DecoderSpec`` and a line here."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from transformers import PretrainedConfig
+
+from qworker.model.families import gemma, llama, mixtral, olmoe, phi3, qwen3, qwen3_moe
+from qworker.model.families.spec import DecoderSpec
+
+FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
+    "llama": llama.build,
+    "mistral": llama.build,
+    "qwen2": llama.build,
+    "qwen3": qwen3.build,
+    "qwen3_moe": qwen3_moe.build,
+    "mixtral": mixtral.build,
+    "olmoe": olmoe.build,
+    "phi3": phi3.build,
+    "gemma2": gemma.build,
+    "gemma3_text": gemma.build,
+}
+SUPPORTED = sorted(FAMILIES)
+
+
+def spec_for(config: PretrainedConfig) -> DecoderSpec:
+    build = FAMILIES.get(config.model_type)
+    if build is None:
+        raise ValueError(f"unsupported model type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
+    return build(config)

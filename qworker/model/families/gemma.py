@@ -1,0 +1,66 @@
+"""Gemma 2 and Gemma 3 (text). What differs from Llama:
+
+* RMSNorm scales by ``1 + w`` (folded into the weight at load), and each layer has four norms:
+  input, on the attention output (before the residual add), before the MLP, on the MLP output;
+* embeddings are multiplied by ``sqrt(hidden_size)`` rounded to the model dtype;
+* the MLP is GELU (tanh approximation) gated: ``down(gelu_tanh(gate(x)) * up(x))``;
+* attention scale ``query_pre_attn_scalar ** -0.5``; windows per layer from ``layer_types``;
+* Gemma 2: attention-score and final-logit soft-capping (``c * tanh(x / c)``);
+* Gemma 3: RMSNorm (1 + w) over each head of q and k; the sliding layers take their rope from
+  ``rope_parameters["sliding_attention"]`` (``rope_local_base_freq``, 10k), the full ones from
+  ``rope_parameters["full_attention"]``.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from qworker.model.families.spec import DecoderSpec, LayerAttention, RawLayer, dims, take, take_attention, take_dense_mlp, typed_layers
+
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def build(config: PretrainedConfig) -> DecoderSpec:
+    d = dims(config)
+    gemma3 = config.model_type == "gemma3_text"
+    act_name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+    if act_name not in ACTIVATIONS:
+        raise ValueError(f"{config.model_type}: unsupported hidden_activation {act_name!r}; supported: {sorted(ACTIVATIONS)}")
+
+    def take_layer(w, i):
+        p = f"model.layers.{i}."
+        attn = take_attention(w, p, d, bias=None)
+        layer_norm = lambda name: take(w, f"{p}{name}.weight", (d.hidden,))  # noqa: E731
+        layer = RawLayer(
+            input_norm=layer_norm("input_layernorm"),
+            attn_out_norm=layer_norm("post_attention_layernorm"),
+            mlp_norm=layer_norm("pre_feedforward_layernorm"),
+            mlp_out_norm=layer_norm("post_feedforward_layernorm"),
+            mlp=take_dense_mlp(w, f"{p}mlp.", d.hidden, config.intermediate_size),
+            **attn,
+        )
+        if gemma3:
+            layer.q_norm = take(w, f"{p}self_attn.q_norm.weight", (d.head_dim,))
+            layer.k_norm = take(w, f"{p}self_attn.k_norm.weight", (d.head_dim,))
+        return layer
+
+    layers = typed_layers(config)
+    rope_tables: dict = {None: None}
+    params = getattr(config, "rope_parameters", None) or {}
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    if gemma3 and isinstance(params.get("full_attention"), dict):
+        # one rope table per layer type; each layer names its own
+        rope_tables = {t: t for t in sorted(set(types))}
+        layers = [LayerAttention(sliding_window=a.sliding_window, rope=t) for a, t in zip(layers, types)]
+    return DecoderSpec(
+        take_layer=take_layer,
+        layers=layers,
+        norm_plus_one=True,
+        qk_norm="head" if gemma3 else None,
+        activation=ACTIVATIONS[act_name],
+        embed_scale=d.hidden**0.5,
+        attn_scale=config.query_pre_attn_scalar**-0.5,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        final_softcap=getattr(config, "final_logit_softcapping", None),
+        rope_tables=rope_tables,
+    )

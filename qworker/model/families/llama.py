@@ -1,0 +1,18 @@
+"""Llama, Mistral and Qwen2: the plain decoder. Mistral's ``sliding_window`` applies to every layer;
+Qwen2's only where ``config.layer_types`` says "sliding_attention" (transformers sets that from
+``use_sliding_window`` and ``max_window_layers``)."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from qworker.model.families.spec import DecoderSpec, dims, llama_layer, typed_layers, uniform_layers
+
+
+def build(config: PretrainedConfig) -> DecoderSpec:
+    d = dims(config)
+    if config.model_type == "qwen2":
+        layers = typed_layers(config)
+    else:  # Llama has no window; Mistral's is global (None when the config has none)
+        layers = uniform_layers(config, getattr(config, "sliding_window", None))
+    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size), layers=layers)

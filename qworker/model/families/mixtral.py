@@ -1,0 +1,23 @@
+"""Mixtral: Mistral with a sparse MoE in every layer (``block_sparse_moe``: router ``gate``, experts'
+``w1`` = gate, ``w3`` = up, ``w2`` = down). Router: softmax, top-k, always renormalised; the
+routing weight multiplies each expert's output in fp32."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from qworker.model.families.spec import DecoderSpec, MoEWeights, dims, llama_layer, take, take_experts, uniform_layers
+
+
+def build(config: PretrainedConfig) -> DecoderSpec:
+    d = dims(config)
+    E = config.num_local_experts
+
+    def mlp(w, p):
+        p += "block_sparse_moe."
+        gate_up, down = take_experts(w, f"{p}experts.", E, d.hidden, config.intermediate_size, names=("w1", "w3", "w2"))
+        return MoEWeights(take(w, f"{p}gate.weight", (E, d.hidden)), gate_up, down, config.num_experts_per_tok,
+                          renormalize=True, weights_in_act_dtype=False)
+
+    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, mlp),
+                       layers=uniform_layers(config, getattr(config, "sliding_window", None)))

@@ -1,0 +1,190 @@
+"""What one decoder family is, as data: how to read a layer's tensors and what its forward adds
+to the shared skeleton (norm -> attention -> norm -> MLP, :mod:`qworker.model.decoder`).
+
+A family module builds a :class:`DecoderSpec` from a transformers config. The weight readers here
+check every tensor's presence and shape, so a broken checkpoint is one ``ValueError`` line naming
+the tensor, raised before any weight is converted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import PretrainedConfig
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass(slots=True)
+class Dims:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def dims(config: PretrainedConfig) -> Dims:
+    heads = config.num_attention_heads
+    return Dims(
+        hidden=config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab=config.vocab_size,
+    )
+
+
+@dataclass(slots=True)
+class DenseMLP:
+    """A gated MLP's fused ``[gate; up]`` and ``down`` weights, ``[out, in]``."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(slots=True)
+class MoEWeights:
+    """A sparse MoE block: router ``[E, H]``, experts' ``[E, 2I, H]`` (gate rows, then up) and
+    ``[E, H, I]``; routing options as :class:`qworker.model.moe.MoE` takes them."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+    renormalize: bool
+    weights_in_act_dtype: bool
+
+
+@dataclass(slots=True)
+class RawLayer:
+    """One layer's tensors as the checkpoint has them (``[out, in]``), projections fused."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor  # the norm before the MLP (Llama's post_attention_layernorm)
+    mlp: DenseMLP | MoEWeights
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma: on the attention output, before the residual add
+    mlp_out_norm: torch.Tensor | None = None  # Gemma: on the MLP output, before the residual add
+
+
+@dataclass(slots=True)
+class LayerAttention:
+    """A layer's attention options (``sliding_window``: the query at ``p`` sees ``p - W < j <= p``)
+    and which rope table it uses (a key into :attr:`DecoderSpec.rope_tables`)."""
+
+    sliding_window: int | None = None
+    rope: str | None = None
+
+
+@dataclass
+class DecoderSpec:
+    """Everything a family changes in the shared decoder. The defaults are Llama."""
+
+    take_layer: Callable[[Weights, int], RawLayer]
+    layers: list[LayerAttention]
+    norm_plus_one: bool = False  # Gemma's RMSNorm multiplies by (1 + w): folded into w at load
+    qk_norm: str | None = None  # "head": RMSNorm over head_dim per head (Qwen3, Gemma 3); "full": over q/k's width (OLMoE)
+    clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-c, c]
+    activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype
+    attn_scale: float | None = None  # default head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # rope table key -> the layer type to read from config.rope_parameters (None: the flat dict)
+    rope_tables: dict[str | None, str | None] = field(default_factory=lambda: {None: None})
+
+    def is_plain(self) -> bool:
+        """The Llama forward suffices: nothing beyond one window for every layer."""
+        first = self.layers[0]
+        return (not self.norm_plus_one and self.qk_norm is None and self.clip_qkv is None and self.activation == "silu"
+                and self.embed_scale is None and self.attn_softcap is None and self.final_softcap is None
+                and all(a == first for a in self.layers))
+
+
+def take(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Pops ``name`` from the checkpoint, checking its shape: one clear line if it is absent or wrong."""
+    t = w.pop(name, None)
+    if t is None:
+        raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+def take_optional(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    return take(w, name, shape) if name in w else None
+
+
+def take_attention(w: Weights, p: str, d: Dims, bias: bool | None = None) -> dict:
+    """q/k/v/o as separate projections (``self_attn.{q,k,v,o}_proj``), q/k/v fused. ``bias``:
+    required (True), absent (False) or taken where present (None)."""
+    sizes = (d.q_size, d.kv_size, d.kv_size)
+    mats = [take(w, f"{p}self_attn.{n}_proj.weight", (s, d.hidden)) for n, s in zip("qkv", sizes)]
+    getter = take if bias else take_optional
+    biases = [None if bias is False else getter(w, f"{p}self_attn.{n}_proj.bias", (s,)) for n, s in zip("qkv", sizes)]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        raise ValueError(f"{p}self_attn: q/k/v biases must be all present or all absent")
+    o_bias = None if bias is False else take_optional(w, f"{p}self_attn.o_proj.bias", (d.hidden,))
+    return {
+        "qkv": torch.cat(mats),
+        "qkv_bias": torch.cat(biases) if biases[0] is not None else None,
+        "o": take(w, f"{p}self_attn.o_proj.weight", (d.hidden, d.q_size)),
+        "o_bias": o_bias,
+    }
+
+
+def take_dense_mlp(w: Weights, p: str, hidden: int, intermediate: int) -> DenseMLP:
+    gate = take(w, f"{p}gate_proj.weight", (intermediate, hidden))
+    up = take(w, f"{p}up_proj.weight", (intermediate, hidden))
+    return DenseMLP(torch.cat([gate, up]), take(w, f"{p}down_proj.weight", (hidden, intermediate)))
+
+
+def take_experts(w: Weights, p: str, num_experts: int, hidden: int, intermediate: int, names=("gate_proj", "up_proj", "down_proj")) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert ``{p}{e}.{gate,up,down}`` -> stacked ``[E, 2I, H]`` and ``[E, H, I]``."""
+    g, u, dn = names
+    gate_up = torch.stack([
+        torch.cat([take(w, f"{p}{e}.{g}.weight", (intermediate, hidden)), take(w, f"{p}{e}.{u}.weight", (intermediate, hidden))])
+        for e in range(num_experts)
+    ])
+    down = torch.stack([take(w, f"{p}{e}.{dn}.weight", (hidden, intermediate)) for e in range(num_experts)])
+    return gate_up, down
+
+
+def llama_layer(w: Weights, i: int, d: Dims, intermediate: int, mlp: Callable[[Weights, str], DenseMLP | MoEWeights] | None = None) -> RawLayer:
+    """The Llama layout: ``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``, ``mlp.*``."""
+    p = f"model.layers.{i}."
+    attn = take_attention(w, p, d)
+    return RawLayer(
+        input_norm=take(w, f"{p}input_layernorm.weight", (d.hidden,)),
+        mlp_norm=take(w, f"{p}post_attention_layernorm.weight", (d.hidden,)),
+        mlp=mlp(w, p) if mlp else take_dense_mlp(w, f"{p}mlp.", d.hidden, intermediate),
+        **attn,
+    )
+
+
+def uniform_layers(config: PretrainedConfig, window: int | None) -> list[LayerAttention]:
+    return [LayerAttention(sliding_window=window) for _ in range(config.num_hidden_layers)]
+
+
+def typed_layers(config: PretrainedConfig) -> list[LayerAttention]:
+    """Per-layer windows from ``config.layer_types``: ``config.sliding_window`` where a layer is
+    "sliding_attention" (and the config has a window), full attention elsewhere."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [LayerAttention(sliding_window=window if t == "sliding_attention" else None) for t in types]
