@@ -95,3 +95,30 @@ def test_defaults_are_the_plain_results(seed):
                              head_dim=16, dtype=torch.float32, device="cpu", poison=0.0)
     assert torch.equal(paged_attention_ref(*batch.args()),
                        paged_attention_ref(*batch.args(), sliding_window=None, softcap=None))
+
+
+@pytest.mark.parametrize("window,cap", [(5, None), (5, 2.0), (None, 2.0), (64, 2.0)])
+def test_reference_matches_transformers_attention(seed, window, cap):
+    """transformers 5's own definitions: its sliding-window causal mask function and Gemma 2's eager
+    attention (softcap, then the additive mask), on one whole prompt of a paged batch."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    gen = generator(seed)
+    L, hkv, g = 19, 2, 2
+    batch = make_paged_batch(gen, lens=[L], q_lens=[L], block_size=4, num_kv_heads=hkv, group=g, head_dim=16,
+                             dtype=torch.float32, device="cpu", poison=0.0)
+    batch.q.mul_(2.0)
+    fn = masking.sliding_window_causal_mask_function(window) if window else masking.causal_mask_function
+    zero = torch.tensor(0)
+    allowed = torch.tensor([[bool(fn(zero, zero, torch.tensor(i), torch.tensor(j))) for j in range(L)] for i in range(L)])
+    additive = torch.zeros(L, L).masked_fill(~allowed, float("-inf"))[None, None]
+    table = batch.tables[0]
+    k = torch.cat([batch.k_cache[b] for b in table])[:L].transpose(0, 1)[None]  # [1, Hkv, L, D]
+    v = torch.cat([batch.v_cache[b] for b in table])[:L].transpose(0, 1)[None]
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = g
+    want, _ = eager_attention_forward(module, batch.q.transpose(0, 1)[None], k, v, additive, scaling=batch.scale,
+                                      softcap=cap)
+    out = paged_prefill_attention_ref(*batch.args(), sliding_window=window, softcap=cap)
+    assert_close(out, want[0], torch.float32, f"vs transformers W={window} cap={cap}")
