@@ -85,7 +85,10 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         if self.kernel_backend == "triton":
-            return kernels.moe_experts(x, self.gate_up_w, self.down_w, weights, ids, weights_in_act_dtype=self.weights_in_act_dtype)
+            # the kernel computes in the weights' dtype (fp32 accumulation), as Linear does
+            out = kernels.moe_experts(x.to(self.gate_up_w.dtype), self.gate_up_w, self.down_w, weights, ids,
+                                      weights_in_act_dtype=self.weights_in_act_dtype)
+            return out.to(self.act_dtype)
         return self._grouped(x, weights, ids)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
