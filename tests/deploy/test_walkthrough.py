@@ -315,3 +315,13 @@ def test_the_checker_catches_a_broken_walkthrough(render, broken: str, fixed: st
     assert section != SECTION
     with pytest.raises(AssertionError, match=re.escape(says)):
         follow(render, section)
+
+
+def test_chart_defaults_limit_cpu_and_name_the_served_model(render) -> None:
+    r = render({})
+    res = r.container["resources"]
+    assert quantity(res["limits"]["cpu"]) >= quantity(res["requests"]["cpu"]) >= 1  # threads follow the limit
+    assert "QWORKER_MODEL_NAME" not in r.config  # the worker serves the folder's name
+    named = render({"model": {"name": "smollm2-135m"}})
+    assert named.config["QWORKER_MODEL_NAME"] == "smollm2-135m"
+    assert named.config["QWORKER_MODEL"] == "/models/smollm2-135m"
