@@ -31,4 +31,4 @@ def test_moe_bench_smoke(tmp_path, capsys):
         assert 2 <= c["active_experts_layer0"] <= min(8, 2 * c["rows"])
     assert r["cases"][0]["active_experts_layer0"] == 2  # one token: exactly its top-2
     out = capsys.readouterr().out
-    assert "| decode batch 1 | 2/8 |" in out and "moe / dense" in out
+    assert "| decode batch 1 | 2/8 |" in out and "moe / dense" in out and "experts hit per step" in out
