@@ -36,6 +36,7 @@ def _weights(gen, E, H, I, dtype, device):
     (13, 5, 2, 40, 24, (16, 16, 16)),  # H, I not multiples of the tiles; several N and K tiles
     (21, 6, 3, 32, 48, (None, None, None)),  # the launcher's own tile sizes
     (40, 3, 1, 24, 16, (32, 16, 16)),  # groups larger than one tile
+    (100, 4, 2, 32, 32, (None, None, None)),  # ~50 pairs per expert: the launcher's 64-row tiles
 ])
 def test_moe_experts_matches_reference(seed, device, dtype, T, E, K, H, I, blocks):
     if dtype == torch.bfloat16 and not ON_CUDA:
