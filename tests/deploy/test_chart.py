@@ -432,6 +432,10 @@ INVALID_CASES = [
     ("short-startup-budget", {"probes": {"startup": {"failureThreshold": 2}}}, "startup"),
     ("unknown-key-typo", {"kafka": {"bootstrapServer": "kafka:9092"}}, "bootstrapServer"),
     ("wrong-type", {"autoscaling": {"maxReplicas": "many"}}, "maxReplicas"),
+    ("kv-cache-bytes-as-number", {"worker": {"kvCacheMemory": 4294967296}}, "kvCacheMemory"),
+    ("kv-cache-zero", {"worker": {"kvCacheMemory": "0"}}, "kvCacheMemory"),
+    ("kv-cache-fraction-above-one", {"worker": {"kvCacheMemory": "1.5"}}, "kvCacheMemory"),
+    ("kv-cache-no-unit-fraction-as-number", {"worker": {"kvCacheMemory": 0}}, "kvCacheMemory"),
 ]
 
 

@@ -325,3 +325,13 @@ def test_chart_defaults_limit_cpu_and_name_the_served_model(render) -> None:
     named = render({"model": {"name": "smollm2-135m"}})
     assert named.config["QWORKER_MODEL_NAME"] == "smollm2-135m"
     assert named.config["QWORKER_MODEL"] == "/models/smollm2-135m"
+
+
+@pytest.mark.parametrize("given, env", [("0.90", "0.90"), (0.9, "0.9"), ("4GiB", "4GiB"), ("1073741824", "1073741824"), ("", None)])
+def test_kv_cache_memory_reaches_the_worker_as_it_reads_it(render, given, env) -> None:
+    from qworker.config import WorkerSettings
+
+    cfg = render({"worker": {"kvCacheMemory": given}}).config
+    assert cfg.get("QWORKER_KV_CACHE_MEMORY") == env
+    if env is not None:
+        WorkerSettings.from_env({"QWORKER_KV_CACHE_MEMORY": env})  # accepted by the worker, not just by the chart
