@@ -4,7 +4,7 @@ from qworker.engine.async_engine import AsyncEngine
 from qworker.engine.config import EngineConfig
 from qworker.engine.llm import LLM
 from qworker.engine.llm_engine import Capacity, LLMEngine
-from qworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from qworker.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
 from qworker.engine.structured import GuidedDecodingParams, StructuredOutputError, StructuredOutputsParams
 
@@ -17,6 +17,7 @@ __all__ = [
     "InvalidRequestError",
     "LLM",
     "LLMEngine",
+    "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

@@ -13,8 +13,33 @@ ABORT = "abort"  # aborted by the caller (cancel, shutdown, rebalance), or faile
 ERR_DEADLINE = "deadline_exceeded"  # its deadline passed before it was first scheduled
 ERR_ENGINE = "engine_error"  # a failed engine step that could not be retried for it
 
-# One generated token's logprobs: {token_id: logprob}, the sampled token always included.
-TokenLogprobs = dict[int, float]
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's entry in a logprobs dict, as vLLM's: its log-probability, its rank in the
+    distribution (1 = the most likely; the sampled token's real rank even when it is outside the
+    top N) and its text (the token decoded alone, special tokens kept; filled when the output is
+    built)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One generated token's logprobs: {token_id: Logprob}, the sampled token always included.
+TokenLogprobs = dict[int, Logprob]
+
+
+class CallableBool(int):
+    """A bool that can also be called: vLLM's ``CompletionOutput.finished()`` is a method, while
+    code written against earlier qworker reads ``c.finished`` as a bool; both must keep working
+    (a bound method would always be truthy). Compares equal to True/False."""
+
+    def __call__(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
 
 
 @dataclass(slots=True)
@@ -25,10 +50,14 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # the sum of the sampled tokens' logprobs; None unless logprobs were asked for (as vLLM). In a
+    # streamed delta it is set on the choice's last delta only (the running sum is not kept).
+    cumulative_logprob: float | None = None
 
     @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    def finished(self) -> CallableBool:
+        """``c.finished`` and ``c.finished()`` both work (see ``CallableBool``)."""
+        return CallableBool(self.finish_reason is not None)
 
 
 # scheduling events a request can go through (RequestMetrics.events)
@@ -71,3 +100,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed the request (finish_reason "abort")
     error_code: str | None = None  # machine-readable reason next to ``error``: ERR_DEADLINE or ERR_ENGINE
+    # vLLM's field; always None: ``SamplingParams.prompt_logprobs`` is refused at admission
+    prompt_logprobs: list | None = None

@@ -3,8 +3,8 @@
 Per-request seeds: a seeded sequence draws from its own ``torch.Generator`` with a fixed number
 of draws per token (one exponential per vocabulary entry, the "exponential race": argmax of
 p / E with E ~ Exp(1) is a sample from p), so its tokens do not depend on the rest of the batch.
-Logprobs are those of the raw model distribution (before penalties and temperature), as vLLM
-returns by default; for a structured-output row, of the masked distribution (the grammar's
+Logprobs are those of the raw model distribution (before logit bias, penalties and temperature),
+as vLLM returns by default, each a ``Logprob`` with its rank; for a structured-output row, of the masked distribution (the grammar's
 bitmask is applied first, as in vLLM: tokens the grammar forbids get -inf, and the logprobs are
 renormalised over the allowed ones).
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import argmax_rows_cpu
-from qworker.engine.outputs import TokenLogprobs
+from qworker.engine.outputs import Logprob, TokenLogprobs
 from qworker.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
         bitmask.apply(logits, constrained, filled=filled)
     raw = logits
     logits = logits.clone() if _needs_processing(seqs) else logits
+    _apply_logit_bias(logits, seqs)
     for row, seq in enumerate(seqs):
         p = seq.request.params
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
@@ -81,13 +82,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
     want = [i for i, s in enumerate(seqs) if s.request.params.logprobs is not None]
     if want:
         lp = torch.log_softmax(raw[want], dim=-1)
+        chosen = lp.gather(1, torch.tensor([ids[i] for i in want], device=lp.device).unsqueeze(1))
+        # vLLM's rank: how many tokens are at least as likely as the sampled one
+        ranks = (lp >= chosen).sum(dim=-1).tolist()
+        chosen = chosen.squeeze(1).tolist()
         for j, i in enumerate(want):
             k = seqs[i].request.params.logprobs
             entry: TokenLogprobs = {}
             if k:
                 top = torch.topk(lp[j], k)
-                entry.update(zip(top.indices.tolist(), top.values.tolist()))
-            entry[ids[i]] = lp[j, ids[i]].item()
+                for r, (tok, val) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+                    entry[tok] = Logprob(val, r)
+            entry[ids[i]] = Logprob(chosen[j], ranks[j])
             logprobs[i] = entry
     return ids, logprobs
 
@@ -102,9 +108,35 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 def _needs_processing(seqs: list[Sequence]) -> bool:
     for s in seqs:
         p = s.request.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or s.num_output_tokens < p.min_tokens:
+        if (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or s.num_output_tokens < p.min_tokens
+                or p.logit_bias):
             return True
     return False
+
+
+def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Adds each row's ``logit_bias`` in one scatter for the whole batch (first of the processing,
+    as vLLM's order: before penalties, min_tokens and temperature). A row the grammar masked keeps
+    -inf where it was (-inf + bias). Ids past the logits width are skipped (they are refused at
+    admission; one request must never make the sampler raise for the whole batch)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for row, seq in enumerate(seqs):
+        bias = seq.request.params.logit_bias
+        if bias:
+            rows += [row] * len(bias)
+            cols += bias.keys()
+            vals += bias.values()
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    if max(cols) >= vocab:
+        keep = [i for i, c in enumerate(cols) if c < vocab]
+        rows, cols, vals = [rows[i] for i in keep], [cols[i] for i in keep], [vals[i] for i in keep]
+    dev = logits.device
+    index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+    logits.index_put_(index, torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:

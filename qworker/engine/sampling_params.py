@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -10,6 +10,8 @@ if TYPE_CHECKING:
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# entries of a logit_bias dict (OpenAI's limit is 300; this bounds the per-step cost of one request)
+MAX_LOGIT_BIAS = 1024
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by a denormal
 # temperature overflows to inf/NaN.
 GREEDY_EPS = 1e-5
@@ -30,10 +32,17 @@ class SamplingParams:
     ``temperature < GREEDY_EPS`` (0 included) is greedy. ``seed`` makes a request's samples independent of the rest
     of the batch: the sampler draws from a per-request generator. ``n > 1`` forks the prompt into
     ``n`` sequences that share its KV blocks (copy-on-write); sample ``i`` uses seed ``seed + i``.
+
+    As vLLM's: ``stop=None`` / ``stop_token_ids=None`` / ``logit_bias=None`` mean none;
+    ``max_tokens=None`` means up to the model's context (the engine resolves it per request at
+    admission: ``resolved``). ``logit_bias`` ({token id: bias}) is added to the logits before
+    sampling (before penalties and temperature; the reported logprobs are the raw model's, as
+    vLLM's default); its ids are checked against the vocabulary at admission.
+    ``prompt_logprobs`` exists for vLLM code but only None is accepted.
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -43,8 +52,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] | None = field(default_factory=list)
+    stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
     skip_special_tokens: bool = True
@@ -53,15 +62,35 @@ class SamplingParams:
     # structured output (issue 14; vLLM's name): JSON schema, JSON object, regex, choice or grammar.
     # The spec validates itself at construction; the engine compiles it (see qworker.engine.structured).
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's; not supported: only None passes validate()
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop, (list, tuple)) or not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidRequestError("invalid_sampling", "stop must be a string or a list of strings, and stop_token_ids a list of integers")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias)  # the caller's dict may change later; ours must not
+            if not self.logit_bias:
+                self.logit_bias = None
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
+
+    def resolved(self, room: int) -> SamplingParams:
+        """These parameters for one request with ``room`` tokens of context left after its prompt:
+        ``self`` unless ``max_tokens`` is None, which becomes ``room`` (a copy; the caller's object
+        may serve other prompts)."""
+        if self.max_tokens is not None:
+            return self
+        return replace(self, max_tokens=room)
 
     @property
     def greedy(self) -> bool:
@@ -79,9 +108,9 @@ class SamplingParams:
 
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad(f"max_tokens must be an integer >= 1 or None (up to the context), got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             raise bad(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise bad(f"temperature must be in [0, 100], got {self.temperature!r}")
@@ -99,6 +128,8 @@ class SamplingParams:
                 raise bad(f"{name} must be in [-2, 2], got {v!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if not isinstance(self.stop, list) or not isinstance(self.stop_token_ids, list):
+            raise bad("stop must be a list of strings and stop_token_ids a list of integers")
         if not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
             raise bad("stop must be at most 16 non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
@@ -112,3 +143,15 @@ class SamplingParams:
                 raise StructuredOutputError("structured_outputs must be a StructuredOutputsParams")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            raise bad(f"prompt_logprobs is not supported (only None), got {self.prompt_logprobs!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad(f"logit_bias must be a dict {{token id: bias}} or None, got {type(self.logit_bias).__name__}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+            for tok, bias in self.logit_bias.items():
+                if not is_int(tok) or tok < 0:
+                    raise bad(f"logit_bias keys must be non-negative integer token ids, got {tok!r}")
+                if not is_num(bias):
+                    raise bad(f"logit_bias values must be finite numbers, got {bias!r} for token {tok}")

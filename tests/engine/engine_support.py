@@ -3,6 +3,7 @@ injected forward failure (``Faults``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -67,3 +68,47 @@ class Faults:
             self.raised += 1
             raise RuntimeError("CUDA out of memory (injected)")
         return self.real(batch)
+
+
+class HeldForward:
+    """Wraps ``runner.execute`` (of an ``LLMEngine``, or an ``AsyncEngine``'s ``.engine``): only
+    ``passes`` forwards return (0: every forward is held; ``free()``: all pass), the next one
+    waits until more are allowed. ``entered`` is set whenever a forward starts. Lets a test make
+    "the engine is still busy with X when Y happens" a fact instead of a race with the machine's
+    speed. ``release()`` lets everything through and unwraps."""
+
+    def __init__(self, e: LLMEngine, passes: float = 0):
+        self.runner = e.runner
+        self.real = e.runner.execute
+        self.passes = passes
+        self.entered = threading.Event()
+        e.runner.execute = self
+
+    def __call__(self, batch):
+        self.entered.set()
+        while self.passes <= 0:
+            time.sleep(0.01)
+        self.passes -= 1
+        return self.real(batch)
+
+    def free(self) -> None:
+        self.passes = float("inf")
+
+    def release(self) -> None:
+        self.free()
+        self.runner.execute = self.real
+
+
+class EngineClock:
+    """Stands in for ``qworker.engine.llm_engine``'s ``time`` module (``monkeypatch.setattr(
+    llm_engine, "time", clock)``): ``time()`` is the real time plus ``offset``, so a test moves
+    the engine past a deadline without sleeping, while everything else keeps real time."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)

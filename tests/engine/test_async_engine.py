@@ -9,6 +9,7 @@ import pytest
 
 from qworker import AsyncEngine, InvalidRequestError, LLM, SamplingParams
 from qworker.engine.sampling_params import MAX_N
+from tests.engine.engine_support import HeldForward
 
 
 @pytest.fixture(scope="module")
@@ -48,27 +49,38 @@ async def test_abort_and_cancel_free_everything(model):
     engine = AsyncEngine.from_model(model, kv_cache_memory=8 << 20)
     await engine.start()
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    # one forward (the first token) and then the engine is held while the request is aborted, so
+    # it cannot run to its end first on a fast machine
+    held = HeldForward(engine.engine, passes=1)
     try:
         gen = engine.generate("a", [5, 6, 7], params)
         first = await gen.__anext__()
         assert not first.finished
         await engine.abort("a")
+        held.free()
         rest = [d async for d in gen]
         assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
 
-        # cancelling the consumer task aborts the request too
+        # cancelling the consumer task aborts the request too (while its step is held)
+        held.passes = 0
+        held.entered.clear()
         task = asyncio.create_task(collect(engine, "b", [9, 10, 11], params))
-        await asyncio.sleep(0.2)
+        while not held.entered.is_set():
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if engine.stats()["num_running"] == 0 and engine.stats()["kv_blocks_used"] == 0:
+        held.release()
+        # stats() is the step thread's snapshot: wait for the one taken after both aborts
+        for _ in range(600):
+            st = engine.stats()
+            if st["requests_aborted"] == 2 and st["num_running"] == 0 and st["kv_blocks_used"] == 0:
                 break
             await asyncio.sleep(0.05)
         stats = engine.stats()
         assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0 and stats["requests_aborted"] == 2
     finally:
+        held.release()
         await engine.shutdown()
 
 

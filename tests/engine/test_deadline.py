@@ -7,7 +7,8 @@ import asyncio
 import time
 
 from qworker import AsyncEngine
-from qworker.engine import EngineConfig, LLMEngine, SamplingParams
+from qworker.engine import EngineConfig, LLMEngine, SamplingParams, llm_engine
+from tests.engine.engine_support import EngineClock
 
 
 def greedy(n):
@@ -41,14 +42,16 @@ def test_expired_before_start_finishes_without_running(tiny_model_dir):
     assert stats["requests_expired"] == 1 and stats["requests_aborted"] == 0 and stats["kv_blocks_used"] == 0
 
 
-def test_deadline_passing_while_queued_expires_it_but_not_a_started_one(tiny_model_dir):
+def test_deadline_passing_while_queued_expires_it_but_not_a_started_one(tiny_model_dir, monkeypatch):
+    clock = EngineClock()  # the engine's clock is moved past the deadlines: no race with the machine's speed
+    monkeypatch.setattr(llm_engine, "time", clock)
     e = engine(tiny_model_dir, max_num_seqs=1)
-    e.add_request("first", [5, 6, 7], greedy(20), deadline=time.time() + 0.3)
+    e.add_request("first", [5, 6, 7], greedy(20), deadline=time.time() + 60)
     e.step()  # "first" starts: from now on its deadline no longer applies
-    e.add_request("queued", [8, 9], greedy(3), deadline=time.time() + 0.3)
+    e.add_request("queued", [8, 9], greedy(3), deadline=time.time() + 60)
     e.step()
     assert e.requests["queued"].seqs[0].status.value == "waiting"
-    time.sleep(0.35)
+    clock.offset = 120.0
     done = run(e)
     assert done["queued"].error_code == "deadline_exceeded" and done["queued"].seqs[0].output_token_ids == []
     assert done["first"].error_code is None and len(done["first"].seqs[0].output_token_ids) == 20

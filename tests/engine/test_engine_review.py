@@ -84,8 +84,8 @@ def test_fork_of_parent_finished_on_first_token(tiny_model_dir, prompt_len):
     got = _two_choices(tiny_model_dir, prompt, stop_token_ids=[first0])
     assert outputs(got) == [[first0], free[1]]
     # near-uniform random model: seeded tokens barely depend on the logits; logprobs do
-    want_lp = [lp[t] for lp, t in zip(free_req.seqs[1].logprobs, free[1])]
-    got_lp = [lp[t] for lp, t in zip(got.seqs[1].logprobs, free[1])]
+    want_lp = [lp[t].logprob for lp, t in zip(free_req.seqs[1].logprobs, free[1])]
+    got_lp = [lp[t].logprob for lp, t in zip(got.seqs[1].logprobs, free[1])]
     assert got_lp == pytest.approx(want_lp, abs=1e-4), "choice 1 decoded over KV that never held its prompt"
 
 

@@ -84,9 +84,9 @@ def test_logprobs_top_n_and_sampled(tiny):
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert tok in lp
         assert 3 <= len(lp) <= 4
-        assert all(v <= 0 for v in lp.values())
-        top3 = sorted(lp.values(), reverse=True)[:3]
-        assert lp[tok] <= top3[0] + 1e-6
+        assert all(v.logprob <= 0 for v in lp.values())
+        top3 = sorted((v.logprob for v in lp.values()), reverse=True)[:3]
+        assert lp[tok].logprob <= top3[0] + 1e-6
 
 
 def test_stop_string_cut_and_not_emitted(model_dir):

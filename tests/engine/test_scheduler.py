@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from qworker.engine import EngineConfig, LLMEngine, SamplingParams
+from qworker.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 
 BLOCK_BYTES_TINY = 2 * 2 * 16 * 2 * 16 * 4  # layers * (k,v) * block * kv_heads * head_dim * fp32
 
@@ -72,11 +72,15 @@ def test_priority_orders_admission(tiny_model_dir):
     assert finished == ["high", "mid", "low"]
 
 
-def test_fcfs_ignores_priority(tiny_model_dir):
+def test_fcfs_runs_in_arrival_order_and_refuses_a_priority(tiny_model_dir):
     rng = random.Random()
     e = engine(tiny_model_dir, max_num_seqs=1, scheduling_policy="fcfs")
-    for name, prio in (("first", 9), ("second", -9)):
-        e.add_request(name, rand_ids(rng, 6), greedy(2), priority=prio)
+    # as vLLM: a priority that FCFS would ignore is refused, not silently dropped
+    with pytest.raises(InvalidRequestError, match="scheduling_policy"):
+        e.add_request("prio", rand_ids(rng, 6), greedy(2), priority=-9)
+    assert not e.requests
+    for name in ("first", "second"):
+        e.add_request(name, rand_ids(rng, 6), greedy(2), priority=0)
     order = []
     while e.has_unfinished():
         order += [r.request_id for r in e.step() if r.finished]

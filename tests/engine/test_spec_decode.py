@@ -176,7 +176,7 @@ def _requests(tok, seed: int, count: int = 8):
 
 def _outcome(req):
     return [(s.output_token_ids, s.detokenizer.text, s.finish_reason, s.stop_reason,
-             None if s.logprobs is None else [{k: round(v, 4) for k, v in lp.items()} for lp in s.logprobs])
+             None if s.logprobs is None else [{k: (round(v.logprob, 4), v.rank) for k, v in lp.items()} for lp in s.logprobs])
             for s in sorted(req.seqs, key=lambda s: s.index)]
 
 

@@ -187,7 +187,7 @@ def test_min_tokens_cannot_outlast_the_grammar_and_logprobs_are_masked(llm):
     assert c.finish_reason == "stop" and c.text in CHOICES
     first = c.logprobs[0]
     # the masked distribution: the few allowed first tokens carry all the mass
-    assert math.isclose(sum(math.exp(v) for v in first.values() if v > -math.inf), 1.0, rel_tol=1e-3)
+    assert math.isclose(sum(math.exp(v.logprob) for v in first.values() if v.logprob > -math.inf), 1.0, rel_tol=1e-3)
 
 
 def test_invalid_spec_fails_before_engine_time_and_others_run(llm):
