@@ -20,6 +20,8 @@ from qworker.messages import DLQ_HEADER_ERROR, DLQ_HEADER_RAW_HEADERS, Job, Samp
 from qworker.worker import Worker
 from qworker.worker.client import cancel, submit
 
+from tests.engine.engine_support import EngineClock, HeldForward
+
 from .conftest import REPO, Results, committed, stream_text, wait_committed
 from .test_flow import Offline, engines, job, offline, one_torch_thread, started  # noqa: F401 - fixtures
 from .test_outage import check_commits_delivered
@@ -212,22 +214,33 @@ async def test_stop_during_start_never_joins(topics, results: Results, engines) 
 
 
 # ---------------------------------------------------------------------------------- defect 6
-async def test_deadline_checked_when_the_engine_would_start_the_job(topics, results: Results, engines) -> None:
+async def test_deadline_checked_when_the_engine_would_start_the_job(topics, results: Results, engines, monkeypatch) -> None:
+    from qworker.engine import llm_engine
+
     eng = await engines(128, max_num_seqs=1)
     w = await started(topics, eng)
+    clock = EngineClock()
+    monkeypatch.setattr(llm_engine, "time", clock)
+    held = HeldForward(eng.engine)
     try:
-        # 900 tokens one step at a time (seconds) ...
-        await submit(topics, [job("long", max_tokens=900)])
-        await results.wait(lambda: "long" in w.jobs and w.jobs["long"].generated > 0, 20)
-        # ... while this one, handed to the engine at once, would start only after them
-        await submit(topics, [job("late", max_tokens=5, deadline=time.time() + 0.5)])
-        await results.wait(lambda: "late" in w.jobs and w.jobs["late"].admitted, 10, "late handed to the engine")
+        # "long" holds the engine's only sequence slot: its first forward is held ...
+        await submit(topics, [job("long", max_tokens=20)])
+        await results.wait(held.entered.is_set, 20, "long's first forward")
+        # ... while this one is handed to the engine, where it can start only after "long"; its
+        # deadline is far enough for the worker to admit it on any machine
+        deadline = time.time() + 60
+        await submit(topics, [job("late", max_tokens=5, deadline=deadline)])
+        await results.wait(lambda: "late" in w.jobs and w.jobs["late"].admitted, 20, "late handed to the engine")
+        # for the engine the deadline has now passed, with "long" still running
+        clock.offset = 120.0
+        held.release()
         await results.wait(lambda: {"long", "late"} <= set(results.completions), 60)
         [late] = results.completions["late"]
         assert late["type"] == "error" and late["error"]["code"] == "deadline_exceeded" and late["error"]["retryable"] is False
         assert results.completions["long"][0]["status"] == "ok"
         await wait_committed(topics)
     finally:
+        held.release()
         await w.stop()
 
 

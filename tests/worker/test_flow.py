@@ -15,6 +15,8 @@ from qworker.messages import DLQ_HEADER_ERROR, DLQ_HEADER_OFFSET, DLQ_HEADER_TOP
 from qworker.worker import Worker
 from qworker.worker.client import cancel, submit
 
+from tests.engine.engine_support import HeldForward
+
 from .conftest import Results, committed, stream_text, wait_committed
 
 pytestmark = pytest.mark.timeout(120)
@@ -204,11 +206,16 @@ async def test_duplicate_in_flight_runs_once(topics, results: Results, engines, 
     eng = await engines()
     w = await started(topics, eng)
     base = engine_counts(eng)
+    # the engine is held after dup's first token until the second record is seen, so the first
+    # is still running then on any machine
+    held = HeldForward(eng.engine, passes=1)
     try:
         # same key -> same partition: the second record arrives while the first is running
         await submit(topics, [job("dup", max_tokens=200)])
         await results.wait(lambda: "dup" in w.jobs and w.jobs["dup"].generated > 0, 20, "dup running")
         await submit(topics, [job("dup", max_tokens=200)])
+        await results.wait(lambda: w.stats.duplicates == 1, 20, "the second record seen")
+        held.release()
         await results.wait(lambda: "dup" in results.completions, 30)
         await asyncio.sleep(0.5)
         assert len(results.completions["dup"]) == 1
@@ -218,6 +225,7 @@ async def test_duplicate_in_flight_runs_once(topics, results: Results, engines, 
         await engine_ran(eng, base, requests_finished=1, requests_aborted=0, generation_tokens=200)
         await wait_committed(topics)  # both records
     finally:
+        held.release()
         await w.stop()
 
 
@@ -225,12 +233,17 @@ async def test_cancel_in_flight_and_before_arrival(topics, results: Results, eng
     eng = await engines()
     w = await started(topics, eng)
     base = engine_counts(eng)
+    # after its first token the engine is held until the abort is queued: "long" cannot run to
+    # its end before the cancel lands, however fast the machine
+    held = HeldForward(eng.engine, passes=1)
     try:
         await asyncio.sleep(1.0)  # the cancel reader is assigned
         await submit(topics, [job("long", max_tokens=900, stream=True)])
         await results.wait(lambda: "long" in results.deltas, 20)
         await cancel(topics, "long")
         await cancel(topics, "later")  # arrives before its job
+        await results.wait(lambda: "long" not in w.jobs or w.jobs["long"].cancel_requested, 20, "the cancel of long")
+        held.release()
         await results.wait(lambda: "long" in results.completions, 30)
         c = results.completions["long"][0]
         assert c["status"] == "cancelled" and c["choices"][0]["finish_reason"] == "cancelled"
@@ -240,13 +253,14 @@ async def test_cancel_in_flight_and_before_arrival(topics, results: Results, eng
         assert c["choices"][0]["token_ids"] == offline.tokens("hello", n)
         assert stream_text(results.deltas["long"], c["run_id"]) == c["choices"][0]["text"]
         await engine_ran(eng, base, requests_finished=0, requests_aborted=1, generation_tokens=n)
-        await asyncio.sleep(0.3)
+        await results.wait(lambda: "later" in w.cancels, 20, "the cancel of later read")
         await submit(topics, [job("later")])
         await results.wait(lambda: "later" in results.completions, 20)
         assert results.completions["later"][0]["status"] == "cancelled"
         await engine_ran(eng, base, requests_finished=0, requests_aborted=1)  # "later" never reached the engine
         await wait_committed(topics)
     finally:
+        held.release()
         await w.stop()
 
 
