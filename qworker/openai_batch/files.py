@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from qworker.messages import Completion, JobError, loads
-from qworker.openai_batch.requests import ENDPOINTS, OpenAIRequest, is_openai_line
+from qworker.openai_batch.requests import ENDPOINTS, OpenAIRequest, is_openai_line, looks_like_openai_line
 from qworker.openai_batch.results import IdText, error_line, output_line
 from qworker.worker.client import MAX_JOB_RECORD_BYTES
 from qworker.worker.decode import usable_id
@@ -83,7 +83,9 @@ def classify(number: int, raw: bytes) -> InputLine:
         return line
     line.data = data
     line.fmt = "openai" if is_openai_line(data) else "native"
-    field = "custom_id" if line.fmt == "openai" else "id"
+    # a line shaped as an OpenAI request (method, url, body; no native id) is missing its
+    # custom_id, not an id: say the name its author has to add
+    field = "custom_id" if line.fmt == "openai" or looks_like_openai_line(data) else "id"
     if not usable_id(data.get(field)):
         line.problem = f"no usable '{field}' (a string of 1-256 characters)"
         return line

@@ -28,7 +28,7 @@ LINE_FIELDS = ("custom_id", "method", "url", "body")
 
 # Chat and completions share these; the sets below add each endpoint's own.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "frequency_penalty", "presence_penalty",
-           "logprobs", "response_format", "stream", "stream_options", "user", "metadata"}
+           "logprobs", "response_format", "stream", "stream_options", "user", "metadata", "logit_bias"}
 # vLLM's sampling extensions, under vLLM's names (they map 1:1 onto native sampling fields).
 EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"}
 CHAT_FIELDS = _COMMON | EXTENSIONS | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -36,7 +36,7 @@ COMPLETIONS_FIELDS = _COMMON | EXTENSIONS | {"prompt"}
 
 # Unsupported fields whose value asks for nothing; anything else in them is refused.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "best_of": (1,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
+    "echo": (False,), "best_of": (1,), "tools": ([],), "functions": ([],),
     "store": (False,), "service_tier": ("auto", "default"), "suffix": ("",), "modalities": (["text"],),
 }
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -87,6 +87,12 @@ def is_openai_line(data: object) -> bool:
     return isinstance(data, dict) and "custom_id" in data
 
 
+def looks_like_openai_line(data: object) -> bool:
+    """An object shaped as an OpenAI request line but perhaps without its ``custom_id``: no
+    native ``id``, and the line fields ``url`` and ``body`` (native jobs have neither)."""
+    return is_openai_line(data) or (isinstance(data, dict) and "id" not in data and {"url", "body"} <= data.keys())
+
+
 def map_line(data: dict[str, Any], now: float | None = None) -> tuple[Job, OpenAIRequest]:
     """The native job for a request line whose ``custom_id`` is already known usable; raises
     ``RequestError`` naming the first field that cannot be served."""
@@ -117,7 +123,8 @@ def map_line(data: dict[str, Any], now: float | None = None) -> tuple[Job, OpenA
         sampling[native] = value
         names[f"sampling.{native}"] = f"body.{field}"
 
-    for f in ("temperature", "top_p", "n", "seed", "frequency_penalty", "presence_penalty", *sorted(EXTENSIONS)):
+    # logit_bias: {token id as a string: -100..100}, OpenAI's and the native shape alike
+    for f in ("temperature", "top_p", "n", "seed", "frequency_penalty", "presence_penalty", "logit_bias", *sorted(EXTENSIONS)):
         if f in body:
             put(f, f, body[f])
     if "stop" in body:
@@ -290,12 +297,14 @@ def _translate(err: ValidationError, names: dict[str, str]) -> RequestError:
     """The native model's complaint, told in the line's own field names."""
     parts, first = [], None
     for e in err.errors(include_url=False, include_input=False):
-        loc = [str(x) for x in e["loc"]]
+        raw = [x for x in e["loc"] if x != "[key]"]  # a dict key's complaint names the key itself
+        loc = [str(x) for x in raw]
         param = None
         for cut in range(len(loc), 0, -1):  # the longest native prefix we know a body name for
             head = ".".join(loc[:cut])
             if head in names:
-                param = names[head] + "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in loc[cut:])
+                # list positions are ints, object keys strings (logit_bias's "13" is a key)
+                param = names[head] + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in raw[cut:])
                 break
         param = param or ("body" if not loc else "body." + ".".join(loc))
         first = first or param

@@ -63,7 +63,7 @@ def test_completion_line_maps_prompt_forms_and_defaults() -> None:
 
 @pytest.mark.parametrize(("change", "param", "code"), [
     ({"tools": [{"type": "function"}]}, "body.tools", "unsupported_parameter"),
-    ({"logit_bias": {"5": 1}}, "body.logit_bias", "unsupported_parameter"),
+    ({"logit_bias": {"5": 101}}, "body.logit_bias.5", "invalid_job"),
     ({"prompt": "x"}, "body.prompt", "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "body.messages[0].name", "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "body.messages[0].content[0].type", "unsupported_parameter"),
