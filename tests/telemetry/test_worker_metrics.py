@@ -91,7 +91,7 @@ async def test_every_metric_moves(tiny_engine, topics, raw_results: RawResults, 
 
         # answers without generation: a DLQ entry, two error codes, a cancel that beat its job
         await cancel(s, "cancelled-early")
-        await asyncio.sleep(0.5)  # the cancel watcher reads it first
+        await raw_results.wait(lambda: "cancelled-early" in w.cancels, 20, "the cancel read first")
         await submit(s, [b"\x00 not json", {"id": "bad-schema", "prompt": 5}, Job(id="too-long", prompt_token_ids=ids(rng, 400))])
         await submit(s, [Job(id="cancelled-early", prompt="hi", sampling=Sampling(max_tokens=100, ignore_eos=True))])
 

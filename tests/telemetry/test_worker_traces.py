@@ -53,7 +53,8 @@ async def test_span_tree_of_a_real_job(real_engine, topics, raw_results: RawResu
         with caplog.at_level(logging.INFO, logger="qworker.jobs"):
             await produce(s, job, [("traceparent", TP.encode()), ("tracestate", b"vendor=x")])
             await raw_results.wait(lambda: "traced" in raw_results.completions, 60, "the traced job")
-            await asyncio.sleep(0.2)  # the outcome is recorded right after the delivery ack
+            # the outcome is recorded right after the delivery ack: wait for it, however slow the machine
+            await raw_results.wait(lambda: b'qworker:jobs_total{code="",model_name=' in w.metrics.render()[0], 20, "the outcome recorded")
         assert raw_results.completions["traced"][0]["type"] == "completion"
 
         # probes while serving
@@ -115,7 +116,8 @@ async def test_cancel_in_flight_leaves_an_abort_event(real_engine, topics, raw_r
         await raw_results.wait(lambda: raw_results.deltas.get("to-cancel"), 60, "the first delta")
         await cancel(topics, "to-cancel")
         await raw_results.wait(lambda: "to-cancel" in raw_results.completions, 60, "the cancelled completion")
-        await asyncio.sleep(0.2)
+        # the outcome is recorded right after the delivery ack: wait for it, however slow the machine
+        await raw_results.wait(lambda: b'outcome="cancelled"' in w.metrics.render()[0], 20, "the outcome recorded")
         assert raw_results.completions["to-cancel"][0]["status"] == "cancelled"
         body = w.metrics.render()[0].decode()
         assert f'qworker:jobs_total{{code="",model_name="{w.model_name}",outcome="cancelled"}} 1.0' in body
