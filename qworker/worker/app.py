@@ -806,6 +806,7 @@ class Worker:
                 (tp, off), rest = st.waiters[0], st.waiters[1:]
                 heir = JobState(job=st.job, tp=tp, offset=off, produced_at=st.produced_at, received_at=st.received_at, waiters=rest, prompt_ids=st.prompt_ids, params=st.params,
                                 wire=st.wire)
+                heir.attempt = self.attempts.next(st.job.id, self.generation)  # for an answer before its run
                 assert self.telemetry is not None
                 heir.tele = self.telemetry.job(st.job.id, tp.topic, tp.partition, off, st.job.id, None, st.received_at)
                 self.jobs[st.job.id] = heir
