@@ -51,7 +51,7 @@ async def test_collect_finishes_on_a_busy_completions_topic(broker) -> None:
         await asyncio.sleep(0.3)
         lines = read_lines(orjson.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "q"}]}}))
         t0 = time.monotonic()
-        rep, [line] = await collect_lines(s, lines, None, timeout_s=12.0)
+        rep, [line] = await collect_lines(s, lines, None, timeout_s=120.0)
         took = time.monotonic() - t0
         stop.set()
         await task
@@ -60,7 +60,8 @@ async def test_collect_finishes_on_a_busy_completions_topic(broker) -> None:
         await p.stop()
     assert not rep.timed_out and rep.ok == 1
     validate_line(line)
-    assert took < 6.0, f"collect took {took:.1f} s with every id answered"
+    # far below its timeout (the defect waited all of it), with room for any machine's speed
+    assert took < 60.0, f"collect took {took:.1f} s with every id answered"
 
 
 async def test_submit_follow_prints_the_answer_on_a_busy_tokens_topic(broker, capsys) -> None:
@@ -90,7 +91,7 @@ async def test_submit_follow_prints_the_answer_on_a_busy_tokens_topic(broker, ca
         await p.send_and_wait(s.tokens_topic, dumps(Delta(job_id="x", attempt=0, run_id="r", index=0, seq=0, text="hello", token_ids=[1])), key=b"x")
         await p.send_and_wait(s.completions_topic, dumps(completion("x", 0, "hello")), key=b"x")
         t0 = time.monotonic()
-        await _follow(reader, ["x"], 10.0)
+        await _follow(reader, ["x"], 120.0)
         took = time.monotonic() - t0
     finally:
         stop.set()
@@ -99,7 +100,7 @@ async def test_submit_follow_prints_the_answer_on_a_busy_tokens_topic(broker, ca
         await reader.stop()
     out = capsys.readouterr().out
     assert out.startswith("hello") and '"job_id":"x"' in out, out
-    assert took < 5.0, f"--follow took {took:.1f} s"
+    assert took < 60.0, f"--follow took {took:.1f} s"  # far below its timeout (the defect waited all of it)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -185,10 +186,10 @@ def test_collect_refuses_an_unwritable_out_before_waiting(broker, tmp_path) -> N
     s = make_settings(broker.bootstrap)
     env = {"QWORKER_BOOTSTRAP_SERVERS": broker.bootstrap, "QWORKER_ENABLE_IDEMPOTENCE": "false", "QWORKER_COMPLETIONS_TOPIC": s.completions_topic}
     t0 = time.monotonic()
-    res = CliRunner().invoke(app, ["collect", "--ids-from", str(batch), "--out", str(tmp_path / "missing" / "out.jsonl"), "--timeout", "2"], env=env)
+    res = CliRunner().invoke(app, ["collect", "--ids-from", str(batch), "--out", str(tmp_path / "missing" / "out.jsonl"), "--timeout", "600"], env=env)
     assert res.exit_code == 2 and (res.exception is None or isinstance(res.exception, SystemExit)), res.exception
     assert "missing" in res.output and "Traceback" not in res.output, res.output
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 300.0  # not after the whole 600 s wait
 
 
 def test_broker_command_that_cannot_create_topics_stops_the_broker(tmp_path) -> None:
