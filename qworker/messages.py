@@ -117,8 +117,9 @@ class Job(_Strict):
 
     Exactly one of ``prompt``, ``messages`` (rendered with the tokenizer's chat template) or
     ``prompt_token_ids`` is set. A job whose JSON parses and has a string ``id`` but breaks this
-    schema gets an ``error`` message (code ``invalid_job``); bytes that are not a JSON object
-    with a string ``id`` cannot be answered and go to the DLQ topic.
+    schema gets an ``error`` message (code ``invalid_job``), also when it nests deeper than the
+    decoder takes (then a copy goes to the DLQ topic too, code ``too_deep``); bytes that are not
+    a JSON object with a string ``id`` cannot be answered and go to the DLQ topic.
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
