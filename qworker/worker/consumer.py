@@ -118,7 +118,7 @@ class GroupHealth:
 
     A flag set when the group was first joined stays true with the broker frozen or gone
     (aiokafka notices a dead coordinator only after ``request_timeout_ms`` plus the session
-    timeout, 80 s with the defaults). So readiness is what was *confirmed* lately: a round
+    timeout: 80 s observed). So readiness is what was *confirmed* lately: a round
     (every ``interval_s``) passes when the group coordinator is known, the assignment is
     current (joined, no rebalance pending), the coordinator answers a request (the group's
     committed offset of one partition) within ``timeout_s``, and every assigned partition that
