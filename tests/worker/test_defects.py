@@ -97,7 +97,8 @@ async def test_dead_loop_fails_healthz(topics, engines) -> None:
         url = f"http://127.0.0.1:{w.http.port}/healthz"
         assert (await asyncio.to_thread(urllib.request.urlopen, url, None, 5)).status == 200
         w._loops[0].cancel()  # the poll loop is gone
-        await asyncio.sleep(0.1)
+        while not w._loops[0].done():
+            await asyncio.sleep(0.01)
         with pytest.raises(urllib.error.HTTPError) as e:
             await asyncio.to_thread(urllib.request.urlopen, url, None, 5)
         assert e.value.code == 503 and b'"worker_loops": false' in e.value.read()
