@@ -29,6 +29,8 @@ import os
 import platform
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -43,6 +45,15 @@ _SOURCES = sorted(_SOURCE_DIR.glob("*.c"))
 _HEADERS = sorted(_SOURCE_DIR.glob("*.h"))
 # -fno-trapping-math lets gcc vectorise the exp and silu loops (their selects); results are unchanged
 _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+# One build per vector ISA, on top of -march=native: the attention kernels have an AVX-512 path
+# (__AVX512F__), an AVX2+FMA path and a scalar one, and each build compiles the best path its flags
+# allow. On an AVX-512 CPU the "avx512" build is exactly the plain -march=native build.
+ISAS = ("avx512", "avx2", "generic")
+_ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "generic": ["-mno-avx"]}
+# the /proc/cpuinfo flags each build needs (x86); "generic" runs anywhere
+_ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"},
+              "avx2": {"avx2", "fma", "f16c"}, "generic": set()}
+_isa_override: list[str] = []  # innermost using_isa() last
 
 
 def _cpu_features() -> str:
@@ -55,6 +66,46 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+def available_isas() -> list[str]:
+    """The kernel builds this CPU can run, best first (only "generic" off x86)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["generic"]
+    flags = set(_cpu_features().split())
+    return [isa for isa in ISAS if _ISA_NEEDS[isa] <= flags]
+
+
+@cache
+def _default_isa() -> str:
+    """``QWORKER_CPU_ISA`` when set (it must name an ISA this CPU has), else the best available."""
+    forced = os.environ.get("QWORKER_CPU_ISA", "").strip().lower()
+    have = available_isas()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"QWORKER_CPU_ISA must be one of {', '.join(ISAS)}, got {forced!r}")
+        if forced not in have:
+            raise ValueError(f"QWORKER_CPU_ISA={forced}: this CPU lacks it (available: {', '.join(have)})")
+        return forced
+    return have[0]
+
+
+def cpu_isa() -> str:
+    """The vector ISA whose build the CPU kernels run: "avx512", "avx2" or "generic"."""
+    return _isa_override[-1] if _isa_override else _default_isa()
+
+
+@contextmanager
+def using_isa(isa: str) -> Iterator[None]:
+    """Run the kernels of another available ISA's build inside the block (tests, benchmarks);
+    process-wide, not thread-safe."""
+    if isa not in available_isas():
+        raise ValueError(f"ISA {isa!r} is not available on this CPU (available: {', '.join(available_isas())})")
+    _isa_override.append(isa)
+    try:
+        yield
+    finally:
+        _isa_override.pop()
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("QWORKER_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qworker", "kernels"
@@ -64,14 +115,20 @@ def _cache_dir() -> Path:
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _DECODE_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I64, _I32, _F32]
+# q, q_row_stride, k_cache, v_cache, tables, table_stride, query_start_loc, seq_lens, out, out_row_stride, B, Hq, Hkv,
+# D, block_size, scale, threads, num_blocks, window, softcap
+_EXTEND_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I64, _I32, _F32]
 _STORE_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I32, _I64]
 # C function -> (argument types, return type); the *_f16 ones exist only in F16C builds
 _SIGNATURES = {
     "qw_paged_decode_f32": (_DECODE_ARGS, ctypes.c_int),
     "qw_paged_decode_f16": (_DECODE_ARGS, ctypes.c_int),
+    "qw_paged_decode_bf16": (_DECODE_ARGS, ctypes.c_int),
+    "qw_paged_extend_f32": (_EXTEND_ARGS, ctypes.c_int),
+    "qw_paged_extend_f16": (_EXTEND_ARGS, ctypes.c_int),
+    "qw_paged_extend_bf16": (_EXTEND_ARGS, ctypes.c_int),
     "qw_store_kv_f32": (_STORE_ARGS, ctypes.c_int),
     "qw_store_kv_f16": (_STORE_ARGS, ctypes.c_int),
-    "qw_paged_decode_bf16": (_DECODE_ARGS, ctypes.c_int),
     "qw_store_kv_bf16": (_STORE_ARGS, ctypes.c_int),
     "qw_add_rms_norm_f32": ([_P, _P, _P, _P, _P, _I64, _I32, _F32, _I32], None),
     "qw_rope_f32": ([_P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], None),
@@ -80,12 +137,16 @@ _SIGNATURES = {
 }
 
 
-@cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernels with their signatures set, or None when they cannot be built."""
+    """The compiled kernels of the active ISA's build, or None when they cannot be built."""
     if os.environ.get("QWORKER_CPU_KERNELS", "1") == "0":
         return None
-    path = _build()
+    return _library_for(cpu_isa())
+
+
+@cache
+def _library_for(isa: str) -> ctypes.CDLL | None:
+    path = _build(_ISA_FLAGS[isa] if platform.machine().lower() in ("x86_64", "amd64") else [])
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
@@ -93,14 +154,16 @@ def _library() -> ctypes.CDLL | None:
         if hasattr(lib, name):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
+    log.info("CPU kernels: %s build (%s)", isa, path.name)
     return lib
 
 
-def _build() -> Path | None:
+def _build(isa_flags: list[str]) -> Path | None:
     """Compile the sources once per (sources, flags, compiler, CPU) into the first writable cache
     directory; the path of the shared library, or None (logged) when that fails."""
     compiler = os.environ.get("CC", "cc")
-    parts = [*(src.read_bytes() for src in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(), compiler.encode(),
+    flags = _FLAGS + isa_flags
+    parts = [*(src.read_bytes() for src in _SOURCES + _HEADERS), " ".join(flags).encode(), compiler.encode(),
              _cpu_features().encode(), platform.machine().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"qworker-kernels-{os.getuid()}"):
@@ -115,7 +178,7 @@ def _build() -> Path | None:
         except OSError:
             continue  # not writable: try the next directory
         try:
-            subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, timeout=300)
+            subprocess.run([compiler, *flags, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True, timeout=300)
             os.replace(tmp, target)
             return target
         except (OSError, subprocess.SubprocessError) as exc:

@@ -29,9 +29,13 @@
 
 #include "exp.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QW_AVX 1
+#endif
+/* the "avx512" build: 16-float vectors where D is a multiple of 16 (the 8-float path otherwise) */
+#if defined(QW_AVX) && defined(__AVX512F__)
+#define QW_AVX512 1
 #endif
 
 /* cap * tanh(x / cap) from one exp of a non-positive argument: vectorisable (tanhf is not without
@@ -43,37 +47,81 @@ static inline float qw_softcap(float x, float cap) {
     return cap * (y < 0.0f ? -t : t);
 }
 
+/* qsort order: descending int64 keys (a sequence's span in the high half, its index in the low) */
+static int qw_cmp_desc(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x < y) - (x > y);
+}
+
+#ifdef QW_AVX512
+/* lane t of the result = the sum of r_t's 8 lanes (the 8-token transpose-and-add) */
+static inline __m256 qw_fold8(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5, __m256 r6, __m256 r7) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(r0, r1), _mm256_hadd_ps(r2, r3));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(r4, r5), _mm256_hadd_ps(r6, r7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+static inline __m256 qw_half_sum(__m512 r) {
+    return _mm256_add_ps(_mm512_castps512_ps256(r), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+}
+#endif
+
 #define QW_CAT2(a, b) a##_##b
 #define QW_CAT(a, b) QW_CAT2(a, b)
 
 /* fp32 cache: qw_paged_decode_f32 */
 #define KV_T float
 #define LOAD8(p) _mm256_loadu_ps(p)
+#define LOAD16(p) _mm512_loadu_ps(p)
 #define LOAD1(p) (*(p))
 #define FN(name) QW_CAT(name, f32)
 #include "paged_decode_impl.h"
 #undef KV_T
 #undef LOAD8
+#undef LOAD16
 #undef LOAD1
 #undef FN
 
-#if defined(QW_AVX) && defined(__F16C__)
-/* fp16 cache (half the memory traffic of decode, which is memory-bound): qw_paged_decode_f16 */
+/* fp16 cache (half the memory traffic of decode, which is memory-bound): qw_paged_decode_f16.
+ * Converted by F16C where the build has it, else bit by bit (the "generic" build). */
 #define KV_T uint16_t
+#if defined(QW_AVX) && defined(__F16C__)
 #define LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define LOAD1(p) _cvtsh_ss(*(p))
+#else
+#define LOAD1(p) qw_f16_to_f32(*(p))
+#endif
 #define FN(name) QW_CAT(name, f16)
+static inline float qw_f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf / nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13); /* normal: rebias 15 -> 127 */
+    } else {
+        const float f = (float)man * 5.9604644775390625e-8f; /* subnormal (or zero): man * 2^-24 */
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
 #include "paged_decode_impl.h"
 #undef KV_T
+#if defined(QW_AVX) && defined(__F16C__)
 #undef LOAD8
+#undef LOAD16
+#endif
 #undef LOAD1
 #undef FN
-#endif
 
 /* bf16 cache (half the traffic as well; the upper 16 bits of an fp32): qw_paged_decode_bf16 */
 #define KV_T uint16_t
 #ifdef QW_AVX
 #define LOAD8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #endif
 #define LOAD1(p) qw_bf16_to_f32(*(p))
 #define FN(name) QW_CAT(name, bf16)
@@ -87,6 +135,7 @@ static inline float qw_bf16_to_f32(uint16_t h) {
 #undef KV_T
 #ifdef QW_AVX
 #undef LOAD8
+#undef LOAD16
 #endif
 #undef LOAD1
 #undef FN

@@ -54,6 +54,56 @@ static inline void FN(accumulate_fixed)(const float *restrict p, const KV_T *res
 #pragma GCC unroll 16
     for (int i = 0; i < ND; i++) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
+#ifdef QW_AVX512
+/* score_tokens with 16-float vectors for up to 16 tokens (D a multiple of 16): 16 independent FMA
+ * chains; each accumulator is folded to 8 lanes and the two groups of 8 go through the same
+ * transpose-and-add as the 8-wide version. */
+static inline void FN(score_tokens16)(const float *restrict q, const KV_T *restrict k, int64_t token_stride,
+                                  int n, int D, float scale, float *restrict scores) {
+    __m512 r[16];
+    const KV_T *kt[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) {
+        r[t] = _mm512_setzero_ps();
+        kt[t] = k + (t < n ? t : n - 1) * token_stride;
+    }
+    for (int d = 0; d < D; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++) r[t] = _mm512_fmadd_ps(qd, LOAD16(kt[t] + d), r[t]);
+    }
+    __m256 h[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) h[t] = qw_half_sum(r[t]);
+    const __m256 vs = _mm256_set1_ps(scale);
+    const __m256 lo = _mm256_mul_ps(qw_fold8(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]), vs);
+    const __m256 hi = _mm256_mul_ps(qw_fold8(h[8], h[9], h[10], h[11], h[12], h[13], h[14], h[15]), vs);
+    if (n == 16) {
+        _mm256_storeu_ps(scores, lo);
+        _mm256_storeu_ps(scores + 8, hi);
+    } else {
+        float tmp[16];
+        _mm256_storeu_ps(tmp, lo);
+        _mm256_storeu_ps(tmp + 8, hi);
+        for (int t = 0; t < n; t++) scores[t] = tmp[t];
+    }
+}
+
+/* accumulate_fixed with ND16 = D / 16 16-float vectors */
+static inline void FN(accumulate16_fixed)(const float *restrict p, const KV_T *restrict v, int n,
+                                      int64_t token_stride, float *restrict acc, const int ND16) {
+    __m512 a[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < ND16; i++) a[i] = _mm512_loadu_ps(acc + 16 * i);
+    for (int j = 0; j < n; j++, v += token_stride) {
+        const __m512 pj = _mm512_set1_ps(p[j]);
+#pragma GCC unroll 8
+        for (int i = 0; i < ND16; i++) a[i] = _mm512_fmadd_ps(pj, LOAD16(v + 16 * i), a[i]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < ND16; i++) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+#endif
 #else
 static inline void FN(score_tokens)(const float *restrict q, const KV_T *restrict k, int64_t token_stride,
                                 int n, int D, float scale, float *restrict scores) {
@@ -69,6 +119,10 @@ static inline void FN(score_tokens)(const float *restrict q, const KV_T *restric
 
 static inline void FN(accumulate)(const float *restrict p, const KV_T *restrict v, int n, int64_t token_stride,
                               int D, float *restrict acc) {
+#ifdef QW_AVX512
+    if (D == 64) { FN(accumulate16_fixed)(p, v, n, token_stride, acc, 4); return; }
+    if (D == 128) { FN(accumulate16_fixed)(p, v, n, token_stride, acc, 8); return; }
+#endif
 #ifdef QW_AVX
     if (D == 64) { FN(accumulate_fixed)(p, v, n, token_stride, acc, 8); return; }
     if (D == 128) { FN(accumulate_fixed)(p, v, n, token_stride, acc, 16); return; }
@@ -116,6 +170,14 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
             const KV_T *k = k_cache + page + (int64_t)h * D;
             for (int g = 0; g < G; g++) {
                 const int qh = (h - h0) * G + g;
+#ifdef QW_AVX512
+                if (D % 16 == 0) {
+                    for (int j = j0; j < n; j += 16)
+                        FN(score_tokens16)(qs + (int64_t)qh * D, k + j * token_stride, token_stride,
+                                           n - j < 16 ? n - j : 16, D, scale, scores + (int64_t)qh * span + (t0 - lo) + j);
+                    continue;
+                }
+#endif
                 for (int j = j0; j < n; j += 8)
                     FN(score_tokens)(qs + (int64_t)qh * D, k + j * token_stride, token_stride, n - j < 8 ? n - j : 8,
                                  D, scale, scores + (int64_t)qh * span + (t0 - lo) + j);
@@ -188,6 +250,13 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
         const int span = seq_lens[b] - FN(window_start)(seq_lens[b], window);
         max_span = span > max_span ? span : max_span;
     }
+    /* longest attended span first, then dynamic scheduling: the greedy longest-processing-time
+     * split, so that no thread is left with a long sequence while the others idle at the end */
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    if (!order) return -1;
+    for (int b = 0; b < B; b++)
+        order[b] = ((int64_t)(seq_lens[b] - FN(window_start)(seq_lens[b], window)) << 32) | (int64_t)b;
+    qsort(order, (size_t)B, sizeof(int64_t), qw_cmp_desc);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -196,7 +265,7 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < (int64_t)B * items_per_seq; item++) {
             if (!scratch) continue;
-            const int b = (int)(item / items_per_seq), h0 = (int)(item % items_per_seq) * heads_per_item;
+            const int b = (int)(order[item / items_per_seq] & 0xffffffff), h0 = (int)(item % items_per_seq) * heads_per_item;
             const int len = seq_lens[b];
             float *outs = out + b * out_stride + (int64_t)h0 * G * D;
             if (len <= 0) {
@@ -209,5 +278,6 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
         }
         free(scratch);
     }
+    free(order);
     return failed ? -1 : 0;
 }
