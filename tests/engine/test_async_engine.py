@@ -107,13 +107,18 @@ async def test_bad_input_clear_errors_and_others_keep_running(model):
             SamplingParams(unknown_knob=1)
         deltas = await good
         assert deltas[-1].finished and sum(len(c.token_ids) for d in deltas for c in d.outputs) == 30
-        with pytest.raises(ValueError):  # a duplicate in-flight id is refused
-            dup = asyncio.create_task(collect(engine, "dup", [1, 2], SamplingParams(max_tokens=200, ignore_eos=True)))
-            await asyncio.sleep(0.05)
-            try:
-                await collect(engine, "dup", [1, 2], SamplingParams(max_tokens=2))
-            finally:
-                dup.cancel()
+        held = HeldForward(engine.engine)  # the first "dup" cannot finish before the second arrives
+        try:
+            with pytest.raises(ValueError):  # a duplicate in-flight id is refused
+                dup = asyncio.create_task(collect(engine, "dup", [1, 2], SamplingParams(max_tokens=200, ignore_eos=True)))
+                while not held.entered.is_set():  # the first is in a (held) step
+                    await asyncio.sleep(0.01)
+                try:
+                    await collect(engine, "dup", [1, 2], SamplingParams(max_tokens=2))
+                finally:
+                    dup.cancel()
+        finally:
+            held.release()
     finally:
         await engine.shutdown()
 
