@@ -120,6 +120,7 @@ class WorkerSettings(BaseModel):
     # structured output: compiled grammars kept (LRU), and seconds a compile may take before the
     # job gets invalid_structured_output
     grammar_cache_size: int | None = Field(None, ge=1)
+    grammar_cache_bytes: int | None = Field(None, ge=0)  # bytes of compiled grammar cached ("256MiB")
     grammar_compile_timeout: float | None = Field(None, gt=0)
     # speculative decoding: vLLM's speculative_config as JSON, e.g. {"method": "ngram",
     # "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "policy": "auto"}
@@ -149,7 +150,7 @@ class WorkerSettings(BaseModel):
             raise ValueError(f"not a log level: {v!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
         return v
 
-    @field_validator("swap_space", mode="before")
+    @field_validator("swap_space", "grammar_cache_bytes", mode="before")
     @classmethod
     def _size(cls, v: Any) -> Any:
         return parse_size(v) if isinstance(v, str) else v
@@ -225,7 +226,7 @@ class WorkerSettings(BaseModel):
     def engine_config(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncEngine.from_model`` (only what was set)."""
         keys = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size", "swap_space", "enable_prefix_caching", "device", "dtype", "kv_cache_dtype",
-                "grammar_cache_size", "grammar_compile_timeout", "speculative_config")
+                "grammar_cache_size", "grammar_cache_bytes", "grammar_compile_timeout", "speculative_config")
         cfg = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         if isinstance(self.kv_cache_memory, float):  # a fraction: the engine sizes the pool per device
             from qworker.host_memory import cpu_kv_budget

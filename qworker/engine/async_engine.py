@@ -26,6 +26,7 @@ from qworker.engine.outputs import ERR_ENGINE, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.5  # the longest sleep with nothing to run (deadlines are checked at least this often)
 
 class _Stream:
     __slots__ = ("loop", "queue")
@@ -55,6 +56,8 @@ class AsyncEngine:
         # scheduler's queues while the engine thread changes them
         self._capacity = engine.capacity()
         self._stats = engine.stats()
+        # a finished compile wakes the engine thread when it sleeps waiting for grammars
+        engine.grammars.add_listener(self._wake.set)
 
     @classmethod
     def from_model(cls, model_dir: str, **engine_config) -> AsyncEngine:
@@ -124,13 +127,17 @@ class AsyncEngine:
         threads, off the event loop and the engine thread; raises ``StructuredOutputError`` (code
         ``invalid_structured_output``) for a spec the compiler refuses or a compile past the
         timeout. Then call ``generate(..., structured_validated=True)``."""
-        if params.structured_outputs is not None:
-            # poll the handle rather than block a thread of the loop's shared executor for up to
-            # the compile timeout: many cold schemas at once would otherwise starve every to_thread
-            handle = self.engine.grammars.submit(params.structured_outputs)
-            while not handle.done:
-                await asyncio.sleep(0.01)
-            handle.result()  # raises StructuredOutputError for a refused spec or a timeout
+        if params.structured_outputs is None:
+            return
+        # await the compile's own completion: no thread of the loop's shared executor is held
+        # (many cold schemas at once would starve every to_thread) and nothing polls
+        handle = self.engine.grammars.submit(params.structured_outputs)
+        if not handle.done:
+            loop = asyncio.get_running_loop()
+            done = loop.create_future()
+            handle.add_done_callback(lambda _h: _resolve_threadsafe(loop, done))
+            await done
+        handle.result()  # raises StructuredOutputError for a refused spec or a timeout
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, *,
                        deadline: float | None = None, structured_validated: bool = False) -> AsyncIterator[RequestOutput]:
@@ -217,6 +224,7 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            steps = self.engine.counters["steps"]
             try:
                 changed = self.engine.step()
             except Exception as e:
@@ -233,6 +241,25 @@ class AsyncEngine:
                 out = delta_output(req)
                 if out is not None:
                     self._emit(req.request_id, out)
+            if not changed and self.engine.counters["steps"] == steps and self.engine._compiling:
+                # nothing can run until a grammar compiles: sleep until one does (the compile
+                # service sets _wake), a command arrives, or the next request deadline is due
+                self._wake.wait(timeout=self._idle_wait())
+                self._wake.clear()
+
+    def _idle_wait(self) -> float:
+        deadlines = self.engine._deadlines
+        if not deadlines:
+            return _IDLE_WAIT_S
+        return min(_IDLE_WAIT_S, max(0.0, deadlines[0][0] - time.time()))
+
+
+def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+    """From a compile thread: completes ``fut`` on its loop (unless the loop is gone)."""
+    try:
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+    except RuntimeError:  # the loop closed while the compile ran: nobody awaits it any more
+        pass
 
 
 def _last_delta(req) -> RequestOutput:

@@ -38,9 +38,11 @@ class EngineConfig:
     scheduling_policy: str = "priority"  # "priority" (lower value first, then FCFS) or "fcfs"
     seed: int = 0
     tokenizer: str | None = None
-    # structured output: compiled grammars kept (LRU, keyed by the spec's hash), seconds a compile
-    # may take before its request fails with invalid_structured_output, compile threads
+    # structured output: compiled grammars kept (LRU, keyed by the spec's hash; at most
+    # grammar_cache_bytes of them, 256 MiB), seconds a compile may take from its start before its
+    # request fails with invalid_structured_output, compile processes
     grammar_cache_size: int = 128
+    grammar_cache_bytes: int = 256 * MiB
     grammar_compile_timeout: float = 10.0
     grammar_compile_workers: int = 2
     # speculative decoding (issue 16), vLLM's dict: {"method": "ngram", "num_speculative_tokens":
@@ -60,8 +62,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
-        if self.grammar_cache_size < 1 or self.grammar_compile_workers < 1 or not self.grammar_compile_timeout > 0:
-            raise ValueError("grammar_cache_size and grammar_compile_workers must be >= 1, grammar_compile_timeout > 0")
+        if self.grammar_cache_size < 1 or self.grammar_compile_workers < 1 or not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 0:
+            raise ValueError("grammar_cache_size and grammar_compile_workers must be >= 1, grammar_compile_timeout > 0, grammar_cache_bytes >= 0")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -1,18 +1,21 @@
-"""The grammar compiler service: off-thread compiles, the LRU cache and its counters, the
-compiler's own error messages, and the timeout that fails a request without blocking anyone."""
+"""The grammar compiler service: compiles in child processes, the byte-bounded LRU cache and its
+counters, single flight, the compiler's own error messages, and the budget that kills a compile
+without failing anyone else."""
 
 from __future__ import annotations
 
-import threading
+import gc
+import os
 import time
 
 import pytest
 import xgrammar as xgr
 
-from qworker.engine.structured import ERROR_CODE, GrammarCompilerService, StructuredOutputError, StructuredOutputsParams, compiler_message
+from qworker.engine.structured import DEFAULT_CACHE_BYTES, ERROR_CODE, GrammarCompilerService, StructuredOutputError, StructuredOutputsParams, compiler_message
 
 from .structured_support import tokenizer_info
 
+HOOKS = "tests.engine.compile_hooks:compile"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
 
 
@@ -21,7 +24,15 @@ def ti():
     return tokenizer_info()
 
 
-def _wait(handle, limit=10.0):
+@pytest.fixture(scope="module")
+def shared(ti):
+    """One service (one compile process) for the tests that only read counter deltas."""
+    svc = GrammarCompilerService(ti, max_workers=1)
+    yield svc
+    svc.close()
+
+
+def _wait(handle, limit=120.0):
     end = time.monotonic() + limit
     while not handle.done:  # what the scheduler does each step: poll, never block
         assert time.monotonic() < end, "the compile never finished"
@@ -69,30 +80,29 @@ def test_admission_validate_then_engine_submit_counts_one_lookup(ti):
 
 
 def test_cache_byte_bound(ti):
-    svc = GrammarCompilerService(ti, cache_max_bytes=1)
     a, b = StructuredOutputsParams(regex="a+"), StructuredOutputsParams(regex="b+")
+    size_a = GrammarCompilerService(ti).validate(a).memory_size_bytes
+    svc = GrammarCompilerService(ti, cache_max_bytes=size_a + 1, max_workers=1)
     svc.validate(a)
-    svc.validate(b)  # over the byte bound: the older entry goes, the newest always stays
+    svc.validate(b)  # over the byte bound: the older entry goes
     assert svc.cached(b.key) and not svc.cached(a.key)
     assert svc.stats()["grammar_cache_bytes"] == svc.validate(b).memory_size_bytes
+    tiny = GrammarCompilerService(ti, cache_max_bytes=1, max_workers=1)
+    assert tiny.validate(a) is not None  # larger than the whole bound: served, never cached
+    assert tiny.stats()["grammar_cache_size"] == 0 and tiny.stats()["grammar_cache_bytes"] == 0
 
 
-def test_identical_specs_in_flight_share_one_compile():
-    gate = threading.Event()
-    calls = []
-
-    def slow(spec):
-        calls.append(spec.key)
-        gate.wait(5)
-        return "compiled"
-
-    svc = GrammarCompilerService(compile_fn=slow, timeout_s=5)
-    a = svc.submit(StructuredOutputsParams(regex="a+"))
-    b = svc.submit(StructuredOutputsParams(regex="a+"))
+def test_identical_specs_in_flight_share_one_compile(ti, tmp_path):
+    gate = tmp_path / "gate"
+    svc = GrammarCompilerService(ti, timeout_s=60, compile_target=HOOKS)
+    spec = f"a+|GATE={gate}"
+    a = svc.submit(StructuredOutputsParams(regex=spec))
+    b = svc.submit(StructuredOutputsParams(regex=spec))
     assert not a.done and not b.done
-    gate.set()
-    assert _wait(a).result() == "compiled" == _wait(b).result()
-    assert len(calls) == 1 and svc.stats()["grammar_cache_hits"] == 1
+    gate.touch()
+    assert _wait(a, 120).result() is _wait(b, 120).result()
+    st = svc.stats()
+    assert st["grammar_compilations"] == 1 and st["grammar_cache_hits"] == 1
 
 
 def test_lru_cache_is_bounded(ti):
@@ -104,7 +114,9 @@ def test_lru_cache_is_bounded(ti):
     svc.validate(r[2])  # evicts r[1]
     assert svc.cached(r[0].key) and svc.cached(r[2].key) and not svc.cached(r[1].key)
     assert svc.stats()["grammar_cache_size"] == 2
-    svc.validate(r[1])
+    svc.validate(r[1])  # this spec object still holds its grammar: no compile
+    assert svc.stats()["grammar_compilations"] == 3
+    svc.validate(StructuredOutputsParams(regex="a{2}"))  # a new request with it: evicted, compiled again
     assert svc.stats()["grammar_compilations"] == 4
 
 
@@ -124,8 +136,9 @@ def test_lru_cache_is_bounded(ti):
         (StructuredOutputsParams(grammar='start ::= "a"'), 'The root rule with name "root" is not found'),
     ],
 )
-def test_invalid_input_fails_with_the_compilers_message(ti, spec, words):
-    svc = GrammarCompilerService(ti)
+def test_invalid_input_fails_with_the_compilers_message(shared, spec, words):
+    svc = shared
+    before = svc.stats()
     h = _wait(svc.submit(spec))
     assert h.done and not h.ready
     assert isinstance(h.error, StructuredOutputError) and h.error.code == ERROR_CODE
@@ -134,7 +147,7 @@ def test_invalid_input_fails_with_the_compilers_message(ti, spec, words):
     with pytest.raises(StructuredOutputError, match="invalid"):
         svc.validate(spec)  # the error is cached: no second compile
     st = svc.stats()
-    assert (st["grammar_compilations"], st["grammar_compile_failures"], st["grammar_cache_hits"]) == (1, 1, 1)
+    assert tuple(st[k] - before[k] for k in ("grammar_compilations", "grammar_compile_failures", "grammar_cache_hits")) == (1, 1, 1)
 
 
 def test_compiler_message_strips_the_log_prefix():
@@ -142,87 +155,117 @@ def test_compiler_message_strips_the_log_prefix():
     assert compiler_message(e) == "Failed to parse JSON"
 
 
-def test_timeout_fails_the_request_and_frees_the_slot():
-    gate = threading.Event()
-    started = []
+def _pids(svc) -> set[int]:
+    return {c.pid for c in svc._pool._children}
 
-    def compile_fn(spec):
-        started.append(spec.regex)
-        if spec.regex == "slow":
-            gate.wait(10)  # a grammar that takes "forever"; xgrammar cannot be interrupted
-        return f"compiled {spec.regex}"
 
-    svc = GrammarCompilerService(compile_fn=compile_fn, timeout_s=0.2, max_workers=1, max_background=1)
-    slow = svc.submit(StructuredOutputsParams(regex="slow"))
-    fast = svc.submit(StructuredOutputsParams(regex="fast"), timeout_s=5)
-    t0 = time.monotonic()
-    assert not slow.done and not fast.done  # non-blocking submit; fast waits for the one slot
-    assert svc.stats()["grammar_compiles_queued"] == 1
-    _wait(slow)
-    waited = time.monotonic() - t0
-    assert 0.15 <= waited < 2.0
-    assert slow.error is not None and slow.error.code == ERROR_CODE and "did not finish within 0.2 s" in str(slow.error)
-    with pytest.raises(StructuredOutputError, match="did not finish"):
-        slow.result()
-    # the slow compile is still running, but it gave its slot back: the fast one gets through
-    assert _wait(fast).result() == "compiled fast"
+def _gone(pid: int) -> bool:
+    """The process exits (SIGKILL) and is reaped; a guard, not a timing: it never comes back."""
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_budget_counts_from_the_compile_start_and_a_timed_out_compile_is_killed(ti):
+    """Three compiles that never finish, then a cheap one, on one compile process: each stuck one
+    is killed at its budget and fails alone; the cheap one waited three budgets in the queue and
+    still compiles (before: its budget ran from submission, so it failed too, and the stuck
+    compiles kept running on their threads)."""
+    svc = GrammarCompilerService(ti, timeout_s=1.0, max_workers=1, compile_target=HOOKS)
+    stuck = [svc.submit(StructuredOutputsParams(json={"type": "object", "description": f"STUCK {i}"})) for i in range(3)]
+    cheap = svc.submit(StructuredOutputsParams(json=SCHEMA))
+    while not svc.stats()["grammar_compiles_running"]:
+        time.sleep(0.01)
+    first_child = _pids(svc)
+    for h in stuck:
+        assert isinstance(_wait(h, 120).error, StructuredOutputError) and "did not finish within 1 s" in str(h.error)
+    assert _wait(cheap, 120).ready, cheap.error
+    assert xgr.GrammarMatcher(cheap.result()).accept_string('{"n": 3}')
     st = svc.stats()
-    assert st["grammar_compile_timeouts"] == 1 and st["grammar_compiles_background"] == 1
-    gate.set()  # the background compile finishes late: its result is cached, not wasted
-    end = time.monotonic() + 5
-    while svc.stats()["grammar_compiles_background"]:
-        assert time.monotonic() < end
-        time.sleep(0.005)
-    again = svc.submit(StructuredOutputsParams(regex="slow"))
-    assert again.ready and again.result() == "compiled slow"
-    assert started == ["slow", "fast"]
+    assert st["grammar_compile_timeouts"] == 3 and st["grammar_compile_processes_killed"] == 3
+    assert all(_gone(pid) for pid in first_child)  # the stuck compile stopped using a core
+    assert not svc.cached(stuck[0].key)  # a timeout is not the spec's verdict: not cached
+    again = svc.submit(StructuredOutputsParams(json={"type": "object", "description": "STUCK 0"}))
+    assert not again.done  # compiled again (and killed again), not answered from a cache
 
 
-def test_background_compiles_are_bounded():
-    gate = threading.Event()
-
-    def compile_fn(spec):
-        gate.wait(10)
-        return spec.regex
-
-    svc = GrammarCompilerService(compile_fn=compile_fn, timeout_s=0.05, max_workers=1, max_background=0)
-    first = svc.submit(StructuredOutputsParams(regex="one"))
-    _wait(first)
-    assert first.error is not None
-    late = svc.submit(StructuredOutputsParams(regex="two"), timeout_s=0.1)
-    _wait(late)  # no background room: the stuck compile keeps its slot, "two" never starts
-    assert late.error is not None and svc.stats()["grammar_compilations"] == 1
-    gate.set()
+def test_a_crashing_compile_fails_its_job_only(ti):
+    svc = GrammarCompilerService(ti, timeout_s=60, max_workers=1, compile_target=HOOKS)
+    crash = svc.submit(StructuredOutputsParams(regex="CRASH"))
+    fine = svc.submit(StructuredOutputsParams(regex="[0-9]+"))
+    assert isinstance(_wait(crash, 120).error, StructuredOutputError) and "crashed" in str(crash.error)
+    assert _wait(fine, 120).ready
+    assert svc.stats()["grammar_compile_crashes"] == 1
 
 
-def test_a_queued_compile_nobody_waits_for_is_never_started():
-    gate = threading.Event()
-    started = []
-
-    def compile_fn(spec):
-        started.append(spec.regex)
-        gate.wait(10)
-        return spec.regex
-
-    svc = GrammarCompilerService(compile_fn=compile_fn, timeout_s=5, max_workers=1, max_background=0)
-    busy = svc.submit(StructuredOutputsParams(regex="busy"))
-    queued = svc.submit(StructuredOutputsParams(regex="queued"), timeout_s=0.05)
-    assert not _wait(queued).ready
-    gate.set()
-    _wait(busy)
-    time.sleep(0.05)
-    assert started == ["busy"]
+def test_a_queued_compile_nobody_waits_for_is_never_started(ti, tmp_path):
+    gate = tmp_path / "gate"
+    svc = GrammarCompilerService(ti, timeout_s=60, max_workers=1, compile_target=HOOKS)
+    busy = svc.submit(StructuredOutputsParams(regex=f"x|GATE={gate}"))
+    queued = svc.submit(StructuredOutputsParams(regex="queued"))
+    key = queued.key
+    del queued  # the request holding it was aborted
+    gc.collect()
+    gate.touch()
+    assert _wait(busy, 120).ready
+    while svc.stats()["grammar_compiles_in_flight"]:
+        time.sleep(0.01)
+    assert svc.stats()["grammar_compilations"] == 1 and not svc.cached(key)
 
 
-def test_real_slow_grammar_times_out_without_blocking(ti):
-    svc = GrammarCompilerService(ti, timeout_s=0.02)
-    t0 = time.monotonic()
-    h = svc.submit(StructuredOutputsParams(regex="[a-z]{1,3000}"))  # about 1 s of xgrammar work
-    assert time.monotonic() - t0 < 0.05  # submit returns at once
-    with pytest.raises(StructuredOutputError, match="did not finish within 0.02 s"):
-        svc.validate(StructuredOutputsParams(regex="[a-z]{1,3000}"))
-    assert not _wait(h).ready
-    assert time.monotonic() - t0 < 0.5
+def test_burst_larger_than_the_cache_compiles_each_schema_once(ti):
+    """The worker validates a job's spec at admission and the engine submits the same spec object
+    later; a burst of distinct schemas larger than the cache evicts each between the two. The
+    spec keeps its grammar: six schemas, six compiles (before: twelve)."""
+    svc = GrammarCompilerService(ti, cache_size=2)
+    specs = [StructuredOutputsParams(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}) for i in range(6)]
+    handles = [svc.submit(s) for s in specs]  # admission: all in flight at once
+    for h in handles:
+        _wait(h, 120)
+    engine_side = [svc.submit(s, admitted=True) for s in specs]
+    assert all(h.done and h.ready for h in engine_side)
+    assert [h.result() for h in engine_side] == [h.result() for h in handles]
+    st = svc.stats()
+    assert st["grammar_compilations"] == 6 and st["grammar_cache_size"] == 2, st
+
+
+def test_grammar_memory_stays_under_the_byte_bound_under_a_burst_of_large_schemas(ti):
+    """Distinct large schemas (~1.3 MB of compiled grammar each) against a 2.5 MB bound: the cache's
+    own accounting of xgrammar's memory_size_bytes never exceeds it. By default the bound is
+    DEFAULT_CACHE_BYTES (before: no byte bound unless a caller passed one; the engine did not)."""
+    assert GrammarCompilerService(ti).cache_max_bytes == DEFAULT_CACHE_BYTES
+    bound = 5 << 19  # 2.5 MiB: about two of them
+    svc = GrammarCompilerService(ti, cache_max_bytes=bound)
+    sizes, peak = [], 0
+    for i in range(5):
+        g = svc.validate(StructuredOutputsParams(json={"type": "string", "minLength": 30, "maxLength": 40 + i}))
+        sizes.append(g.memory_size_bytes)
+        peak = max(peak, svc.stats()["grammar_cache_bytes"])
+    assert min(sizes) > bound // 4, sizes  # large enough that the burst overflows the bound
+    assert sum(sizes) > 2 * bound
+    assert peak <= bound, (peak, bound)
+
+
+def test_self_referential_and_external_refs_are_refused_with_a_reason(ti):
+    svc = GrammarCompilerService(ti, max_workers=1)
+    for schema in ({"$ref": "#"}, {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+                   {"type": "array", "items": {"$ref": "#"}, "minItems": 1}):
+        with pytest.raises(StructuredOutputError, match="admits no finite output") as e:
+            svc.validate(StructuredOutputsParams(json=schema))
+        assert e.value.code == ERROR_CODE
+    # a recursion with a way out is fine
+    g = svc.validate(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#"}}}))
+    assert xgr.GrammarMatcher(g).accept_string('{"a": {}}')
+    with pytest.raises(StructuredOutputError, match="admits no finite output"):
+        svc.validate(StructuredOutputsParams(grammar='root ::= "a" root'))
+    for ref in ("https://example.com/schema.json", "file:///etc/passwd", "other.json#/x"):
+        with pytest.raises(StructuredOutputError, match="only local references"):
+            StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": ref}}})
 
 
 def test_concurrent_real_compiles(ti):

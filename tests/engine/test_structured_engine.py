@@ -5,10 +5,10 @@ grammar cache; invalid specs; a compiling request does not hold up the queue."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
-import threading
 
 import jsonschema
 import pytest
@@ -16,7 +16,7 @@ import torch
 
 from qworker.engine import SamplingParams
 from qworker.engine.llm import LLM
-from qworker.engine.structured import StructuredOutputError, StructuredOutputsParams, StructuredState
+from qworker.engine.structured import DEFAULT_CACHE_BYTES, GrammarCompilerService, StructuredOutputError, StructuredOutputsParams, StructuredState
 
 from .structured_support import chat
 
@@ -209,18 +209,25 @@ def test_invalid_spec_fails_before_engine_time_and_others_run(llm):
     assert "strin" in str(err.value)
 
 
-def test_compiling_request_waits_without_holding_up_the_queue_and_abort(llm):
-    e = llm.engine
-    release = threading.Event()
-    real = e.grammars._compile_fn
-
-    def slow(spec):
-        release.wait(10)
-        return real(spec)
-
-    e.grammars._compile_fn = slow
+@contextlib.contextmanager
+def hooked_grammars(engine, **kw):
+    """The engine's compiler swapped for one whose compile process runs tests/engine/compile_hooks
+    (a spec can ask to block or never finish), restored after."""
+    real = engine.grammars
+    engine.grammars = GrammarCompilerService(engine.tokenizer_info, compile_target="tests.engine.compile_hooks:compile", **kw)
     try:
-        e.add_request("slow", PROMPTS["regex"], SamplingParams(max_tokens=12, temperature=0, structured_outputs=StructuredOutputsParams(regex=r"[0-9]{4}")))
+        yield engine.grammars
+    finally:
+        engine.grammars.close()
+        engine.grammars = real
+
+
+def test_compiling_request_waits_without_holding_up_the_queue_and_abort(llm, tmp_path):
+    e = llm.engine
+    gate = tmp_path / "gate"
+    digits = {"type": "string", "pattern": "^[0-9]{4}$", "description": f"GATE={gate}"}
+    with hooked_grammars(e, timeout_s=120):
+        e.add_request("slow", PROMPTS["regex"], SamplingParams(max_tokens=12, temperature=0, structured_outputs=json_spec(digits)))
         e.add_request("gone", PROMPTS["regex"], SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"[a-c]{4}")))
         e.add_request("plain", PLAIN[0], SamplingParams(max_tokens=8, temperature=0))
         done = {}
@@ -230,14 +237,12 @@ def test_compiling_request_waits_without_holding_up_the_queue_and_abort(llm):
                 break
         assert "plain" in done and "slow" not in done
         assert e.abort("gone") is not None
-        release.set()
+        gate.touch()
         while e.has_unfinished():
             done.update((r.request_id, r) for r in e.step() if r.finished)
-        assert re.fullmatch(r"[0-9]{4}", e.tokenizer.decode(done["slow"].seqs[0].output_token_ids, skip_special_tokens=True))
+        text = e.tokenizer.decode(done["slow"].seqs[0].output_token_ids, skip_special_tokens=True)
+        assert re.fullmatch(r"[0-9]{4}", json.loads(text))
         assert e.stats()["num_compiling"] == 0
-    finally:
-        e.grammars._compile_fn = real
-        release.set()
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
@@ -288,21 +293,31 @@ def test_failed_step_recompute_keeps_state_in_step_with_tokens(llm, reference):
 
 def test_compile_past_the_timeout_fails_the_request_only(llm):
     e = llm.engine
-    release = threading.Event()
-    real, timeout = e.grammars._compile_fn, e.grammars.timeout_s
-
-    def stuck(spec):
-        release.wait(10)
-        return real(spec)
-
-    e.grammars._compile_fn, e.grammars.timeout_s = stuck, 0.3
-    try:
+    with hooked_grammars(e, timeout_s=0.5):
         outs = llm.generate([PROMPTS["regex"], PLAIN[0]], [
-            SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"[x-z]{3}")), SamplingParams(max_tokens=4, temperature=0)])
-    finally:
-        release.set()
-        e.grammars._compile_fn, e.grammars.timeout_s = real, timeout
-    assert outs[0].error_code == "invalid_structured_output" and "did not finish within" in outs[0].error
+            SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"[x-z]{3}|STUCK")), SamplingParams(max_tokens=4, temperature=0)])
+        assert e.stats()["grammar_compile_timeouts"] == 1 and e.stats()["grammar_compile_processes_killed"] == 1
+    assert outs[0].error_code == "invalid_structured_output" and "did not finish within 0.5 s" in outs[0].error
     assert outs[0].metrics.first_scheduled_time is None
     assert outs[1].error is None and outs[1].outputs[0].token_ids
-    assert e.stats()["grammar_compile_timeouts"] >= 1
+
+
+def test_engine_bounds_its_grammar_cache_in_bytes_by_default(llm):
+    """The engine passes its byte bound to the compiler (before: only an entry count, 128 entries
+    of up to ~140 MB each)."""
+    e = llm.engine
+    assert e.config.grammar_cache_bytes == DEFAULT_CACHE_BYTES == 256 << 20
+    assert e.grammars.cache_max_bytes == e.config.grammar_cache_bytes
+
+
+def test_self_referential_schema_is_the_jobs_fault_not_the_engines(llm):
+    """{"$ref": "#"} compiles in xgrammar to a grammar with no finite output; it used to reach the
+    sampler with nothing allowed and fail as an engine error (retryable: retried forever)."""
+    outs = llm.generate([PROMPTS["small"], PLAIN[0]], [SamplingParams(max_tokens=8, structured_outputs=json_spec({"$ref": "#"})),
+                                                       SamplingParams(max_tokens=4, temperature=0)])
+    assert outs[0].error_code == "invalid_structured_output" and "admits no finite output" in outs[0].error, outs[0].error
+    assert outs[0].metrics.first_scheduled_time is None
+    assert outs[1].error is None and outs[1].outputs[0].token_ids
+    for ref in ("https://example.com/s.json", "file:///etc/passwd"):
+        with pytest.raises(StructuredOutputError, match="only local references"):
+            SamplingParams(max_tokens=8, structured_outputs=json_spec({"type": "object", "properties": {"a": {"$ref": ref}}}))

@@ -1,7 +1,9 @@
 """Structured output (issue 14): JSON schema, JSON object, regex, choice or EBNF grammar, via xgrammar.
 
 Phase 1 (this package) is standalone: spec (``spec.py``), tokenizer info (``tokenizer_info.py``),
-compiler service (``compiler.py``), per-sequence state (``matcher.py``), batched mask
+compiler service (``compiler.py``: the cache and single flight; ``compile_pool.py`` and
+``compile_child.py``: compile processes that a timeout kills; ``grammar_check.py``: a grammar with
+no finite output is refused), per-sequence state (``matcher.py``), batched mask
 (``bitmask.py``). Phase 2 wires it into the engine in these steps.
 
 0. Fields: ``SamplingParams.structured_outputs: StructuredOutputsParams | None = None`` (vLLM's
@@ -15,7 +17,7 @@ compiler service (``compiler.py``), per-sequence state (``matcher.py``), batched
    self.vocab_size, self.eos_token_ids)`` (the logits width, not ``len(tokenizer)``; the engine's
    EOS set becomes the grammar's stop tokens; special tokens are blanked so the grammar never
    allows one); ``self.grammars = GrammarCompilerService(self.tokenizer_info, cache_size=...,
-   timeout_s=..., max_workers=...)``; ``self.bitmask = StructuredBitmask(self.vocab_size,
+   cache_max_bytes=..., timeout_s=..., max_workers=...)`` (compile processes, a byte-bounded cache); ``self.bitmask = StructuredBitmask(self.vocab_size,
    self.runner.device)``.
 2. Admission (worker thread, before the job takes engine time):
    ``engine.grammars.validate(spec)`` (blocking; e.g. ``await asyncio.to_thread(...)``) raises
@@ -58,15 +60,16 @@ compiler service (``compiler.py``), per-sequence state (``matcher.py``), batched
    sequence has caught up with its last token, so nothing is re-sampled or re-accepted. Swap keeps
    it too. Anything that rebuilds a sequence from tokens uses
    ``StructuredState.replay(grammar, seq.output_token_ids)``.
-9. Abort needs nothing: a handle nobody polls is dropped, and a queued compile whose every
-   waiter is past its deadline is never started.
+9. Abort needs nothing: a handle nobody holds is dropped, and a queued compile whose every
+   handle is gone is never started. A compile past its budget (counted from its start) has its
+   process killed; see ``compiler.py`` and ``compile_pool.py``.
 10. Stats: merge ``self.grammars.stats()`` (``grammar_compilations``, ``grammar_cache_hits``,
     ``grammar_compile_seconds``, ``grammar_compile_timeouts``, ...) and ``self.bitmask.stats()``
     (``mask_seconds``, ``mask_steps``, ``masked_rows``) into ``LLMEngine.stats()``.
 """
 
 from qworker.engine.structured.bitmask import StructuredBitmask, allowed_tokens
-from qworker.engine.structured.compiler import CompileHandle, GrammarCompilerService, compiler_message, make_compile_fn
+from qworker.engine.structured.compiler import DEFAULT_CACHE_BYTES, CompileHandle, CompilerUnavailable, GrammarCompilerService, compiler_message
 from qworker.engine.structured.matcher import StructuredState
 from qworker.engine.structured.spec import (
     ERROR_CODE,
@@ -81,6 +84,8 @@ from qworker.engine.structured.tokenizer_info import build_tokenizer_info, load_
 __all__ = [
     "ERROR_CODE",
     "CompileHandle",
+    "CompilerUnavailable",
+    "DEFAULT_CACHE_BYTES",
     "GrammarCompilerService",
     "GuidedDecodingParams",
     "StructuredBitmask",
@@ -93,6 +98,5 @@ __all__ = [
     "compiler_message",
     "from_response_format",
     "load_tokenizer_info",
-    "make_compile_fn",
     "model_vocab_size",
 ]

@@ -1,36 +1,57 @@
-"""Grammar compilation off the engine thread, with a bounded LRU cache keyed by the spec hash.
+"""Grammar compilation off the engine thread: one compile per distinct spec, a byte-bounded cache.
 
 ``submit(spec)`` never blocks: it returns a ``CompileHandle`` the scheduler polls each step
-(``done`` / ``ready`` / ``error``) while the request waits without holding up the batch. Each
-handle carries its own deadline (``timeout_s`` from submission); past it the handle reports an
-``invalid_structured_output`` timeout error. xgrammar cannot cancel a compile, so a compile past
-its deadline keeps running on its thread; it gives its worker slot back (up to
-``max_background`` such compiles at once, then it keeps the slot) so one pathological grammar
-does not starve the rest. A compile that finishes late is still cached: its work is not wasted.
+(``done`` / ``ready`` / ``error``) while the request waits without holding up the batch; a caller
+that wants to sleep instead registers ``add_done_callback`` (the async engine wakes on it) or
+calls ``wait``.
 
-Invalid specs (bad schema, regex or grammar) are cached too, as their error: they are as
-deterministic as valid ones. Timeouts are not cached. Identical specs in flight share one
-compile (a joiner counts as a cache hit: it does not compile again).
+Where compiles run: in child processes (``compile_pool.py``), ``max_workers`` at once. xgrammar
+cannot cancel a compile and a pathological schema can compile for minutes, so a compile gets a
+budget of ``timeout_s`` counted from when it starts (never from submission: a job queued behind
+slow compiles is not charged for them) and past it its process is killed; the job fails with
+``invalid_structured_output``, and only that job. A thread pool could not do that: a timed-out
+compile would keep its core and its slot. The cost is that a compiled grammar crosses a pipe as
+xgrammar's JSON and is rebuilt here (see ``compile_pool.py``); grammars are small for ordinary
+schemas.
 
-Threads: xgrammar's compile releases the GIL (measured), so a compile thread costs the engine
-thread no Python time, only a core.
+Single flight: one compile per distinct spec (``spec.key``) in flight; every request with that
+spec joins it (a joiner counts as a cache hit). When it finishes, the result goes into the cache
+*and* onto each waiting request's spec object (``spec.compiled``), so the request keeps its
+grammar until it is done with it: a burst of distinct schemas larger than the cache evicts
+entries between admission (``validate``) and the engine's ``submit``, and without this every
+schema would be compiled twice.
+
+The cache is an LRU bounded by ``cache_size`` entries and by ``cache_max_bytes`` of compiled
+grammar (xgrammar's ``memory_size_bytes``; 256 MiB by default). A grammar larger than the whole
+byte bound is not cached at all: its requests hold it while they run. Specs the compiler refuses
+are cached as their error (deterministic, and a few bytes). Timeouts and crashes are not cached.
+
+Refused specs: anything xgrammar rejects, and a grammar that admits no finite output (``{"$ref":
+"#"}``; see ``grammar_check.py``), fail with ``StructuredOutputError`` carrying the compiler's
+reason (``invalid_structured_output``, not retryable). When no compile process can be started,
+``CompilerUnavailable`` (not a ``StructuredOutputError``: the engine's fault, retryable).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
-from collections import OrderedDict, deque
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 
 import xgrammar as xgr
 
+from qworker.engine.structured.compile_pool import CompilePool, CompilerCrashed, CompilerUnavailable, CompileTimeout, PoolJob
 from qworker.engine.structured.spec import StructuredOutputError, StructuredOutputsParams, choice_to_ebnf
 
-CompileFn = Callable[[StructuredOutputsParams], xgr.CompiledGrammar]
+DEFAULT_CACHE_BYTES = 256 << 20
 _LOG_PREFIX = re.compile(r"^\s*(\[[\d:]+\]\s+)?\S+\.(cc|h|cpp):\d+:\s*")
 _CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
+
+__all__ = ["DEFAULT_CACHE_BYTES", "CompileHandle", "CompilerUnavailable", "GrammarCompilerService", "compile_request", "compiler_message"]
 
 
 def compiler_message(e: BaseException) -> str:
@@ -40,52 +61,50 @@ def compiler_message(e: BaseException) -> str:
     return _CHECK_FAILED.sub("", msg).strip() or type(e).__name__
 
 
-def make_compile_fn(tokenizer_info: xgr.TokenizerInfo, max_threads: int = 1) -> CompileFn:
-    """Spec -> CompiledGrammar on one xgrammar compiler (its own cache off: ours is the cache)."""
-    compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_threads, cache_enabled=False)
-
-    def compile_spec(spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        kind = spec.kind
+def compile_request(spec: StructuredOutputsParams) -> dict:
+    """What the compile process needs of a spec (see ``compile_child.py``)."""
+    kind = spec.kind
+    if kind in ("json", "json_object"):
         compact = spec.disable_any_whitespace
-        if kind == "json":
-            return compiler.compile_json_schema(spec.schema, any_whitespace=not compact, strict_mode=spec.strict)
         if kind == "json_object":  # OpenAI's json_object is an object, not any JSON value
-            return compiler.compile_json_schema({"type": "object"}, any_whitespace=not compact, strict_mode=False)
-        if kind == "regex":
-            return compiler.compile_regex(spec.regex)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_to_ebnf(spec.choice))
-        return compiler.compile_grammar(spec.grammar)
-
-    return compile_spec
+            return {"kind": "json", "text": '{"type": "object"}', "any_whitespace": not compact, "strict_mode": False}
+        return {"kind": "json", "text": json.dumps(spec.schema), "any_whitespace": not compact, "strict_mode": spec.strict}
+    if kind == "regex":
+        return {"kind": "regex", "text": spec.regex}
+    return {"kind": "grammar", "text": choice_to_ebnf(spec.choice) if kind == "choice" else spec.grammar}
 
 
 class _Job:
-    __slots__ = ("spec", "deadline", "event", "result", "error", "holds_slot")
+    """One compile in flight, shared by every handle with its spec."""
 
-    def __init__(self, spec: StructuredOutputsParams, deadline: float):
+    __slots__ = ("spec", "event", "result", "error", "handles")
+
+    def __init__(self, spec: StructuredOutputsParams):
         self.spec = spec
-        self.deadline = deadline  # the latest deadline of any handle waiting on it
         self.event = threading.Event()
         self.result: xgr.CompiledGrammar | None = None
-        self.error: StructuredOutputError | None = None
-        self.holds_slot = False
+        self.error: BaseException | None = None
+        self.handles: weakref.WeakSet[CompileHandle] = weakref.WeakSet()  # who still waits
+
+    def wanted(self) -> bool:
+        """Someone still holds a handle: a request that was aborted drops its handle with it."""
+        return len(self.handles) > 0
 
 
 class CompileHandle:
     """One request's view of a compile. Non-blocking properties, safe to poll every step."""
 
-    __slots__ = ("spec", "timeout_s", "deadline", "_job", "_service", "_result", "_error")
+    __slots__ = ("spec", "_job", "_result", "_error", "_callbacks", "__weakref__")
 
-    def __init__(self, service: GrammarCompilerService, spec: StructuredOutputsParams, timeout_s: float, job: _Job | None = None,
-                 result: xgr.CompiledGrammar | None = None, error: StructuredOutputError | None = None):
+    def __init__(self, spec: StructuredOutputsParams, job: _Job | None = None, result: xgr.CompiledGrammar | None = None,
+                 error: BaseException | None = None):
         self.spec = spec
-        self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
-        self._service = service
         self._job = job
         self._result = result
         self._error = error
+        self._callbacks: list[Callable[[CompileHandle], None]] = []
+        if job is not None:
+            job.handles.add(self)
 
     @property
     def key(self) -> str:
@@ -93,17 +112,12 @@ class CompileHandle:
 
     @property
     def done(self) -> bool:
-        """Compiled, failed or timed out: the request can leave the waiting-for-grammar state."""
-        if self._job is None:
-            return True
+        """Compiled, refused or timed out: the request can leave the waiting-for-grammar state."""
         job = self._job
+        if job is None:
+            return True
         if job.event.is_set():
             self._result, self._error, self._job = job.result, job.error, None
-            return True
-        if time.monotonic() >= self.deadline:
-            self._error = StructuredOutputError(f"grammar compilation did not finish within {self.timeout_s:g} s")
-            self._job = None
-            self._service._on_timeout()
             return True
         return False
 
@@ -112,11 +126,12 @@ class CompileHandle:
         return self.done and self._error is None
 
     @property
-    def error(self) -> StructuredOutputError | None:
+    def error(self) -> BaseException | None:
+        """A ``StructuredOutputError`` for the spec's own fault; another exception for ours."""
         return self._error if self.done else None
 
     def result(self) -> xgr.CompiledGrammar:
-        """The compiled grammar; raises its ``StructuredOutputError``, or RuntimeError if not done."""
+        """The compiled grammar; raises its error, or RuntimeError if not done."""
         if not self.done:
             raise RuntimeError("the grammar is still compiling")
         if self._error is not None:
@@ -125,86 +140,93 @@ class CompileHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done or ``timeout`` seconds (for worker threads, never the engine loop)."""
-        end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
         job = self._job
         if job is not None:
-            job.event.wait(max(0.0, end - time.monotonic()))
-        while not self.done and time.monotonic() < end:  # the deadline lands a hair after the wait
-            time.sleep(0.001)
+            job.event.wait(timeout)
         return self.done
+
+    def add_done_callback(self, fn: Callable[[CompileHandle], None]) -> None:
+        """``fn(handle)`` once done: now if it is, else on a compile thread (keep it short)."""
+        job = self._job
+        if job is not None:
+            with _CALLBACK_LOCK:
+                if not job.event.is_set():
+                    self._callbacks.append(fn)
+                    return
+        fn(self)
+
+
+_CALLBACK_LOCK = threading.Lock()  # orders add_done_callback against the job's completion
 
 
 class GrammarCompilerService:
-    """``max_workers`` compiles at once (threads, started per compile); ``cache_size`` compiled
-    specs kept (LRU), and at most ``cache_max_bytes`` of compiled grammar (xgrammar's
-    ``memory_size_bytes``; None: no byte bound); ``timeout_s`` per request; ``compile_fn``
-    replaceable for tests."""
+    """``max_workers`` compile processes; ``cache_size`` entries and ``cache_max_bytes`` of compiled
+    grammar cached (LRU; None: no byte bound); ``timeout_s`` per compile, from its start.
+    ``compile_target`` (``"module:function"``, run in the compile process) replaces xgrammar's
+    compile call: tests use it to make a compile block as a pathological grammar would."""
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo | None = None, *, cache_size: int = 128, timeout_s: float = 10.0,
-                 max_workers: int = 2, max_background: int = 2, compile_fn: CompileFn | None = None, xgr_threads: int = 1,
-                 cache_max_bytes: int | None = None):
-        if compile_fn is None:
-            if tokenizer_info is None:
-                raise ValueError("need a tokenizer_info or a compile_fn")
-            compile_fn = make_compile_fn(tokenizer_info, xgr_threads)
-        if cache_size < 1 or max_workers < 1 or max_background < 0 or not timeout_s > 0:
-            raise ValueError("cache_size and max_workers must be >= 1, max_background >= 0, timeout_s > 0")
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, *, cache_size: int = 128, cache_max_bytes: int | None = DEFAULT_CACHE_BYTES,
+                 timeout_s: float = 10.0, max_workers: int = 2, xgr_threads: int = 1, compile_target: str | None = None):
+        if cache_size < 1 or max_workers < 1 or not timeout_s > 0 or (cache_max_bytes is not None and cache_max_bytes < 0):
+            raise ValueError("cache_size and max_workers must be >= 1, timeout_s > 0, cache_max_bytes >= 0 or None")
         self.tokenizer_info = tokenizer_info
         self.cache_size = cache_size
         self.cache_max_bytes = cache_max_bytes
-        self._cache_bytes = 0
         self.timeout_s = timeout_s
         self.max_workers = max_workers
-        self.max_background = max_background
-        self._compile_fn = compile_fn
+        self._pool = CompilePool(tokenizer_info.serialize_json(), size=max_workers, timeout_s=timeout_s, xgr_threads=xgr_threads,
+                                 target=compile_target)
+        weakref.finalize(self, self._pool.close)  # the children go with the service
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, xgr.CompiledGrammar | StructuredOutputError] = OrderedDict()
+        self._cache_bytes = 0
         self._inflight: dict[str, _Job] = {}
-        self._queue: deque[_Job] = deque()
-        self._slots_used = 0
-        self._background = 0  # compiles past every deadline that gave their slot back
+        self._listeners: list[Callable[[], None]] = []
         self.compilations = 0
         self.compile_failures = 0
         self.cache_hits = 0
         self.timeouts = 0
+        self.crashes = 0
         self.compile_seconds = 0.0
 
     # -- the API -------------------------------------------------------------------------------
-    def submit(self, spec: StructuredOutputsParams, timeout_s: float | None = None, *, admitted: bool = False) -> CompileHandle:
+    def submit(self, spec: StructuredOutputsParams, *, admitted: bool = False) -> CompileHandle:
         """``admitted``: this request's spec was already looked up by ``validate`` at admission;
         the engine's own look-up is then not counted as a second cache hit."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        if not timeout > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         with self._lock:
-            hit = self._cache.get(spec.key)
-            if hit is not None:
+            value = self._cache.get(spec.key)
+            if value is not None:
                 self._cache.move_to_end(spec.key)
+            else:
+                value = spec.compiled  # compiled for this very request, then evicted: no recompile
+            if value is not None:
                 self.cache_hits += not admitted
-                if isinstance(hit, StructuredOutputError):
-                    return CompileHandle(self, spec, timeout, error=StructuredOutputError(str(hit)))
-                return CompileHandle(self, spec, timeout, result=hit)
-            handle = CompileHandle(self, spec, timeout)
+                if isinstance(value, StructuredOutputError):
+                    return CompileHandle(spec, error=StructuredOutputError(str(value)))
+                return CompileHandle(spec, result=value)
             job = self._inflight.get(spec.key)
             if job is not None:
-                self.cache_hits += not admitted
-                job.deadline = max(job.deadline, handle.deadline)
-            else:
-                job = _Job(spec, handle.deadline)
-                self._inflight[spec.key] = job
-                self._queue.append(job)
-            handle._job = job
-            self._reap_locked()
-            self._dispatch_locked()
+                self.cache_hits += not admitted  # joins the compile in flight
+                return CompileHandle(spec, job)
+            job = self._inflight[spec.key] = _Job(spec)
+            handle = CompileHandle(spec, job)
+        self._put(job)
         return handle
 
-    def validate(self, spec: StructuredOutputsParams, timeout_s: float | None = None) -> xgr.CompiledGrammar:
-        """Blocking: compile (or hit the cache) and return the grammar, or raise
-        ``StructuredOutputError``. For admission on a worker thread; later submits of the same
-        spec are cache hits."""
-        handle = self.submit(spec, timeout_s)
+    def validate(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """Blocking compile (or cache hit); raises ``StructuredOutputError`` for a bad spec or a
+        compile past the timeout. For admission, on a worker thread."""
+        handle = self.submit(spec)
         handle.wait()
         return handle.result()
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        """``fn()`` after every compile finishes, on a compile thread (e.g. to wake a loop)."""
+        self._listeners.append(fn)
+
+    def close(self) -> None:
+        """Kills the compile processes; compiles still queued fail with ``CompilerUnavailable``."""
+        self._pool.close()
 
     def stats(self) -> dict:
         with self._lock:
@@ -213,12 +235,15 @@ class GrammarCompilerService:
                 "grammar_compile_failures": self.compile_failures,
                 "grammar_cache_hits": self.cache_hits,
                 "grammar_compile_timeouts": self.timeouts,
+                "grammar_compile_crashes": self.crashes,
                 "grammar_compile_seconds": self.compile_seconds,
                 "grammar_cache_size": len(self._cache),
                 "grammar_cache_bytes": self._cache_bytes,
-                "grammar_compiles_queued": len(self._queue),
-                "grammar_compiles_running": self._slots_used,
-                "grammar_compiles_background": self._background,
+                "grammar_compiles_in_flight": len(self._inflight),
+                "grammar_compiles_queued": self._pool.queued(),
+                "grammar_compiles_running": self._pool.running,
+                "grammar_compile_processes_started": self._pool.children_started,
+                "grammar_compile_processes_killed": self._pool.children_killed,
             }
 
     def cached(self, key: str) -> bool:
@@ -226,67 +251,75 @@ class GrammarCompilerService:
             return key in self._cache
 
     # -- internals -----------------------------------------------------------------------------
-    def _on_timeout(self) -> None:
+    def _put(self, job: _Job) -> None:
+        try:
+            self._pool.put(PoolJob(compile_request(job.spec), on_done=lambda g, e, s: self._finish(job, g, e, s), wanted=job.wanted,
+                                   on_start=self._count_start))
+        except CompilerUnavailable as e:
+            self._finish(job, None, e, 0.0)
+
+    def _count_start(self) -> None:
         with self._lock:
-            self.timeouts += 1
-            self._reap_locked()
-            self._dispatch_locked()
-
-    def _reap_locked(self) -> None:
-        """Running compiles past every waiter's deadline give their slot back (bounded)."""
-        now = time.monotonic()
-        for job in self._inflight.values():
-            if job.holds_slot and now >= job.deadline and self._background < self.max_background:
-                job.holds_slot = False
-                self._slots_used -= 1
-                self._background += 1
-
-    def _dispatch_locked(self) -> None:
-        now = time.monotonic()
-        while self._queue and self._slots_used < self.max_workers:
-            job = self._queue.popleft()
-            if now >= job.deadline:  # nobody waits for it any more: never start it
-                del self._inflight[job.spec.key]
-                continue
-            job.holds_slot = True
-            self._slots_used += 1
             self.compilations += 1
-            threading.Thread(target=self._run, args=(job,), name="grammar-compile", daemon=True).start()
+
+    def _finish(self, job: _Job, grammar_json: str | None, error: BaseException | None, seconds: float) -> None:
+        """On a compile thread: rebuild the grammar (GIL released), publish it, wake the waiters."""
+        key, kind = job.spec.key, job.spec.kind
+        if grammar_json is None and error is None:  # dropped unstarted: nobody waited for it
+            with self._lock:
+                if not job.wanted():
+                    self._inflight.pop(key, None)
+                    return
+            self._put(job)  # someone joined while it was being dropped
+            return
+        result = None
+        cache = True  # deterministic outcomes only: a grammar, or the compiler's refusal
+        timed_out, crashed = isinstance(error, CompileTimeout), isinstance(error, CompilerCrashed)
+        if grammar_json is not None:
+            try:
+                result = xgr.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
+            except Exception as e:  # noqa: BLE001 - ours, not the spec's
+                error, cache = CompilerUnavailable(f"could not load the compiled grammar: {e}"), False
+            del grammar_json
+        elif isinstance(error, ValueError):
+            error = StructuredOutputError(f"invalid {kind}: {compiler_message(error)}")
+        elif timed_out or crashed:
+            error, cache = StructuredOutputError(str(error)), False
+        else:
+            cache = False
+        with self._lock:
+            self.compile_seconds += seconds
+            self.timeouts += timed_out
+            self.crashes += crashed
+            self.compile_failures += error is not None and cache
+            self._inflight.pop(key, None)
+            if cache:
+                value = result if error is None else error
+                self._store_locked(key, value)
+                for h in list(job.handles):
+                    object.__setattr__(h.spec, "compiled", value)
+            job.result, job.error = result, error
+        with _CALLBACK_LOCK:
+            job.event.set()
+            callbacks = [(h, fn) for h in list(job.handles) for fn in h._callbacks]
+        for h, fn in callbacks:
+            fn(h)
+        for fn in self._listeners:
+            fn()
 
     def _store_locked(self, key: str, value: xgr.CompiledGrammar | StructuredOutputError) -> None:
+        size = _size(value)
+        limit = self.cache_max_bytes
         old = self._cache.pop(key, None)
         if old is not None:
             self._cache_bytes -= _size(old)
+        if limit is not None and size > limit:
+            return  # larger than the whole bound: its requests hold it, the cache does not
         self._cache[key] = value
-        self._cache_bytes += _size(value)
-        limit = self.cache_max_bytes
-        while len(self._cache) > self.cache_size or (limit is not None and self._cache_bytes > limit and len(self._cache) > 1):
+        self._cache_bytes += size
+        while len(self._cache) > self.cache_size or (limit is not None and self._cache_bytes > limit):
             _, evicted = self._cache.popitem(last=False)
             self._cache_bytes -= _size(evicted)
-
-    def _run(self, job: _Job) -> None:
-        t0 = time.perf_counter()
-        result = error = None
-        try:
-            result = self._compile_fn(job.spec)
-        except Exception as e:  # xgrammar raises RuntimeError for bad input; keep its words
-            error = StructuredOutputError(f"invalid {job.spec.kind}: {compiler_message(e)}")
-        dt = time.perf_counter() - t0
-        with self._lock:
-            self.compile_seconds += dt
-            self._inflight.pop(job.spec.key, None)
-            if error is not None:
-                self.compile_failures += 1
-            self._store_locked(job.spec.key, result if error is None else error)
-            if job.holds_slot:
-                job.holds_slot = False
-                self._slots_used -= 1
-            else:
-                self._background -= 1
-            job.result, job.error = result, error
-            job.event.set()
-            self._reap_locked()
-            self._dispatch_locked()
 
 
 def _size(value: object) -> int:

@@ -27,6 +27,8 @@ UNENFORCED_KEYWORDS = frozenset(
     {"not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
      "dependentRequired", "dependentSchemas", "dependencies", "oneOf"}
 )
+# references: only a local "$ref" is resolved; the dynamic and recursive forms are refused too
+REF_KEYWORDS = frozenset({"$ref", "$dynamicRef", "$recursiveRef"})
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "unevaluatedItems", "additionalItems", "propertyNames", "items")
 _SCHEMA_LISTS = ("anyOf", "allOf", "prefixItems", "items")
@@ -58,6 +60,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     key: str = field(init=False, repr=False)
     schema: dict | None = field(init=False, repr=False)  # ``json`` parsed (a private copy)
+    # set by the compiler service when this object's grammar is compiled (or refused): the
+    # request holding the spec keeps its grammar even if the shared cache evicts it meanwhile
+    compiled: object = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         set_ = [k for k in KINDS if (getattr(self, k) if k != "json_object" else self.json_object is True) not in (None, False)]
@@ -173,9 +178,17 @@ def _parse_schema(value: object) -> dict:
 
 def check_schema_supported(schema: object, path: str = "#") -> None:
     """Raise for a keyword in ``UNENFORCED_KEYWORDS`` anywhere a subschema can be (property
-    names and ``enum``/``const`` values are data, not keywords, and are not looked into)."""
+    names and ``enum``/``const`` values are data, not keywords, and are not looked into), and
+    for a ``$ref`` that is not local to the schema: xgrammar resolves only ``#`` and ``#/...``
+    and would quietly allow any JSON for another one. Nothing is ever fetched."""
     if not isinstance(schema, dict):
         return
+    for kw in REF_KEYWORDS & schema.keys():
+        ref = schema[kw]
+        if kw != "$ref" or not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise StructuredOutputError(
+                f"JSON Schema {kw} {ref!r} at {path} is not supported: only local references ('#' or '#/...') are resolved, "
+                "nothing is fetched; inline the referenced schema (under $defs)")
     for kw in sorted(UNENFORCED_KEYWORDS & schema.keys()):
         if kw == "uniqueItems" and schema[kw] is False:
             continue

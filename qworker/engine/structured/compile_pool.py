@@ -1,0 +1,279 @@
+"""A pool of grammar compile processes: a compile past its budget is killed, not waited for.
+
+xgrammar cannot cancel a compile, and a pathological schema can compile for minutes. In a thread
+such a compile keeps its core (and its slot) long after its job was answered; in a process it is
+one ``SIGKILL``. So each of the ``size`` slots is a thread that owns one compile process and runs
+one compile at a time on it:
+
+- the budget (``timeout_s``) counts from the moment the request is written to a ready process,
+  never from submission: time spent queued behind other compiles, or starting a process, is not
+  charged to the job;
+- past the budget the process is killed and the job fails with a timeout; the slot forks a fresh
+  one for its next job. Nothing else is held up: the other slots keep compiling;
+- a process that dies mid-compile (a crash inside the compiler) fails only the job it was on.
+
+Processes are forks of one zygote (``compile_child.py``) that has imported xgrammar and loaded the
+tokenizer once: a replacement costs milliseconds, not the seconds of a fresh interpreter
+importing torch. The zygote starts on the first compile (a few seconds, once) and everything is
+killed by ``close()``.
+
+The price of a process is the trip back: the compiled grammar crosses a socket as xgrammar's
+JSON (``serialize_json``, about 5x its in-memory size) and is rebuilt here (``deserialize_json``,
+which releases the GIL; ~0.25 s for a 3.5 MB grammar). Small grammars cost well under a
+millisecond.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from qworker.engine.structured.compile_child import HEADER, read_exact, read_frame, write_frame
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 120.0  # a child that is not ready by then is broken (it starts in ~2 s)
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_child.py")
+
+
+class CompileTimeout(Exception):
+    """The compile ran past its budget and its child was killed."""
+
+
+class CompilerCrashed(Exception):
+    """The child died while compiling (not a timeout)."""
+
+
+class CompilerUnavailable(Exception):
+    """No child could be started: the engine's fault, not the job's."""
+
+
+@dataclass(eq=False)
+class PoolJob:
+    """One compile. ``on_start`` and ``on_done`` run on the slot's thread; ``wanted()`` False
+    means nobody waits for the result any more and the job is dropped unstarted."""
+
+    request: dict
+    on_done: Callable[[str | None, BaseException | None, float], None]  # grammar JSON, error, seconds
+    wanted: Callable[[], bool] = lambda: True
+    on_start: Callable[[], None] = lambda: None
+    started: float | None = field(default=None)
+
+
+class _Child:
+    """One compile process (a fork of the zygote), spoken to over its own socket."""
+
+    def __init__(self, pid: int, sock: socket.socket):
+        self.pid, self.sock = pid, sock
+        self.wfd = self.rfd = sock.fileno()
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.sock.close()
+
+
+class _Zygote:
+    """The process the compile processes are forked from (see ``compile_child.py``)."""
+
+    def __init__(self, init: bytes):
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen([sys.executable, _CHILD, str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        except OSError as e:
+            ours.close()
+            raise CompilerUnavailable(f"the grammar compile process did not start: {e}") from e
+        finally:
+            theirs.close()
+        self.sock = ours
+        write_frame(ours.fileno(), init)
+        answer = read_frame(ours.fileno()) if _readable(ours.fileno(), _START_TIMEOUT_S) else None
+        if answer is None or answer[:1] != b"R":
+            self.kill()
+            why = str(memoryview(answer)[1:], "utf-8", "replace") if answer else f"it exited with {self.proc.poll()}"
+            raise CompilerUnavailable(f"the grammar compile process did not start: {why}")
+
+    def fork(self) -> _Child:
+        ours, theirs = socket.socketpair()
+        try:
+            socket.send_fds(self.sock, [b"F"], [theirs.fileno()])
+            answer = read_frame(self.sock.fileno()) if _readable(self.sock.fileno(), _START_TIMEOUT_S) else None
+        except OSError:
+            answer = None
+        finally:
+            theirs.close()
+        if answer is None or len(answer) != 4:
+            ours.close()
+            raise CompilerUnavailable(f"the grammar compile zygote failed (exit status {self.proc.poll()})")
+        return _Child(struct.unpack(">I", answer)[0], ours)
+
+    def kill(self) -> None:
+        self.sock.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+class CompilePool:
+    def __init__(self, tokenizer_info_json: str, *, size: int, timeout_s: float, xgr_threads: int = 1, target: str | None = None):
+        self.size = size
+        self.timeout_s = timeout_s
+        self._init = json.dumps({"tokenizer_info": tokenizer_info_json, "threads": xgr_threads, "target": target,
+                                 "sys_path": [p or os.getcwd() for p in sys.path]}).encode()
+        self._cond = threading.Condition()
+        self._queue: deque[PoolJob] = deque()
+        self._threads: list[threading.Thread] = []
+        self._children: set[_Child] = set()
+        self._zygote: _Zygote | None = None
+        self._zygote_lock = threading.Lock()  # one fork at a time on the zygote's socket
+        self._closed = False
+        self.running = 0
+        self.children_started = 0
+        self.children_killed = 0
+
+    def put(self, job: PoolJob) -> None:
+        with self._cond:
+            if self._closed:
+                raise CompilerUnavailable("the grammar compiler is closed")
+            self._queue.append(job)
+            if len(self._threads) < self.size and len(self._threads) < self.running + len(self._queue):
+                t = threading.Thread(target=self._slot, name=f"grammar-compile-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            self._cond.notify()
+
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def close(self) -> None:
+        """Kills every child; queued jobs fail with ``CompilerUnavailable``."""
+        with self._cond:
+            self._closed = True
+            dropped, self._queue = list(self._queue), deque()
+            children = list(self._children)
+            self._cond.notify_all()
+        for c in children:
+            c.kill()
+        with self._zygote_lock:
+            if self._zygote is not None:
+                self._zygote.kill()
+                self._zygote = None
+        for job in dropped:
+            job.on_done(None, CompilerUnavailable("the grammar compiler is closed"), 0.0)
+
+    # -- a slot ------------------------------------------------------------------------------------
+    def _take(self) -> PoolJob | None:
+        while True:
+            dropped = []
+            with self._cond:
+                while not self._closed and not self._queue:
+                    self._cond.wait()
+                if self._closed:
+                    return None
+                while self._queue:
+                    job = self._queue.popleft()
+                    if job.wanted():
+                        self.running += 1
+                        break
+                    dropped.append(job)
+                else:
+                    job = None
+            for d in dropped:  # nobody waits for it: never started (told outside the lock)
+                d.on_done(None, None, 0.0)
+            if job is not None:
+                return job
+
+    def _slot(self) -> None:
+        child: _Child | None = None
+        try:
+            while (job := self._take()) is not None:
+                try:
+                    if child is None:
+                        child = self._start_child()
+                    grammar, error, seconds, child = self._compile(child, job)
+                except CompilerUnavailable as e:
+                    grammar, error, seconds, child = None, e, 0.0, None
+                except Exception as e:  # noqa: BLE001 - a bug here must not strand the job or the slot
+                    log.exception("grammar compile slot failed")
+                    if child is not None:
+                        self._forget(child)
+                    grammar, error, seconds, child = None, CompilerUnavailable(f"grammar compile failed: {e!r}"), 0.0, None
+                with self._cond:
+                    self.running -= 1
+                try:
+                    job.on_done(grammar, error, seconds)
+                except Exception:  # noqa: BLE001 - the slot keeps serving the queue
+                    log.exception("grammar compile completion failed")
+        finally:
+            if child is not None:
+                self._forget(child)
+
+    def _start_child(self) -> _Child:
+        with self._zygote_lock:
+            if self._closed:
+                raise CompilerUnavailable("the grammar compiler is closed")
+            if self._zygote is not None and self._zygote.proc.poll() is not None:
+                self._zygote.kill()
+                self._zygote = None
+            if self._zygote is None:
+                self._zygote = _Zygote(self._init)
+            child = self._zygote.fork()
+        with self._cond:
+            self.children_started += 1
+            self._children.add(child)
+            if self._closed:  # closed while it started: close() did not see it
+                self._children.discard(child)
+                child.kill()
+                raise CompilerUnavailable("the grammar compiler is closed")
+        return child
+
+    def _forget(self, child: _Child) -> None:
+        with self._cond:
+            self._children.discard(child)
+        child.kill()
+
+    def _compile(self, child: _Child, job: PoolJob) -> tuple[str | None, BaseException | None, float, _Child | None]:
+        """One request on ``child``; returns the child to keep (None once it is killed)."""
+        job.on_start()
+        t0 = time.monotonic()
+        job.started = t0
+        try:
+            write_frame(child.wfd, json.dumps(job.request).encode())
+            if not _readable(child.rfd, self.timeout_s):  # the budget: from the start of this compile
+                self._forget(child)
+                with self._cond:
+                    self.children_killed += 1
+                return None, CompileTimeout(f"grammar compilation did not finish within {self.timeout_s:g} s"), time.monotonic() - t0, None
+            head = read_exact(child.rfd, HEADER.size)  # the answer is written whole: no wait
+            body = None if head is None else read_exact(child.rfd, HEADER.unpack(head)[0])
+        except OSError:
+            body = None
+        seconds = time.monotonic() - t0
+        if body is None:
+            self._forget(child)
+            return None, CompilerCrashed("the grammar compiler crashed on it"), seconds, None
+        if body[:1] == b"G":
+            text = str(memoryview(body)[1:], "utf-8")  # no intermediate copy of a large answer
+            del body
+            return text, None, seconds, child
+        return None, ValueError(str(memoryview(body)[1:], "utf-8", "replace")), seconds, child
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        return bool(sel.select(timeout))
