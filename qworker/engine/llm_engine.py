@@ -82,6 +82,7 @@ class LLMEngine:
         self.grammars = GrammarCompilerService(
             self.tokenizer_info,
             cache_size=config.grammar_cache_size,
+            cache_max_bytes=config.grammar_cache_bytes,
             timeout_s=config.grammar_compile_timeout,
             max_workers=config.grammar_compile_workers,
         )
