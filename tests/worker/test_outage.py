@@ -14,6 +14,7 @@ from qworker.broker import start_broker, stop_broker
 from qworker.messages import Job, Sampling
 from qworker.worker import Worker
 from qworker.worker.client import create_topics, parse, submit
+from qworker.worker.rawfetch import fetch_raw
 
 from .conftest import Results, committed, make_settings, wait_committed
 
@@ -23,19 +24,18 @@ OUTAGE_S = float(20)
 
 
 async def read_all(s, topic: str) -> list:
-    c = AIOKafkaConsumer(bootstrap_servers=s.bootstrap_servers, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=20, auto_offset_reset="earliest")
+    """Every record of ``topic``: each partition is fetched until a fetch comes back empty (not
+    until the reader has been idle for a second, which a slow broker can be with records left)."""
+    c = AIOKafkaConsumer(bootstrap_servers=s.bootstrap_servers, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=20)
     await c.start()
     try:
         await c.topics()
-        tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
-        c.assign(tps)
-        await c.seek_to_beginning(*tps)
-        out, idle = [], time.monotonic()
-        while time.monotonic() - idle < 1.0:
-            for recs in (await c.getmany(timeout_ms=100)).values():
+        out = []
+        for p in sorted(c.partitions_for_topic(topic) or ()):
+            tp, pos = TopicPartition(topic, p), 0
+            while recs := await fetch_raw(c, tp, pos, max_wait_ms=20):
                 out += recs
-                if recs:
-                    idle = time.monotonic()
+                pos = recs[-1].offset + 1
         return out
     finally:
         await c.stop()
