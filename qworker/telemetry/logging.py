@@ -32,8 +32,10 @@ from opentelemetry import trace
 # attributes every LogRecord has; anything else on a record came from ``extra=``
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
 
-# C0 controls, DEL, C1 controls, line/paragraph separators, bidi embeddings/overrides/isolates
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# C0 controls, DEL, C1 controls, line/paragraph separators, bidi marks, embeddings, overrides
+# and isolates, and lone surrogates (a str can hold them - the stdlib's JSON decoder makes them
+# from "\ud800" - but no UTF-8 stream can: the JSON encoder refused the whole line)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 _CONTINUATION = "\n  | "
 _FIRST = ("job_id", "trace_id")  # the text format writes these pairs first
@@ -113,7 +115,7 @@ class TextFormatter(logging.Formatter):
             fields["trace_id"] = ids[0]
         order = [k for k in _FIRST if k in fields] + [k for k in fields if k not in _FIRST]
         pairs = "".join(f" {k}={_text_value(fields[k])}" for k in order)
-        line = f"{_ts(record)} {record.levelname} {escape(record.name)}: {_message(record)}{pairs}"
+        line = f"{_ts(record)} {record.levelname} {escape(record.name)}: {_text_message(_message(record))}{pairs}"
         for text in (self.formatException(record.exc_info) if record.exc_info else None, self.formatStack(record.stack_info) if record.stack_info else None):
             if text:
                 line += _CONTINUATION + _CONTINUATION.join(escape(part) for part in text.split("\n"))
@@ -130,7 +132,20 @@ def _text_value(value: Any) -> str:
     text = value if isinstance(value, str) else orjson.dumps(value, default=lambda v: escape(str(v))).decode() if isinstance(value, (dict, list)) else escape(str(value))
     if text and not any(c in text for c in ' "='):
         return text
-    return '"' + text.replace('"', '\\"') + '"'
+    return _quoted(text)
+
+
+def _quoted(text: str) -> str:
+    """``text`` in double quotes, its backslashes and quotes escaped: a value cannot end the
+    quotes early (``a\\" job_id=x``) and write a pair of its own after them."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _text_message(message: str) -> str:
+    """The message of a text line. It comes before the ``key=value`` pairs, so one that holds
+    ``=`` (or starts with a quote) is quoted: a message quoting a record (``... job_id=x``)
+    cannot pass for a pair, and every unquoted ``key=`` after the message is one."""
+    return _quoted(message) if "=" in message or message.startswith('"') else message
 
 
 def configure_logging(fmt: str = "json", level: int | str = logging.INFO, stream: Any = None) -> logging.Handler:
