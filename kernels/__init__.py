@@ -5,7 +5,7 @@ This package imports torch (and triton, lazily) only; never ``qworker``.
 Every kernel ``f`` has a reference ``f_ref`` with the same signature in
 :mod:`kernels.reference`; the engine runs the Triton versions on CUDA and the
 references on CPU, except where the CPU has its own C kernels (:mod:`kernels.cpu`:
-decode attention, the KV write, RMSNorm, rotary embedding, SwiGLU), which fall
+decode and prefill attention, the KV write, RMSNorm, rotary embedding, SwiGLU), which fall
 back to the references where they cannot build. Rotary embedding and SwiGLU
 have no Triton kernels: their torch references serve CUDA. The layout they share (cache shape, what a slot is,
 block tables, GQA head mapping) is documented in :mod:`kernels.reference`.
@@ -27,6 +27,7 @@ from .cpu import (
     argmax_rows_cpu,
     cpu_kernels_available,
     paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
     rms_norm_cpu,
     rotary_embedding_cpu_,
     silu_and_mul_cpu,
@@ -50,6 +51,7 @@ __all__ = [
     "argmax_rows_cpu",
     "cpu_kernels_available",
     "paged_decode_attention_cpu",
+    "paged_prefill_attention_cpu",
     "rms_norm_cpu",
     "rotary_embedding_cpu_",
     "rotary_embedding_ref",

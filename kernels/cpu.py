@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .reference import paged_decode_attention_ref, rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref, store_kv_ref
+from .reference import paged_decode_attention_ref, paged_prefill_attention_ref, rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref, store_kv_ref
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,59 @@ def paged_decode_attention_cpu(
         raise IndexError(f"a block table entry is outside the cache's {k_cache.shape[0]} blocks")
     if rc != 0:  # no scratch memory: the reference
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, **opts)
+    return result
+
+
+# False: paged_prefill_attention_cpu runs the torch reference (benchmarks compare the two); the
+# environment's QWORKER_CPU_EXTEND=0 sets it at import
+EXTEND_KERNEL = os.environ.get("QWORKER_CPU_EXTEND", "1") != "0"
+
+
+def paged_prefill_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`kernels.reference.paged_prefill_attention_ref`: causal attention of
+    each sequence's new query rows (any number, decode rows included) over its paged K/V, read in
+    place by ``csrc/paged_extend.c`` (no gathered copy, no mask tensor). The reference runs instead
+    for inputs the kernel does not cover (see :func:`_covered`) or with ``EXTEND_KERNEL`` off."""
+    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
+    fn = _cache_fn("qw_paged_extend", k_cache.dtype) if EXTEND_KERNEL else None
+    if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out) or query_start_loc.device.type != "cpu":
+        return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                           max_query_len, **opts)
+    T, Hq, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    result = out if out is not None else torch.empty_like(q)
+    B = seq_lens.shape[0]
+    if T == 0 or B == 0:
+        return result
+    tables = block_tables.to(torch.int32)
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    rc = fn(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+        starts.data_ptr(), lens.data_ptr(), result.data_ptr(), result.stride(0), B, Hq, Hkv, D, block_size, float(scale),
+        torch.get_num_threads(), k_cache.shape[0], _window_arg(sliding_window), float(softcap or 0.0),
+    )
+    if rc == -2:
+        raise IndexError(f"a block table entry is outside the cache's {k_cache.shape[0]} blocks, or a sequence has more "
+                         "query rows than tokens")
+    if rc != 0:  # no scratch memory: the reference
+        return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                           max_query_len, **opts)
     return result
 
 

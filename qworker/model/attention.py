@@ -1,5 +1,5 @@
 """One attention interface over the paged KV cache: the Triton kernels on CUDA; on CPU the C decode
-kernel and the torch references (all from the top-level ``kernels`` package, same signatures)."""
+and extend kernels (all from the top-level ``kernels`` package, same signatures)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ class AttentionMetadata:
 
 class PagedAttention:
     def __init__(self, backend: str, scale: float, sliding_window: int | None = None, softcap: float | None = None):
-        """``backend``: "triton" (CUDA) or "cpu" (the C decode/store kernels, the torch prefill reference).
+        """``backend``: "triton" (CUDA) or "cpu" (the C decode/extend/store kernels; each falls back to
+        its torch reference for inputs it does not cover).
 
         ``sliding_window``: a query at position p attends keys ``p - sliding_window < j <= p``;
         ``softcap``: scores become ``softcap * tanh(score / softcap)`` (Gemma 2). Both are per
@@ -43,7 +44,7 @@ class PagedAttention:
         triton = backend == "triton"
         self._store = kernels.store_kv if triton else kernels.store_kv_cpu
         self._decode = kernels.paged_decode_attention if triton else kernels.paged_decode_attention_cpu
-        self._prefill = kernels.paged_prefill_attention if triton else kernels.paged_prefill_attention_ref
+        self._prefill = kernels.paged_prefill_attention if triton else kernels.paged_prefill_attention_cpu
 
     def __call__(
         self,
