@@ -143,3 +143,26 @@ def test_bad_shapes_are_one_clear_error():
         MoE(router[:3], gate_up, down, 2, True, "matmul", torch.float32, "cpu")
     with pytest.raises(ValueError, match="top_k"):
         MoE(router, gate_up, down, 5, True, "matmul", torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_weights_with_fp32_activations(backend):
+    """The CPU bf16 mode: bf16 expert weights, fp32 activations in and out (each GEMM's input
+    rounded to bf16, fp32 accumulation), against the fp32 loop over the same rounded weights."""
+    if backend == "onednn" and not onednn_supported(torch.bfloat16)[0]:
+        pytest.skip("oneDNN's bf16 linear is unavailable on this CPU")
+    gen = torch.Generator().manual_seed(5)
+    E, H, I, T = 6, 64, 32, 9
+    router, gate_up, down = random_weights(gen, E, H, I)
+    x = torch.randn(T, H, generator=gen)
+    moe = MoE(router, gate_up.bfloat16(), down.bfloat16(), 2, True, backend, torch.float32, "cpu")
+    out = moe(x)
+    assert out.dtype == torch.float32
+    ref = per_token_reference(x, router, gate_up.bfloat16().float(), down.bfloat16().float(), 2, True)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_empty_step():
+    gen = torch.Generator().manual_seed(0)
+    moe = MoE(*random_weights(gen, 4, 16, 8), 2, True, "matmul", torch.float32, "cpu")
+    assert moe(torch.empty(0, 16)).shape == (0, 16)
