@@ -54,7 +54,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     * ``block_expert`` int32 ``[num_blocks]``: the expert of each ``block_m``-row block, ``-1`` for
       blocks past the last group (the kernel returns at once for those).
 
-    ``num_blocks = cdiv(T*K + E*(block_m-1), block_m)`` bounds the padded total for any routing.
+    ``num_blocks = cdiv(T*K + A*(block_m-1), block_m)`` with ``A = min(E, T*K)``, the most experts
+    that can be active, bounds the padded total for any routing (a decode step of 8 pairs over 128
+    experts launches 8 tiles, not 128).
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     M = flat.numel()
@@ -67,7 +69,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     order = torch.argsort(flat, stable=True)
     expert_sorted = flat[order]
     rank = torch.arange(M, device=dev) - start[expert_sorted]  # position within its expert's group
-    num_blocks = -(-(M + num_experts * (block_m - 1)) // block_m)
+    num_blocks = -(-(M + min(num_experts, M) * (block_m - 1)) // block_m)
     sorted_ids = torch.full((num_blocks * block_m,), M, dtype=torch.int32, device=dev)
     sorted_ids[padded_start[expert_sorted] + rank] = order.to(torch.int32)
     block_starts = torch.arange(num_blocks, device=dev) * block_m

@@ -116,3 +116,11 @@ def test_no_tokens(device):
     x = torch.empty(0, 16, device=device)
     out = kernels.moe_experts(x, gate_up, down, torch.empty(0, 2, device=device), torch.empty(0, 2, dtype=torch.int64, device=device))
     assert out.shape == (0, 16)
+
+
+def test_moe_align_grid_is_bounded_by_the_pairs_not_the_experts():
+    """One token's 4 experts out of 64: 4 tiles, each one expert's, not a tile per expert."""
+    ids = torch.tensor([[40, 3, 17, 63]])
+    sorted_ids, block_expert = kernels.moe_align(ids, 64, 16)
+    assert block_expert.tolist() == [3, 17, 40, 63]
+    assert sorted_ids.view(4, 16)[:, 0].tolist() == [1, 2, 0, 3] and (sorted_ids.view(4, 16)[:, 1:] == 4).all()
