@@ -72,6 +72,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-eager", action="store_true", help="skip the eager-loop column")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = ap.parse_args(argv)
+    if args.device != "cpu":
+        ap.error("bench/moe.py times the CPU path; the Triton path's figures come from bench/kernel_bench.py")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
