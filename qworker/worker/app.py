@@ -34,6 +34,7 @@ from qworker.worker.admission import Admission, PendingQueue
 from qworker.worker.cancellation import CancelRegistry, CancelWatcher
 from qworker.worker.decode import Invalid, Unparseable, Valid, decode
 from qworker.worker.dlq import dlq_headers, raw_headers_header, with_original
+from qworker.worker.engine_start import EngineStartError, load_engine
 from qworker.worker.jobs import Attempts, JobRunner, JobState, cancelled_completion, error_message, log_fields
 from qworker.worker.offsets import OffsetTracker
 from qworker.worker.producer import start_producer
@@ -134,15 +135,14 @@ class Worker:
                     "set QWORKER_HTTP_PORT to a free port (0 = any free port, -1 = no HTTP server)"
                 ) from e
         if self.engine is None:
-            from qworker.engine import AsyncEngine
-
             if not s.model:
                 raise StartupError("no model: set QWORKER_MODEL or --model to the model directory")
             if not os.path.isfile(os.path.join(s.model, "config.json")):
                 raise StartupError(f"QWORKER_MODEL={s.model!r} is not a model directory (no config.json there)")
-            # in a thread: the probe server must keep answering while the weights load
-            self.engine = await asyncio.to_thread(AsyncEngine.from_model, s.model, **s.engine_config())
-            await self.engine.start()
+            try:  # in a thread: the probe server keeps answering while the weights load
+                self.engine = await load_engine(s)
+            except EngineStartError as e:  # a device, budget or model the engine refused: one line
+                raise StartupError(str(e)) from e
         if hasattr(self.engine, "stats"):
             self.metrics.attach_engine(self.engine.stats)
         self.token_text = token_text(self.engine)
