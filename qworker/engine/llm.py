@@ -101,7 +101,7 @@ def _one(p: object, where: str) -> tuple[Prompt, str | None]:
             return items, None  # a chat: the engine renders it with the chat template
         if not items:
             raise InvalidRequestError("empty_prompt", f"{where} is empty")
-        raise _invalid(f"{where} must be token ids or chat messages (dicts with 'role' and 'content'), not a mix of "
+        raise _invalid(f"{where} must be token ids or chat messages (dicts with 'role' and 'content'); got items of type "
                        f"{sorted({type(t).__name__ for t in items})}")
     raise _invalid(f"{where} must be a string, a prompt dict, token ids or chat messages, got {type(p).__name__}")
 
@@ -125,7 +125,7 @@ def parse_prompts(prompts: object) -> list[tuple[Prompt, str | None]]:
 
 def _per_prompt(value, n: int, name: str) -> list:
     if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name} must be one value or a list with one per prompt, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a list with one entry per prompt, got {type(value).__name__}")
     if len(value) != n:
         raise ValueError(f"{name} has {len(value)} entries for {n} prompts; give one per prompt")
     return list(value)

@@ -82,6 +82,7 @@ BAD_CALLS = [
     ({"priority": [0, 0, np.True_]}, "priority"),
     ({"priority": [0, 0, True]}, "priority"),
     ({"priority": [0, 0]}, "priority"),
+    ({"priority": 1}, "priority"),
     ({"sampling_params": [greedy(2), greedy(2), "greedy"]}, "sampling_params"),
     ({"sampling_params": [greedy(2), greedy(2)]}, "sampling_params"),
     ({"lora_request": object()}, "LoRA"),
