@@ -14,7 +14,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "QWORKER_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -36,6 +36,7 @@ def parse_size(value: str | int | None) -> int | None:
 # left out), never a KV cache that holds a useful number of tokens.
 MIN_KV_BYTES = 1 << 20
 _FRACTION = re.compile(r"^\s*\d*\.\d*\s*$")
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # what Kafka accepts as a topic name
 
 
 def parse_kv_memory(value: Any) -> int | float | None:
@@ -76,7 +77,7 @@ class WorkerSettings(BaseModel):
     dlq_topic: str = "qworker.dlq"
     cancel_topic: str = "qworker.cancel"
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    kafka_sasl_mechanism: str | None = None  # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     kafka_sasl_username: str | None = None
     kafka_sasl_password: str | None = None
     kafka_ssl_cafile: str | None = None
@@ -85,14 +86,15 @@ class WorkerSettings(BaseModel):
     # Idempotence needs InitProducerId v1+; real Kafka has it, Tansu does not (tests set false).
     enable_idempotence: bool = True
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = "zstd"
-    linger_ms: int = 5
-    session_timeout_ms: int = 45_000
-    heartbeat_interval_ms: int = 3_000
+    # Kafka client timings: 0 or a negative value hangs or spins the client instead of failing
+    linger_ms: int = Field(5, ge=0)
+    session_timeout_ms: int = Field(45_000, ge=1)
+    heartbeat_interval_ms: int = Field(3_000, ge=1)  # below session_timeout_ms
     # Only a safety net: the poll loop never blocks on generation, so this is never reached
     # by long jobs (aiokafka issue 848).
-    max_poll_interval_ms: int = 300_000
-    fetch_max_wait_ms: int = 100
-    request_timeout_ms: int = 30_000
+    max_poll_interval_ms: int = Field(300_000, ge=1)
+    fetch_max_wait_ms: int = Field(100, ge=0)
+    request_timeout_ms: int = Field(30_000, ge=1)
     # at least 1 ms: 0 would turn the commit loop and a streaming job's ticker into busy loops
     commit_interval_ms: int = Field(500, ge=1)
     stream_interval_ms: int = Field(50, ge=1)
@@ -129,15 +131,16 @@ class WorkerSettings(BaseModel):
     # --- admission, shutdown, ops ---
     max_waiting_jobs: int = Field(16, ge=1)
     admission_reserve_tokens: int = Field(256, ge=0)
-    drain_timeout_s: float = 120.0
+    drain_timeout_s: float = Field(120.0, ge=0, allow_inf_nan=False)
     http_host: str = "0.0.0.0"
     http_port: int = Field(8080, ge=-1, le=65535)  # 0: any free port; -1: no HTTP server
     # /healthz fails when the engine loop made no progress for this long while jobs run; it
     # must exceed the longest step (a full prefill batch on a slow device)
-    liveness_timeout_s: float = Field(120.0, gt=0)
+    liveness_timeout_s: float = Field(120.0, gt=0, allow_inf_nan=False)
     # /readyz's in_group fails when the consumer has not confirmed its group state with the
-    # broker (coordinator answering, assignment current, fetches answered) for this long
-    ready_timeout_s: float = Field(30.0, gt=0)
+    # broker (coordinator answering, assignment current, fetches answered) for this long; at
+    # least 1 s (the check runs every quarter of it), finite (inf: ready forever)
+    ready_timeout_s: float = Field(30.0, ge=1, allow_inf_nan=False)
     log_level: str = "INFO"
     log_format: Literal["json", "text"] = "json"  # json: one object per line, with trace ids
 
@@ -194,6 +197,44 @@ class WorkerSettings(BaseModel):
             SpeculativeConfig.parse(v)  # checked at start-up, before the model loads
         return v
 
+    @field_validator("jobs_topic", "tokens_topic", "completions_topic", "dlq_topic", "cancel_topic")
+    @classmethod
+    def _topic(cls, v: str) -> str:
+        if not _TOPIC.match(v) or v in (".", ".."):
+            raise ValueError("a Kafka topic name is 1-249 of the characters a-z A-Z 0-9 . _ -")
+        return v
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _bootstrap(cls, v: str) -> str:
+        for entry in v.split(","):
+            host, colon, port = entry.strip().rpartition(":")
+            if not colon:
+                host, port = port, "9092"
+            if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("must be host:port[,host:port...]")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return v
+
+    @field_validator("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile")
+    @classmethod
+    def _readable_file(cls, v: str | None) -> str | None:
+        if v is not None and not os.path.isfile(v):
+            raise ValueError("no such file")
+        return v
+
+    @model_validator(mode="after")
+    def _heartbeat_within_session(self) -> WorkerSettings:
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError(f"QWORKER_HEARTBEAT_INTERVAL_MS ({self.heartbeat_interval_ms}) must be below QWORKER_SESSION_TIMEOUT_MS ({self.session_timeout_ms})")
+        return self
+
     @field_validator("*", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
@@ -220,6 +261,9 @@ class WorkerSettings(BaseModel):
             var = ENV_PREFIX + name.upper() if name in cls.model_fields else name or "settings"
             given = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
             msg = e["msg"].removeprefix("Value error, ")
+            if not e["loc"]:  # a rule across settings: its message names them
+                parts.append(msg)
+                continue
             parts.append(f"{var}: {msg}{given}" if name in cls.model_fields else f"unknown setting {name!r}")
         return "invalid settings: " + "; ".join(parts)
 

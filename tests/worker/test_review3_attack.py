@@ -60,3 +60,38 @@ def test_engine_failures_at_start_are_one_line_and_exit_2(tmp_path: Path, tiny_m
         assert p.returncode == 2, (name, p.returncode, err.decode()[-2000:])
         assert "Traceback" not in err.decode(), (name, err.decode()[-2000:])
         assert len(lines) == 1 and lines[0].startswith("qworker: ") and names in lines[0], (name, lines)
+
+
+# ------------------------------------------------------------------ settings checked with the settings
+@pytest.mark.parametrize(("var", "value"), [
+    ("QWORKER_SESSION_TIMEOUT_MS", "0"), ("QWORKER_HEARTBEAT_INTERVAL_MS", "0"), ("QWORKER_HEARTBEAT_INTERVAL_MS", "999999"),
+    ("QWORKER_LINGER_MS", "-1"), ("QWORKER_FETCH_MAX_WAIT_MS", "-1"), ("QWORKER_REQUEST_TIMEOUT_MS", "0"), ("QWORKER_MAX_POLL_INTERVAL_MS", "0"),
+    ("QWORKER_DRAIN_TIMEOUT_S", "-1"), ("QWORKER_DRAIN_TIMEOUT_S", "nan"), ("QWORKER_LIVENESS_TIMEOUT_S", "inf"),
+    ("QWORKER_READY_TIMEOUT_S", "inf"), ("QWORKER_READY_TIMEOUT_S", "0.000001"),
+    ("QWORKER_JOBS_TOPIC", "my jobs"), ("QWORKER_COMPLETIONS_TOPIC", "x" * 250), ("QWORKER_DLQ_TOPIC", ".."),
+    ("QWORKER_BOOTSTRAP_SERVERS", "kafka:notaport"), ("QWORKER_BOOTSTRAP_SERVERS", "kafka:9092,:9093"),
+    ("QWORKER_DEVICE", "tpu"), ("QWORKER_DEVICE", "cuda:x"),
+    ("QWORKER_KAFKA_SASL_MECHANISM", "MD5"), ("QWORKER_KAFKA_SSL_CAFILE", "/nonexistent/ca.pem"),
+])
+def test_every_bad_setting_is_refused_by_name(var: str, value: str) -> None:
+    """Before: each of these was accepted, and the worker then loaded the model and failed
+    with a traceback (a topic Kafka refuses, a SASL mechanism or CA file aiokafka refuses, a
+    host:port it cannot parse, a device torch does not know), or ran broken: a 0 ms session or
+    a heartbeat slower than the session never stays in the group, a negative drain timeout or
+    an infinite ready timeout turns a probe off, a microsecond one spins the readiness check."""
+    from pydantic import ValidationError
+
+    from qworker.config import WorkerSettings
+
+    with pytest.raises(ValidationError) as e:
+        WorkerSettings.from_env({var: value})
+    line = WorkerSettings.explain(e.value)
+    assert var in line and "\n" not in line, line
+
+
+def test_good_kafka_settings_still_pass() -> None:
+    from qworker.config import WorkerSettings
+
+    s = WorkerSettings.from_env({"QWORKER_BOOTSTRAP_SERVERS": "kafka-0.kafka:9092,10.0.0.1:9093,[::1]:9094,kafka", "QWORKER_JOBS_TOPIC": "team_a.jobs-v1",
+                                 "QWORKER_DEVICE": "cuda:1", "QWORKER_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "QWORKER_READY_TIMEOUT_S": "1"})
+    assert s.device == "cuda:1" and s.kafka_sasl_mechanism == "SCRAM-SHA-512"
