@@ -218,6 +218,7 @@ class CompilePool:
                     job.on_done(grammar, error, seconds)
                 except Exception:  # noqa: BLE001 - the slot keeps serving the queue
                     log.exception("grammar compile completion failed")
+                grammar = job = None  # the grammar's JSON (~5x the grammar) must not wait for the next job
         finally:
             if child is not None:
                 self._forget(child)

@@ -180,6 +180,7 @@ class GrammarCompilerService:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, xgr.CompiledGrammar | StructuredOutputError] = OrderedDict()
         self._cache_bytes = 0
+        self._released = 0  # bytes evicted since the allocator last gave memory back
         self._inflight: dict[str, _Job] = {}
         self._listeners: list[Callable[[], None]] = []
         self.compilations = 0
@@ -299,6 +300,7 @@ class GrammarCompilerService:
                 for h in list(job.handles):
                     object.__setattr__(h.spec, "compiled", value)
             job.result, job.error = result, error
+        self._trim_if_released()
         with _CALLBACK_LOCK:
             job.event.set()
             callbacks = [(h, fn) for h in list(job.handles) for fn in h._callbacks]
@@ -320,6 +322,35 @@ class GrammarCompilerService:
         while len(self._cache) > self.cache_size or (limit is not None and self._cache_bytes > limit):
             _, evicted = self._cache.popitem(last=False)
             self._cache_bytes -= _size(evicted)
+            self._released += _size(evicted)
+
+    def _trim_if_released(self) -> None:
+        """Evicted grammars are many small C++ allocations that glibc keeps in its arenas (the
+        compile threads each have one): measured, a burst of 30 distinct 1.3 MB grammars against
+        an 8 MiB bound left RSS 43 MiB up, all of it given back by ``malloc_trim``. So trim once
+        enough has been evicted that it is worth a walk of the heap."""
+        with self._lock:
+            if self._released < _TRIM_AFTER_BYTES:
+                return
+            self._released = 0
+        _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    global _libc_trim
+    if _libc_trim is None:
+        try:
+            import ctypes
+
+            _libc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to trim with
+            _libc_trim = False
+    if _libc_trim:
+        _libc_trim(0)
+
+
+_libc_trim = None
+_TRIM_AFTER_BYTES = 8 << 20
 
 
 def _size(value: object) -> int:
