@@ -183,13 +183,13 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError("invalid_sampling", f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}")
-
         bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError("invalid_sampling", f"logit_bias token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         room = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is None and params.min_tokens > room:
             raise InvalidRequestError("invalid_sampling", f"min_tokens {params.min_tokens} exceeds the {room} tokens of context left after the prompt")
+
     def validate_structured(self, params: SamplingParams) -> None:
         """Blocking (for a worker thread, not the engine loop): compiles ``params``'s structured
         output spec, or finds it cached; raises ``StructuredOutputError`` for a spec the compiler
@@ -210,15 +210,15 @@ class LLMEngine:
             raise InvalidRequestError("invalid_sampling", "params must be a SamplingParams")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError("invalid_priority", "priority must be an integer")
-        if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or deadline != deadline):
         if priority != 0 and self.config.scheduling_policy != "priority":
             # as vLLM: a priority the scheduler would ignore is a caller's mistake, not a no-op
             raise InvalidRequestError("invalid_priority", f"priority {priority} needs scheduling_policy='priority' (this engine is {self.config.scheduling_policy!r})")
+        if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or deadline != deadline):
             raise InvalidRequestError("invalid_deadline", "deadline must be a number (Unix time) or None")
         ids = self.encode(prompt)
         self.check(ids, params)
-        order = next(self._arrivals)
         params = params.resolved(self.max_model_len - len(ids))  # max_tokens=None: up to the context
+        order = next(self._arrivals)
         req = Request(
             request_id=request_id,
             prompt=prompt if isinstance(prompt, str) else None,
