@@ -109,6 +109,10 @@ class DecoderModel:
             raise ValueError(f"tensor 'lm_head.weight' has shape {list(lm_head.shape)}, expected {[d.vocab, d.hidden]}")
         # every layer's tensors are taken (and checked) before any is converted
         raw = [spec.take_layer(weights, i) for i in range(self.num_layers)]
+        unused = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))
+        if unused:  # e.g. biases the family has no place for: serving without them would be wrong
+            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+            raise ValueError(f"{config.model_type} checkpoint has tensors this family does not use: {', '.join(unused[:3])}{more}")
         if device.type == "cuda":
             self.linear_backend = "transposed"
         else:

@@ -1,0 +1,81 @@
+"""Tiny random models, one per supported family, built from each family's own transformers config
+(a few layers, hidden 64, the test model's tokenizer and vocabulary) and saved with safetensors.
+
+The init is not transformers' default (std 0.02 makes logits nearly flat, so greedy steps would
+be near-ties): matrices are normal with std ``fan_in ** -0.5`` (times a gain for q and o, see
+:func:`_randomize`), norms ``1 + N(0, 0.1)``, biases N(0, 0.1). Windows are small (24-40) so that
+the test prompts run past them; the soft-caps are small enough to change scores and logits.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+VOCAB = 49152
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+MOE = dict(num_experts_per_tok=2)
+
+# model_type -> config overrides; the window each family applies is noted
+FAMILY_CONFIGS: dict[str, dict] = {
+    "llama": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": dict(sliding_window=24),  # every layer
+    "qwen2": dict(use_sliding_window=True, sliding_window=24, max_window_layers=1, tie_word_embeddings=True),  # layers >= 1
+    "qwen3": dict(use_sliding_window=True, sliding_window=32, max_window_layers=1),  # layers >= 1
+    "qwen3_moe": dict(MOE, num_experts=4, moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
+                      norm_topk_prob=False, use_sliding_window=True, sliding_window=40),  # every layer
+    "mixtral": dict(MOE, num_local_experts=4, sliding_window=24),  # every layer
+    "olmoe": dict(MOE, num_experts=4, norm_topk_prob=True, clip_qkv=2.5),  # no window in transformers' OLMoE
+    "phi3": dict(sliding_window=32, partial_rotary_factor=0.5, original_max_position_embeddings=1024),  # every layer
+    "gemma2": dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                   tie_word_embeddings=True),  # layers 0 and 2 (transformers' alternating default)
+    "gemma3_text": dict(sliding_window=24, query_pre_attn_scalar=16, tie_word_embeddings=True,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}
+FAMILIES = sorted(FAMILY_CONFIGS)
+
+
+def family_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**BASE, **FAMILY_CONFIGS[model_type], **overrides})
+
+
+def _randomize(model: torch.nn.Module, gemma: bool, gen: torch.Generator) -> None:
+    """Weights under which attention decides the output: with transformers' init (or plain
+    ``fan_in ** -0.5`` everywhere) the token's own embedding dominates the residual stream, so a
+    wrong window, rope base or soft-cap would still give the same greedy tokens. Here q is scaled
+    up (sharp attention, scores large enough for a soft-cap to bite), o up, embeddings down."""
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed" in name:  # Gemma multiplies embeddings by sqrt(hidden): start them that much smaller
+                std = 0.5 * (hidden**-0.5 if gemma else 1.0)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif p.dim() >= 2:  # [out, in] linears and [E, ...] stacked experts
+                gain = 3.0 if "q_proj" in name or "qkv_proj" in name else 2.0 if "o_proj" in name else 1.0
+                p.copy_(torch.randn(p.shape, generator=gen) * gain * p.shape[-1] ** -0.5)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            else:  # a norm weight; a normed q is scaled up like q_proj (Gemma uses 1 + w)
+                mean = 3.0 if "q_norm" in name else 1.0
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (mean - 1.0 if gemma else mean))
+
+
+def build_family_model(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Writes a tiny random ``model_type`` model (config, safetensors, tokenizer) to ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_config(model_type, **overrides)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, model_type.startswith("gemma"), torch.Generator().manual_seed(seed))
+    model.eval().save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_dir) / name, out / name)
+    return out
