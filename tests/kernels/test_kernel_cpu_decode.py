@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from cpu_isa import isa  # noqa: F401  (fixture)
 from kernel_testlib import assert_close, generator, make_paged_batch, oracle_attention, poisoned_like, random_lens
 
 from kernels import cpu_kernels_available, paged_decode_attention_cpu, paged_decode_attention_ref
@@ -32,7 +33,7 @@ def test_builds_on_this_machine():
 
 
 @pytest.mark.parametrize("bs,hkv,g,d", CASES)
-def test_matches_oracle(seed, bs, hkv, g, d):
+def test_matches_oracle(seed, isa, bs, hkv, g, d):
     gen = generator(seed)
     lens = random_lens(gen, 6, bs, 5 * bs + 7)
     batch = make_paged_batch(gen, lens=lens, q_lens=[1] * len(lens), block_size=bs, num_kv_heads=hkv, group=g,
@@ -40,10 +41,10 @@ def test_matches_oracle(seed, bs, hkv, g, d):
     out = poisoned_like(batch.q)
     res = paged_decode_attention_cpu(*batch.decode_args(), out=out)
     assert res.data_ptr() == out.data_ptr()
-    assert_close(out, oracle_attention(batch).float(), torch.float32, f"cpu decode lens={lens}")
+    assert_close(out, oracle_attention(batch).float(), torch.float32, f"cpu decode {isa} lens={lens}")
 
 
-def test_long_contexts_match_reference(seed):
+def test_long_contexts_match_reference(seed, isa):
     """Contexts of hundreds of tokens (the oracle's per-token loop would be slow here)."""
     gen = generator(seed)
     lens = [int(x) for x in torch.randint(1, 900, (5,), generator=gen)] + [1, 16 * 40]
@@ -91,7 +92,7 @@ def test_uncovered_inputs_fall_back_to_the_reference(seed):
 
 
 @pytest.mark.parametrize("bs,hkv,g,d", [(16, 3, 3, 64), (32, 2, 4, 128)])
-def test_fp16_cache_matches_oracle(seed, bs, hkv, g, d):
+def test_fp16_cache_matches_oracle(seed, isa, bs, hkv, g, d):
     """An fp16 cache with fp32 queries (the CPU engine's ``kv_cache_dtype="float16"``): exact up to
     fp32 rounding against the oracle on the same half-precision values."""
     gen = generator(seed)
@@ -106,7 +107,7 @@ def test_fp16_cache_matches_oracle(seed, bs, hkv, g, d):
 
 
 @pytest.mark.parametrize("bs,hkv,g,d", [(16, 3, 3, 64), (32, 2, 4, 128)])
-def test_bf16_cache_matches_oracle(seed, bs, hkv, g, d):
+def test_bf16_cache_matches_oracle(seed, isa, bs, hkv, g, d):
     """A bf16 cache with fp32 queries (``kv_cache_dtype="bfloat16"``): exact up to fp32 rounding
     against the oracle on the same bf16 values."""
     gen = generator(seed)

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from cpu_isa import isa  # noqa: F401  (fixture)
 from kernel_testlib import assert_close, generator, make_paged_batch, oracle_attention, poison_before_window, poisoned_like
 
 import kernels
@@ -21,16 +22,6 @@ from kernels import cpu as kcpu
 from qworker.model.attention import AttentionMetadata, PagedAttention
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
-
-
-@pytest.fixture(params=kcpu.ISAS)
-def isa(request):
-    """Runs the test under one ISA build; skipped where this CPU lacks the ISA."""
-    if request.param not in kcpu.available_isas():
-        pytest.skip(f"this CPU lacks {request.param} (available: {', '.join(kcpu.available_isas())})")
-    with kcpu.using_isa(request.param):
-        assert kcpu.cpu_isa() == request.param and kcpu.cpu_kernels_available()
-        yield request.param
 
 
 @pytest.fixture
