@@ -44,7 +44,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
             constrained = [(i, s.structured) for i, s in enumerate(seqs) if s.structured is not None]
         bitmask.apply(logits, constrained, filled=filled)
     raw = logits
-    logits = logits.clone() if _needs_processing(seqs) else logits
+    logits = logits.clone(memory_format=torch.contiguous_format) if _needs_processing(seqs) else logits
     _apply_logit_bias(logits, seqs)
     for row, seq in enumerate(seqs):
         p = seq.request.params
@@ -119,24 +119,24 @@ def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     as vLLM's order: before penalties, min_tokens and temperature). A row the grammar masked keeps
     -inf where it was (-inf + bias). Ids past the logits width are skipped (they are refused at
     admission; one request must never make the sampler raise for the whole batch)."""
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    for row, seq in enumerate(seqs):
-        bias = seq.request.params.logit_bias
-        if bias:
-            rows += [row] * len(bias)
-            cols += bias.keys()
-            vals += bias.values()
-    if not rows:
-        return
     vocab = logits.shape[1]
-    if max(cols) >= vocab:
-        keep = [i for i, c in enumerate(cols) if c < vocab]
-        rows, cols, vals = [rows[i] for i in keep], [cols[i] for i in keep], [vals[i] for i in keep]
+    flat: list[torch.Tensor] = []
+    vals: list[torch.Tensor] = []
+    for row, seq in enumerate(seqs):
+        bias = seq.request.params.logit_bias_tensors()
+        if bias is None:
+            continue
+        ids, values, max_id = bias
+        if max_id >= vocab:
+            keep = ids < vocab
+            ids, values = ids[keep], values[keep]
+        flat.append(ids + row * vocab)
+        vals.append(values)
+    if not flat:
+        return
     dev = logits.device
-    index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-    logits.index_put_(index, torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+    index = torch.cat(flat).to(dev, non_blocking=True)
+    logits.view(-1).put_(index, torch.cat(vals).to(dev, logits.dtype, non_blocking=True), accumulate=True)
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:

@@ -305,3 +305,12 @@ def test_logit_bias_cannot_break_the_grammar(tiny_model_dir):
     [o] = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, structured_outputs=so, logit_bias={4242: 1e6}),
                        use_tqdm=False)
     assert o.outputs[0].text in choices and 4242 not in o.outputs[0].token_ids
+
+
+def test_a_replaced_logit_bias_is_the_one_applied(llm):
+    """The sampler caches the bias as tensors per SamplingParams; admission rebuilds them, so a
+    caller that reuses its params with a new dict gets the new bias."""
+    p = greedy(3, logit_bias={4242: 100.0})
+    assert llm.generate([[5, 6, 7]], p, use_tqdm=False)[0].outputs[0].token_ids == [4242] * 3
+    p.logit_bias = {777: 100.0}
+    assert llm.generate([[5, 6, 7]], p, use_tqdm=False)[0].outputs[0].token_ids == [777] * 3
