@@ -32,7 +32,7 @@ from qworker.messages import Completion, JobError, dumps
 from qworker.worker import consumer as kc
 from qworker.worker.admission import Admission, PendingQueue
 from qworker.worker.cancellation import CancelRegistry, CancelWatcher
-from qworker.worker.decode import Invalid, Unparseable, Valid, decode
+from qworker.worker.decode import Decoded, Invalid, Unparseable, Valid, decode
 from qworker.worker.dlq import dlq_headers, raw_headers_header, with_original
 from qworker.worker.engine_start import EngineStartError, load_engine
 from qworker.worker.jobs import Attempts, JobRunner, JobState, cancelled_completion, error_message, log_fields
@@ -347,9 +347,13 @@ class Worker:
         poll loop waits for this, so one poll's work (at most ``max_waiting_jobs`` records) is
         done before the next fetch: the loop stays responsive and memory stays bounded."""
         fresh: list[JobState] = []
-        for tp, rec in records:
+        # Decoded on a thread: a record the decoders refuse (valid JSON nested a million deep) is
+        # scanned in pure Python, seconds for a few MB, which on the loop would stop heartbeats,
+        # streams and probes for as long. One hop per poll, not per record.
+        decoded = await asyncio.to_thread(lambda: [_decode(rec.value) for _, rec in records]) if records else []
+        for (tp, rec), d in zip(records, decoded):
             try:
-                st = self._on_record(tp, rec)
+                st = self._on_record(tp, rec, d)
             except Exception:  # noqa: BLE001 - one record must never kill the worker
                 log.exception("record %s/%s@%s failed", tp.topic, tp.partition, rec.offset)
                 continue
@@ -392,7 +396,7 @@ class Worker:
                 self._publish_side(self.settings.dlq_topic, bad.key, bad.value, headers, [(tp, bad.offset)], tele, ("dlq", "bad_headers"))
             self.consumer.seek(tp, bad.offset + 1)
 
-    def _on_record(self, tp: TopicPartition, rec: Any) -> JobState | None:
+    def _on_record(self, tp: TopicPartition, rec: Any, d: Decoded | Exception) -> JobState | None:
         """Answer at once what can be answered without the tokenizer; returns a new job (already
         registered in ``self.jobs``, so duplicates and cancels find it) that needs ``_precheck``."""
         if tp not in self.consumer.assignment():
@@ -402,7 +406,8 @@ class Worker:
             return None
         self.stats.records += 1
         now = time.time()
-        d = decode(rec.value)
+        if isinstance(d, Exception):
+            raise d
         if isinstance(d, Unparseable):
             # the original key, value and headers byte for byte (null stays null), then ours
             headers = with_original(rec.headers, dlq_headers(d.code, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp))
@@ -892,6 +897,14 @@ async def serve(settings: WorkerSettings, engine: Any | None = None) -> int:
     await w.wait_stop_requested()
     await w.stop()
     return 0
+
+
+def _decode(value: bytes | None) -> Decoded | Exception:
+    """``decode``, its failure (a bug) kept for the record it belongs to."""
+    try:
+        return decode(value)
+    except Exception as e:  # noqa: BLE001 - one record must never lose the others of its poll
+        return e
 
 
 def _utf8(b: bytes) -> bool:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from .conftest import REPO, Results
+from .test_flow import engines, job, one_torch_thread, started  # noqa: F401 - fixtures
+from .test_review3 import _produce
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,3 +97,58 @@ def test_good_kafka_settings_still_pass() -> None:
     s = WorkerSettings.from_env({"QWORKER_BOOTSTRAP_SERVERS": "kafka-0.kafka:9092,10.0.0.1:9093,[::1]:9094,kafka", "QWORKER_JOBS_TOPIC": "team_a.jobs-v1",
                                  "QWORKER_DEVICE": "cuda:1", "QWORKER_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "QWORKER_READY_TIMEOUT_S": "1"})
     assert s.device == "cuda:1" and s.kafka_sasl_mechanism == "SCRAM-SHA-512"
+
+
+# ------------------------------------------------------------------ a deep record must not stall the loop
+async def test_deep_record_is_scanned_off_the_event_loop(topics, results: Results, engines, monkeypatch) -> None:
+    """A 4 MB record nested a million deep with an id: the decoders refuse it and the
+    recursion-free scan reads it in pure Python (seconds here). Before: on the event loop, so
+    heartbeats, streams and probes stopped for as long, per such record. The scan is observed
+    (not replaced) to see which thread runs it; the record is still answered."""
+    import threading
+
+    from qworker.worker import decode as decode_mod
+
+
+    threads: list[threading.Thread] = []
+    real_scan = decode_mod.scan
+
+    def observed(raw, keys=frozenset()):
+        threads.append(threading.current_thread())
+        return real_scan(raw, keys)
+
+    monkeypatch.setattr(decode_mod, "scan", observed)
+    depth = 1_000_000
+    w = await started(topics, await engines())
+    try:
+        await _produce(topics, b"deep-m", b'{"id": "deep-m", "prompt": "hi", "m": ' + b"[1," * depth + b"1" + b"]" * depth + b"}")
+        await results.wait(lambda: "deep-m" in results.completions, 120, "the deep record's answer")
+        [c] = results.completions["deep-m"]
+        assert c["type"] == "error" and c["error"]["code"] == "invalid_job" and f"{depth + 1} levels" in c["error"]["message"]
+        assert threads and all(t is not threading.main_thread() for t in threads), threads
+    finally:
+        await w.stop()
+
+
+# ------------------------------------------------------------------ attempts across a worker restart
+async def test_attempt_grows_across_a_worker_restart(topics, results: Results, engines) -> None:
+    """An id answered by one worker, then resubmitted after that worker stopped and another
+    joined the same group: the second answer must carry a higher attempt, or a reader that
+    deduplicates by (job id, attempt) drops it as a copy of the first."""
+    from qworker.messages import dumps
+
+    eng = await engines()
+    w = await started(topics, eng)
+    try:
+        await _produce(topics, b"again-r", dumps(job("again-r", max_tokens=2)))
+        await results.wait(lambda: len(results.completions.get("again-r", [])) == 1, 60, "the first answer")
+    finally:
+        await w.stop()
+    w = await started(topics, eng)
+    try:
+        await _produce(topics, b"again-r", dumps(job("again-r", max_tokens=3)))
+        await results.wait(lambda: len(results.completions.get("again-r", [])) == 2, 60, "the second answer")
+    finally:
+        await w.stop()
+    first, second = results.completions["again-r"]
+    assert second["attempt"] > first["attempt"], (first["attempt"], second["attempt"])
