@@ -89,14 +89,19 @@ class SamplingParams:
 
     def logit_bias_tensors(self) -> tuple | None:
         """``logit_bias`` as ``(ids int64, values float32, max id)``, or None without one."""
-        if not self.logit_bias:
+        bias = self.logit_bias
+        if not bias:
             return None
-        if self._bias_tensors is None:
+        # read once into a local: validate() on another thread (AsyncEngine admits on the event
+        # loop) may reset the cache between the check and the return
+        cached = self._bias_tensors
+        if cached is None:
             import torch
 
-            ids = torch.tensor(list(self.logit_bias.keys()), dtype=torch.long)
-            self._bias_tensors = (ids, torch.tensor(list(self.logit_bias.values()), dtype=torch.float32), int(ids.max()))
-        return self._bias_tensors
+            ids = torch.tensor(list(bias.keys()), dtype=torch.long)
+            cached = (ids, torch.tensor(list(bias.values()), dtype=torch.float32), int(ids.max()))
+            self._bias_tensors = cached
+        return cached
 
     def resolved(self, room: int) -> SamplingParams:
         """These parameters for one request with ``room`` tokens of context left after its prompt:
