@@ -77,18 +77,25 @@ class Attempts:
     generation beats any ``k``), and a resubmission of an id that was already answered (the same
     generation, a higher ``k``). Within a generation only the owner of the id's partition answers
     it (records are keyed by job id), so counting here is enough. Bounded: the ``max_ids`` most
-    recently answered ids are remembered; ``k`` stops growing at ``ATTEMPT_SPAN - 1``."""
+    recently answered ids are remembered; ``k`` stops growing at ``ATTEMPT_SPAN - 1``. An id
+    that is not remembered may have been forgotten in this generation, so its ``k`` starts above
+    every ``k`` forgotten in it (a resubmission after 65,536 other ids still gets a higher
+    attempt than its first answer)."""
 
     def __init__(self, max_ids: int = 65_536):
         self.max_ids = max_ids
         self._last: OrderedDict[str, tuple[int, int]] = OrderedDict()  # job id -> (generation, k)
+        self._forgotten = (-1, -1)  # (generation, the highest k forgotten in it)
 
     def next(self, job_id: str, generation: int) -> int:
-        gen, k = self._last.pop(job_id, (generation, -1))
+        floor = self._forgotten[1] if self._forgotten[0] == generation else -1
+        gen, k = self._last.pop(job_id, (generation, floor))
         k = min(k + 1, ATTEMPT_SPAN - 1) if gen == generation else 0
         self._last[job_id] = (generation, k)
         if len(self._last) > self.max_ids:
-            self._last.popitem(last=False)
+            _, (old_gen, old_k) = self._last.popitem(last=False)
+            if old_gen == generation:
+                self._forgotten = (generation, max(old_k, floor))
         return generation * ATTEMPT_SPAN + k
 
 

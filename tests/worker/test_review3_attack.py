@@ -152,3 +152,22 @@ async def test_attempt_grows_across_a_worker_restart(topics, results: Results, e
         await w.stop()
     first, second = results.completions["again-r"]
     assert second["attempt"] > first["attempt"], (first["attempt"], second["attempt"])
+
+
+def test_attempt_grows_for_an_id_the_memory_forgot() -> None:
+    """Before: once 65,536 other ids had been answered, a resubmitted id was forgotten and got
+    ``k = 0`` again - the same attempt as its first answer in the same generation."""
+    from qworker.worker.jobs import ATTEMPT_SPAN, Attempts
+
+    a = Attempts(max_ids=2)
+    first = a.next("x", 5)
+    a.next("y", 5)
+    a.next("z", 5)  # "x" is forgotten
+    assert "x" not in a._last
+    again = a.next("x", 5)
+    assert again > first
+    assert a.next("x", 5) > again  # remembered again: counts on from there
+    assert a.next("fresh", 6) == 6 * ATTEMPT_SPAN  # a new generation starts over
+    for i in range(5000):  # saturates at the span's top instead of spilling into the next generation
+        last = a.next(f"id{i % 3}", 6)
+    assert last < 7 * ATTEMPT_SPAN
