@@ -148,3 +148,20 @@ async def test_cheap_job_behind_ten_slow_schemas_completes_constrained(real_engi
         await wait_committed(topics)
     finally:
         await w.stop()
+
+
+def test_grammar_cache_bytes_setting_reaches_the_engine() -> None:
+    """QWORKER_GRAMMAR_CACHE_BYTES (a size with a unit, like the other memory settings) becomes the
+    engine's grammar_cache_bytes; unset, the engine's default byte bound applies (256 MiB)."""
+    from pydantic import ValidationError
+
+    from qworker.config import WorkerSettings
+    from qworker.engine.config import EngineConfig
+
+    cfg = WorkerSettings.from_env({"QWORKER_GRAMMAR_CACHE_BYTES": "64MiB"}).engine_config()
+    assert cfg["grammar_cache_bytes"] == 64 << 20
+    assert EngineConfig(model="m", **cfg).grammar_cache_bytes == 64 << 20
+    assert "grammar_cache_bytes" not in WorkerSettings.from_env({}).engine_config()
+    assert EngineConfig(model="m").grammar_cache_bytes == 256 << 20
+    with pytest.raises(ValidationError):
+        WorkerSettings.from_env({"QWORKER_GRAMMAR_CACHE_BYTES": "-1"})

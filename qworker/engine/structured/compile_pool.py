@@ -128,11 +128,12 @@ class _Zygote:
 
 
 class CompilePool:
-    def __init__(self, tokenizer_info_json: str, *, size: int, timeout_s: float, xgr_threads: int = 1, target: str | None = None):
+    def __init__(self, tokenizer_info_json: Callable[[], str], *, size: int, timeout_s: float, xgr_threads: int = 1, target: str | None = None):
+        """``tokenizer_info_json`` is called once, when the zygote first starts (an engine that
+        never sees a structured request never pays for it)."""
         self.size = size
         self.timeout_s = timeout_s
-        self._init = json.dumps({"tokenizer_info": tokenizer_info_json, "threads": xgr_threads, "target": target,
-                                 "sys_path": [p or os.getcwd() for p in sys.path]}).encode()
+        self._init_args = (tokenizer_info_json, xgr_threads, target)
         self._cond = threading.Condition()
         self._queue: deque[PoolJob] = deque()
         self._threads: list[threading.Thread] = []
@@ -231,7 +232,9 @@ class CompilePool:
                 self._zygote.kill()
                 self._zygote = None
             if self._zygote is None:
-                self._zygote = _Zygote(self._init)
+                info, threads, target = self._init_args
+                init = {"tokenizer_info": info(), "threads": threads, "target": target, "sys_path": [p or os.getcwd() for p in sys.path]}
+                self._zygote = _Zygote(json.dumps(init).encode())
             child = self._zygote.fork()
         with self._cond:
             self.children_started += 1

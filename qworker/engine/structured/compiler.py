@@ -174,7 +174,7 @@ class GrammarCompilerService:
         self.cache_max_bytes = cache_max_bytes
         self.timeout_s = timeout_s
         self.max_workers = max_workers
-        self._pool = CompilePool(tokenizer_info.serialize_json(), size=max_workers, timeout_s=timeout_s, xgr_threads=xgr_threads,
+        self._pool = CompilePool(tokenizer_info.serialize_json, size=max_workers, timeout_s=timeout_s, xgr_threads=xgr_threads,
                                  target=compile_target)
         weakref.finalize(self, self._pool.close)  # the children go with the service
         self._lock = threading.Lock()
