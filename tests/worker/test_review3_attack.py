@@ -171,3 +171,44 @@ def test_attempt_grows_for_an_id_the_memory_forgot() -> None:
     for i in range(5000):  # saturates at the span's top instead of spilling into the next generation
         last = a.next(f"id{i % 3}", 6)
     assert last < 7 * ATTEMPT_SPAN
+
+
+# ------------------------------------------------------------------ /readyz after the broker is killed and restarted
+async def test_readyz_recovers_after_the_broker_is_killed_and_restarted(engines, tmp_path: Path) -> None:
+    """kill -9 the broker: /readyz turns 503; start it again on the same port: 200 again (the
+    consumer finds the new coordinator and rejoins), and the worker answers a job sent then."""
+    import signal
+
+    from qworker.broker import start_broker, stop_broker
+    from qworker.messages import dumps
+    from qworker.worker.client import create_topics
+
+    from .conftest import make_settings
+    from .test_review3 import _wait_status
+
+    broker = start_broker(log_dir=tmp_path)
+    try:
+        s = make_settings(broker.bootstrap, http_port=0, http_host="127.0.0.1", ready_timeout_s=2.0, request_timeout_ms=3000)
+        await create_topics(s, partitions=2)
+        w = await started(s, await engines())
+        try:
+            port = w.http.port
+            await _wait_status(port, 200, 60)
+            os.kill(broker.proc.pid, signal.SIGKILL)
+            broker.proc.wait()
+            body = await _wait_status(port, 503, 60)
+            assert body["checks"]["in_group"] is False
+            broker.start()  # same port; memory storage: the topics are made again
+            await create_topics(s, partitions=2)
+            await _wait_status(port, 200, 90)
+            r = Results(s)
+            await r.start()
+            try:
+                await _produce(s, b"after-restart", dumps(job("after-restart", max_tokens=2)))
+                await r.wait(lambda: "after-restart" in r.completions, 90, "a job sent after the restart")
+            finally:
+                await r.stop()
+        finally:
+            await w.stop(drain_timeout_s=5)
+    finally:
+        stop_broker(broker)
