@@ -18,7 +18,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from qworker.messages import Cancel, loads
+from qworker.messages import MAX_ID_LEN, Cancel, loads
 from qworker.worker.consumer import getmany
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,13 @@ def parse_cancel(key: bytes | None, value: bytes | None) -> str | None:
             return Cancel.model_validate(loads(value)).job_id
         except Exception:  # noqa: BLE001 - fall back to the key; a bad cancel must not stop the reader
             pass
-    if key:
+    if key and len(key) <= 4 * MAX_ID_LEN:  # no job id is longer: a longer key cancels nothing
         try:
-            return key.decode("utf-8") or None
+            job_id = key.decode("utf-8")
         except UnicodeDecodeError:
             return None
+        # only what could be a job id is remembered: the registry holds up to 100,000 of them
+        return job_id if 1 <= len(job_id) <= MAX_ID_LEN else None
     return None
 
 
@@ -153,7 +155,7 @@ class CancelWatcher:
             try:
                 await self.on_cancel(job_id, record_time(rec))
             except Exception:  # noqa: BLE001
-                log.exception("cancel of %s failed", job_id)
+                log.exception("cancel failed", extra={"job_id": job_id})
 
     async def _skip_undecodable(self) -> None:
         """Handle the records up to the undecodable one (a cancel's headers do not matter) and

@@ -212,3 +212,39 @@ async def test_readyz_recovers_after_the_broker_is_killed_and_restarted(engines,
             await w.stop(drain_timeout_s=5)
     finally:
         stop_broker(broker)
+
+
+# ------------------------------------------------------------------ hostile cancel records
+def test_a_cancel_key_longer_than_any_job_id_is_not_remembered() -> None:
+    """A cancel without a usable value falls back to its key. Before: any key was taken, so a
+    producer on the cancel topic could fill the 100,000-entry registry of every pod with
+    megabyte keys (tens of GB), none of which can name a job (ids are at most 256 characters)."""
+    from qworker.messages import MAX_ID_LEN
+    from qworker.worker.cancellation import parse_cancel
+
+    assert parse_cancel(b"x" * (1 << 20), None) is None
+    assert parse_cancel(b"x" * (MAX_ID_LEN + 1), b"not json") is None
+    assert parse_cancel("é".encode() * MAX_ID_LEN, None) == "é" * MAX_ID_LEN  # 256 characters, 512 bytes: still an id
+    assert parse_cancel(b"job-1", None) == "job-1" and parse_cancel(None, b'{"job_id": "job-2"}') == "job-2"
+
+
+async def test_a_failed_cancel_is_logged_with_its_job_id(caplog) -> None:
+    """Before: ``cancel of <id> failed`` named the job only inside its text, so the JSON log had
+    no job_id field to find it by."""
+    import logging
+    from types import SimpleNamespace
+
+    from qworker.config import WorkerSettings
+    from qworker.worker.cancellation import CancelWatcher
+
+    async def refuse(job_id: str, at: float) -> None:
+        raise RuntimeError("no")
+
+    w = CancelWatcher("cancel", WorkerSettings().consumer_options(), refuse, 60.0)
+    try:
+        with caplog.at_level(logging.ERROR, logger="qworker.worker.cancellation"):
+            await w._handle(SimpleNamespace(key=b"job-9", value=None, timestamp=None))
+        [rec] = [r for r in caplog.records if r.name == "qworker.worker.cancellation"]
+        assert rec.job_id == "job-9"
+    finally:
+        await w.consumer.stop()
