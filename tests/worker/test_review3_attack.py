@@ -248,3 +248,38 @@ async def test_a_failed_cancel_is_logged_with_its_job_id(caplog) -> None:
         assert rec.job_id == "job-9"
     finally:
         await w.consumer.stop()
+
+
+# ------------------------------------------------------------------ last_seq with a stop string held back
+async def test_last_seq_covers_a_stream_cut_by_a_stop_string(topics, results: Results, engines) -> None:
+    """Two choices whose text is cut by a stop string (its first characters are held back while
+    they might start it, then dropped): the events of the completion's run, seq 0..last_seq with
+    none missing, rebuild exactly each choice's final text."""
+    from qworker.messages import Job, Sampling
+    from qworker.worker.client import submit
+
+    from .conftest import stream_text
+
+    w = await started(topics, await engines())
+    try:
+        await submit(topics, [job("free", prompt="tell me", max_tokens=24)])
+        await results.wait(lambda: "free" in results.completions, 60, "the free run")
+        text = results.completions["free"][0]["choices"][0]["text"]
+        stop = text[len(text) // 2: len(text) // 2 + 3]
+        assert len(stop) == 3, text
+        cut = Job(id="cut", prompt="tell me", stream=True,
+                  sampling=Sampling(max_tokens=24, temperature=0.0, ignore_eos=True, n=2, stop=[stop]))
+        await submit(topics, [cut])
+        await results.wait(lambda: "cut" in results.completions, 60, "the cut run")
+        [c] = results.completions["cut"]
+        assert c["choices"][0]["finish_reason"] == "stop" and c["choices"][0]["text"] == text[: text.index(stop)]
+        def mine() -> list[dict]:
+            return [d for d in results.deltas.get("cut", []) if d["run_id"] == c["run_id"]]
+
+        # the events are acknowledged before the completion, but read from another topic
+        await results.wait(lambda: len(mine()) >= c["last_seq"] + 1, 30, "the stream's events")
+        assert sorted(d["seq"] for d in mine()) == list(range(c["last_seq"] + 1))
+        for i in (0, 1):
+            assert stream_text(mine(), c["run_id"], i) == c["choices"][i]["text"]
+    finally:
+        await w.stop()
