@@ -50,12 +50,13 @@ def run(
     """Run the worker until SIGTERM (which drains, commits and exits 0)."""
     from pydantic import ValidationError
 
+    flags = dict(bootstrap_servers=bootstrap_servers, model=model, group_id=group_id, http_port=http_port, drain_timeout_s=drain_timeout_s,
+                 max_waiting_jobs=max_waiting_jobs, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, device=device, dtype=dtype)
+    # a setting given both as its own flag and as -o KEY=VALUE: the flag wins (it was a
+    # TypeError traceback: the same keyword twice)
+    settings_kw = {**_parse_options(option), **{k: v for k, v in flags.items() if v is not None}}
     try:
-        settings = _settings(
-            bootstrap_servers, model=model, group_id=group_id, http_port=http_port, drain_timeout_s=drain_timeout_s,
-            max_waiting_jobs=max_waiting_jobs, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
-            **_parse_options(option),
-        )
+        settings = _settings(**settings_kw)
     except ValidationError as e:  # a misconfiguration: one line naming the variable, no traceback
         typer.echo(f"qworker: {WorkerSettings.explain(e)}", err=True)
         raise typer.Exit(2) from None

@@ -283,3 +283,27 @@ async def test_last_seq_covers_a_stream_cut_by_a_stop_string(topics, results: Re
             assert stream_text(mine(), c["run_id"], i) == c["choices"][i]["text"]
     finally:
         await w.stop()
+
+
+def test_a_setting_given_as_a_flag_and_as_an_option_is_one_line(monkeypatch) -> None:
+    """``qworker run -o http_port=...`` (or group_id, model, ...: any setting with a flag of its
+    own). Before: a TypeError traceback (the same keyword passed twice), whatever the value."""
+    from typer.testing import CliRunner
+
+    from qworker.cli import app
+
+    import logging
+
+    for k in [k for k in os.environ if k.startswith("QWORKER_")]:
+        monkeypatch.delenv(k)
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        r = CliRunner().invoke(app, ["run", "-o", "http_port=abc", "-o", "group_id=g"])
+        assert r.exit_code == 2, r.output
+        assert "QWORKER_HTTP_PORT" in r.output and "TypeError" not in r.output, r.output
+        r = CliRunner().invoke(app, ["run", "--model", "/nonexistent", "-o", "model=/also-not", "--http-port", "-1"])  # the flag wins
+        assert r.exit_code == 2 and "'/nonexistent'" in r.output, r.output
+    finally:  # qworker run installs its log handler on the root logger
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
