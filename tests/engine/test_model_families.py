@@ -47,7 +47,7 @@ def check_against_hf(path, prompts, outs, what):
 def test_greedy_matches_transformers(family_models, model_type):
     path = family_models.get(model_type)
     prompts = prompts_for(model_type)
-    outs = LLM(str(path), kv_cache_memory=8 << 20, block_size=16).generate(prompts, greedy())
+    outs = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=16).generate(prompts, greedy())
     check_against_hf(path, prompts, outs, model_type)
 
 
@@ -70,7 +70,7 @@ def test_greedy_matches_under_preemption_chunking_and_prefix_hits(family_models,
     block_bytes = 2 * layers * 16 * kv_heads * head_dim * 4
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     blocks = -(-longest // 16) + 2  # room for the longest request alone, and a little more
-    llm = LLM(str(path), kv_cache_memory=blocks * block_bytes, block_size=16, max_num_batched_tokens=32,
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=blocks * block_bytes, block_size=16, max_num_batched_tokens=32,
               swap_space=0 if no_swap else 64 * block_bytes)
     outs = llm.generate(prompts, greedy())
     stats = llm.stats()
@@ -88,7 +88,7 @@ def test_logits_close_to_transformers(family_models, model_type):
     """One step that mixes a decode row with two prefill chunks (one continuing a cached prefix):
     every row's logits equal transformers' for the same tokens to 1e-3."""
     path = family_models.get(model_type)
-    runner = ModelRunner(str(path), device="cpu", dtype="float32")
+    runner = ModelRunner(str(path), dtype="float32")
     runner.allocate_kv_cache(num_blocks=64, num_cpu_blocks=0, block_size=16)
     a, b, c = prompts_for(model_type, seed=2)[1:]
     # a: prefill all but its last token, then decode it; c: prefill in two chunks
@@ -100,7 +100,7 @@ def test_logits_close_to_transformers(family_models, model_type):
         SeqChunk(c[split:], split, list(range(32, 48)), True),
     ]))
     for row, prompt in zip(logits, (a, b, c)):
-        torch.testing.assert_close(row, eager_last_logits(path, prompt), atol=1e-3, rtol=1e-3, msg=lambda m: f"{model_type}: {m}")
+        torch.testing.assert_close(row.cpu(), eager_last_logits(path, prompt), atol=1e-3, rtol=1e-3, msg=lambda m: f"{model_type}: {m}")
 
 
 def test_mistral_window_is_honoured(family_models, tmp_path):
@@ -115,6 +115,6 @@ def test_mistral_window_is_honoured(family_models, tmp_path):
     cfg["sliding_window"] = None
     (no_window / "config.json").write_text(json.dumps(cfg))
     prompts = prompts_for("mistral")[1:]
-    outs = LLM(str(no_window), kv_cache_memory=8 << 20).generate(prompts, greedy())
+    outs = LLM(str(no_window), dtype="float32", kv_cache_memory=8 << 20).generate(prompts, greedy())
     refs = [eager_greedy(path, p, MAX_TOKENS).token_ids for p in prompts]
     assert any(o.outputs[0].token_ids != r for o, r in zip(outs, refs))
