@@ -44,6 +44,7 @@ from bench import report  # noqa: E402
 from kernels import cpu as kcpu  # noqa: E402
 
 MiB = 1 << 20
+CLOCK = time.perf_counter
 
 
 def main(argv=None) -> dict:
@@ -60,23 +61,29 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--flush-mib", type=int, default=96, help="buffer written before each pass (0: none)")
     ap.add_argument("--bandwidth-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
+    ap.add_argument("--isas", default="", help="comma-separated ISA builds to time (default: every available one)")
     ap.add_argument("--baseline-rev", default="", help="also time the decode kernel of this git revision")
     ap.add_argument("--reference", action="store_true", help="also time the torch reference")
     ap.add_argument("--prefill", default="", help="prompt lengths for the whole-model prefill rows (empty: none)")
     ap.add_argument("--prefill-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: process CPU time instead of wall time (with --threads 1, robust to a shared machine)")
     args = ap.parse_args(argv)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 9)
     result = report.meta("cpu", args.cache_dtypes)
-    result.update(cpu_flags=_isa_flags(), isa_chosen=kcpu.cpu_isa(), available_isas=kcpu.available_isas(),
+    result.update(clock=args.clock, cpu_flags=_isa_flags(), isa_chosen=kcpu.cpu_isa(), available_isas=kcpu.available_isas(),
                   bandwidth_gb_s=measure_bandwidth(args.bandwidth_mib), rounds=rounds,
                   shape=dict(layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                              block_size=args.block_size, min_len=args.min_len, max_len=args.max_len),
                   decode=[], prefill=[])
     print(f"bandwidth {result['bandwidth_gb_s']:.1f} GB/s (copy), ISA {result['isa_chosen']}", file=sys.stderr, flush=True)
-    paths = {f"c:{isa}": _isa_path(isa) for isa in kcpu.available_isas()}
+    isas = [i for i in args.isas.split(",") if i] or kcpu.available_isas()
+    paths = {f"c:{isa}": _isa_path(isa) for isa in isas}
     if args.baseline_rev:
         paths[f"c@{args.baseline_rev}"] = _revision_path(args.baseline_rev)
     if args.reference:
@@ -106,9 +113,9 @@ def measure_bandwidth(mib: int = 256, reps: int = 7) -> float:
     dst.copy_(src)  # first touch
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = CLOCK()
         dst.copy_(src)
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
@@ -145,13 +152,14 @@ def decode_case(args, cache_dtype: torch.dtype, batch: int, paths: dict, rounds:
         for p in names:
             if flush is not None:
                 flush.fill_(float(r))
-            start = time.perf_counter()
+            start = CLOCK()
             for k, v, table in layers:
                 paths[p](q, k, v, table, seq_lens, scale, out=out)
-            times[p].append(time.perf_counter() - start)
+            times[p].append(CLOCK() - start)
     ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
     return dict(cache_dtype=str(cache_dtype).replace("torch.", ""), batch=batch, context_tokens=sum(lens),
-                kv_mib=kv_bytes / MiB, floor_ms=floor_ms, ms=ms, vs_floor={p: m / floor_ms for p, m in ms.items()})
+                kv_mib=kv_bytes / MiB, floor_ms=floor_ms, ms=ms, vs_floor={p: m / floor_ms for p, m in ms.items()},
+                ms_min={p: min(t) * 1e3 for p, t in times.items()})
 
 
 def _isa_path(isa: str):

@@ -11,14 +11,21 @@
  * GQA: query head g * G .. reads KV head h = g / G, G = Hq / Hkv; K/V are never repeated.
  *
  * Work items are sequences (or, when there are too few sequences to keep every thread busy,
- * (sequence, KV head) pairs), each done by one thread. Both passes walk the sequence's pages in
+ * (sequence, KV head) pairs), each done by one thread, longest attended span first under dynamic
+ * scheduling (the greedy longest-processing-time split: no thread is left with one long sequence
+ * while the others idle). Both passes walk the sequence's pages in
  * order and finish each page for every head the item owns before the next one, so every page
  * is read from memory once, as one contiguous run (block_size * Hkv * D floats): scores
  * (q . k) for all heads, a softmax per query head, then the weighted sum of V rows.
  * Under a sliding window only the pages holding the last `window` tokens are read; soft-capping
  * (Gemma 2) maps each score s to softcap * tanh(s / softcap) before the softmax.
- * q, out and all arithmetic are fp32; the cache is fp32, fp16 (converted on load, F16C) or
- * bf16 (converted on load: a 16-bit shift), one copy of paged_decode_impl.h each.
+ * q, out and all arithmetic are fp32; the cache is fp32, fp16 (converted on load, F16C, or bit by
+ * bit without it) or bf16 (converted on load: a 16-bit shift), one copy of paged_decode_impl.h each.
+ *
+ * kernels/cpu.py builds this file once per vector ISA: with AVX-512 (D a multiple of 16, D <= 128)
+ * the GQA kernels load each K/V row once for up to 3 query heads of its KV head (16-float
+ * vectors); with AVX2+FMA+F16C the 8-float kernels run one query head at a time; otherwise
+ * plain loops the compiler vectorises as it can.
  *
  * Built by kernels/cpu.py with -O3 -march=native -fopenmp and loaded with ctypes. libgomp is the
  * same library torch loaded (same soname), so this code and torch share one OpenMP thread pool.
@@ -63,6 +70,11 @@ static inline __m256 qw_fold8(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256
 static inline __m256 qw_half_sum(__m512 r) {
     return _mm256_add_ps(_mm512_castps512_ps256(r), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
 }
+#endif
+
+/* pages the GQA path prefetches ahead of the one it reads */
+#ifndef QW_AHEAD
+#define QW_AHEAD 1
 #endif
 
 #define QW_CAT2(a, b) a##_##b

@@ -223,6 +223,149 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
 }
 
+#ifdef QW_AVX512
+/* The GQA path of the "avx512" build (one KV head per item, D a multiple of 16, D <= 128): each K
+ * and V row of the head is loaded (and converted) once for up to 3 of its query heads at a time,
+ * instead of once per query head. NH (1..3) and ND16 (D / 16) are constants after inlining. */
+static inline __attribute__((always_inline)) void FN(score8_heads)(const float *restrict q, const KV_T *restrict k,
+                                                                 int64_t token_stride, int n, const int ND16, const int NH,
+                                                                 float scale, float *restrict s, int64_t s_stride) {
+    __m512 r[3][8];
+    const KV_T *kt[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) kt[t] = k + (t < n ? t : n - 1) * token_stride;
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++)
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) r[g][t] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < ND16; i++) {
+        __m512 qv[3];
+#pragma GCC unroll 3
+        for (int g = 0; g < NH; g++) qv[g] = _mm512_loadu_ps(q + (int64_t)g * ND16 * 16 + 16 * i);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const __m512 kv = LOAD16(kt[t] + 16 * i);
+#pragma GCC unroll 3
+            for (int g = 0; g < NH; g++) r[g][t] = _mm512_fmadd_ps(qv[g], kv, r[g][t]);
+        }
+    }
+    const __m256 vs = _mm256_set1_ps(scale);
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++) {
+        const __m256 sums = _mm256_mul_ps(qw_fold8(qw_half_sum(r[g][0]), qw_half_sum(r[g][1]), qw_half_sum(r[g][2]),
+                                                   qw_half_sum(r[g][3]), qw_half_sum(r[g][4]), qw_half_sum(r[g][5]),
+                                                   qw_half_sum(r[g][6]), qw_half_sum(r[g][7])), vs);
+        if (n == 8) {
+            _mm256_storeu_ps(s + g * s_stride, sums);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, sums);
+            for (int t = 0; t < n; t++) s[g * s_stride + t] = tmp[t];
+        }
+    }
+}
+
+/* acc[g][0:D] += sum_{j<n} p[g][j] * v_j for NH query heads (p rows p_stride apart, acc rows D apart) */
+static inline __attribute__((always_inline)) void FN(acc_heads)(const float *restrict p, int64_t p_stride,
+                                                              const KV_T *restrict v, int64_t token_stride, int n,
+                                                              const int ND16, const int NH, float *restrict acc) {
+    __m512 a[3][8];
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++)
+#pragma GCC unroll 8
+        for (int i = 0; i < ND16; i++) a[g][i] = _mm512_loadu_ps(acc + (int64_t)g * ND16 * 16 + 16 * i);
+    for (int j = 0; j < n; j++, v += token_stride) {
+        __m512 pj[3];
+#pragma GCC unroll 3
+        for (int g = 0; g < NH; g++) pj[g] = _mm512_set1_ps(p[g * p_stride + j]);
+#pragma GCC unroll 8
+        for (int i = 0; i < ND16; i++) {
+            const __m512 vv = LOAD16(v + 16 * i);
+#pragma GCC unroll 3
+            for (int g = 0; g < NH; g++) a[g][i] = _mm512_fmadd_ps(pj[g], vv, a[g][i]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++)
+#pragma GCC unroll 8
+        for (int i = 0; i < ND16; i++) _mm512_storeu_ps(acc + (int64_t)g * ND16 * 16 + 16 * i, a[g][i]);
+}
+
+#define QW_HEADS_SWITCH(CALL)                                                                                         \
+    do {                                                                                                              \
+        if (ND16 == 4) {                                                                                              \
+            if (nh == 3) CALL(4, 3); else if (nh == 2) CALL(4, 2); else CALL(4, 1);                                   \
+        } else {                                                                                                      \
+            if (nh == 3) CALL(8, 3); else if (nh == 2) CALL(8, 2); else CALL(8, 1);                                   \
+        }                                                                                                             \
+    } while (0)
+
+/* attend() with the GQA kernels above (D = 64 or 128): KV heads [h0, h1), each page read for all of
+ * them before the next (one contiguous run), each K/V row for 3 query heads at a time. */
+static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cache, const KV_T *restrict v_cache,
+                           const int32_t *restrict table, int lo, int len, int block_size, int64_t token_stride, int h0,
+                           int h1, int G, int D, float scale, float softcap, float *restrict scores, float *restrict acc,
+                           float *restrict outs) {
+    const int span = len - lo, ND16 = D / 16, nq = (h1 - h0) * G;
+    const int num_blks = (len + block_size - 1) / block_size, blk0 = lo / block_size;
+    for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
+        FN(prefetch_page)(k_cache, table, blk + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
+        const int n = len - t0 < block_size ? len - t0 : block_size;
+        for (int h = h0; h < h1; h++) {
+            const KV_T *k = k_cache + (int64_t)table[blk] * block_size * token_stride + (int64_t)h * D;
+            for (int j = lo > t0 ? lo - t0 : 0; j < n; j += 8) {
+                const int m = n - j < 8 ? n - j : 8;
+                for (int g0 = 0; g0 < G; g0 += 3) {
+                    const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
+#define QW_SCORE(ND, NHC) FN(score8_heads)(qs + (int64_t)qh * D, k + j * token_stride, token_stride, m, ND, NHC, scale, \
+                                           scores + (int64_t)qh * span + (t0 - lo) + j, span)
+                    QW_HEADS_SWITCH(QW_SCORE);
+#undef QW_SCORE
+                }
+            }
+        }
+    }
+    float inv_sum[nq];
+    for (int qh = 0; qh < nq; qh++) {
+        float *restrict s = scores + (int64_t)qh * span;
+        if (softcap > 0.0f) {
+#pragma omp simd
+            for (int t = 0; t < span; t++) s[t] = qw_softcap(s[t], softcap);
+        }
+        float mx = s[0];
+#pragma omp simd reduction(max : mx)
+        for (int t = 0; t < span; t++) mx = s[t] > mx ? s[t] : mx;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < span; t++) {
+            s[t] = exp_nonpositive(s[t] - mx);
+            sum += s[t];
+        }
+        inv_sum[qh] = 1.0f / sum;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
+    for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
+        FN(prefetch_page)(v_cache, table, blk + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
+        const int n = len - t0 < block_size ? len - t0 : block_size;
+        const int j0 = lo > t0 ? lo - t0 : 0;
+        for (int h = h0; h < h1; h++) {
+            const KV_T *v = v_cache + ((int64_t)table[blk] * block_size + j0) * token_stride + (int64_t)h * D;
+            for (int g0 = 0; g0 < G; g0 += 3) {
+                const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
+#define QW_ACC(ND, NHC) FN(acc_heads)(scores + (int64_t)qh * span + (t0 - lo) + j0, span, v, token_stride, n - j0, ND, \
+                                      NHC, acc + (int64_t)qh * D)
+                QW_HEADS_SWITCH(QW_ACC);
+#undef QW_ACC
+            }
+        }
+    }
+    for (int qh = 0; qh < nq; qh++)
+        for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
+}
+#undef QW_HEADS_SWITCH
+#endif
+
 /* First token a query at position len - 1 attends: len - window under a window (> 0), else 0. */
 static inline int FN(window_start)(int len, int window) {
     return window > 0 && len > window ? len - window : 0;
@@ -242,7 +385,10 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
     const int G = Hq / Hkv;
     const int64_t token_stride = (int64_t)Hkv * D;
     /* whole sequences when there are enough of them, else one KV head per item */
-    const int heads_per_item = B >= 2 * num_threads ? Hkv : 1;
+#ifdef QW_AVX512
+    const int gqa = D % 16 == 0 && D <= 128; /* the GQA kernels */
+#endif
+    const int heads_per_item = B < 2 * num_threads ? 1 : Hkv;
     const int items_per_seq = Hkv / heads_per_item;
     const int nq = heads_per_item * G;
     int max_span = 1; /* the longest run of attended tokens: the scores scratch per query head */
@@ -272,6 +418,14 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
                 memset(outs, 0, sizeof(float) * (size_t)nq * D);
                 continue;
             }
+#ifdef QW_AVX512
+            if (gqa) {
+                FN(attend_gqa)(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, block_tables + b * table_stride,
+                               FN(window_start)(len, window), len, block_size, token_stride, h0, h0 + heads_per_item, G, D,
+                               scale, softcap, scratch, scratch + (size_t)nq * max_span, outs);
+                continue;
+            }
+#endif
             FN(attend)(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, block_tables + b * table_stride,
                    FN(window_start)(len, window), len, block_size, token_stride, h0, h0 + heads_per_item, G, D, scale,
                    softcap, scratch, scratch + (size_t)nq * max_span, outs);
