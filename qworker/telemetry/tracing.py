@@ -81,16 +81,20 @@ def exporter_names(env: Mapping[str, str]) -> list[str]:
     return [] if "none" in names else names
 
 
+class TracingConfigError(RuntimeError):
+    """An ``OTEL_*`` setting the worker cannot honour; the message names it, on one line."""
+
+
 def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
     protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
     if protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
         except ImportError as e:  # a dependency, but a slimmed image may lack it: fail at start
-            raise RuntimeError("OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc installed") from e
+            raise TracingConfigError("OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-otlp-proto-grpc installed") from e
         return GrpcExporter()
     if protocol != "http/protobuf":
-        raise RuntimeError(f"unsupported OTLP protocol {protocol!r} (use http/protobuf or grpc)")
+        raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL (or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL): unsupported OTLP protocol {protocol!r} (use http/protobuf or grpc)")
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter()
@@ -101,7 +105,7 @@ def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
         return _otlp_exporter(env)
     if name == "console":
         return ConsoleSpanExporter()
-    raise RuntimeError(f"unsupported OTEL_TRACES_EXPORTER {name!r} (use otlp, console or none)")
+    raise TracingConfigError(f"unsupported OTEL_TRACES_EXPORTER {name!r} (use otlp, console or none)")
 
 
 def configure_tracing(env: Mapping[str, str] | None = None, *, install_global: bool = True) -> Tracing:
@@ -109,8 +113,8 @@ def configure_tracing(env: Mapping[str, str] | None = None, *, install_global: b
 
     ``install_global`` makes it the process-wide provider too (so third-party instrumentation
     joins the same traces); the API allows that once per process, so tests pass False.
-    Raises ``RuntimeError`` for a misconfiguration, so a pod fails at start rather than
-    silently dropping every span.
+    Raises ``TracingConfigError`` (a ``RuntimeError``) for a misconfiguration, so a pod fails
+    at start rather than silently dropping every span.
     """
     env = os.environ if env is None else env
     names = exporter_names(env)

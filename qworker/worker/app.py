@@ -44,6 +44,7 @@ from qworker.worker.wire import IdText, Shape, answer_headers, token_text
 from qworker.worker.wire import shape as answer_shape
 from qworker.telemetry import EngineLiveness, TelemetryServer, Tracing, WorkerMetrics, configure_tracing
 from qworker.telemetry.job import JobTelemetry, Telemetry
+from qworker.telemetry.tracing import TracingConfigError
 
 log = logging.getLogger("qworker.worker")
 # how long a rebalance may wait, in all, for the group's offsets of the partitions it keeps
@@ -107,7 +108,10 @@ class Worker:
         s = self.settings
         self._wake, self._stop_requested = asyncio.Event(), asyncio.Event()
         # tracing first: a bad OTEL_* setting fails the start before the model loads
-        tracing = self._tracing or configure_tracing()
+        try:
+            tracing = self._tracing or configure_tracing()
+        except TracingConfigError as e:  # one line naming the OTEL_* variable, exit 2
+            raise StartupError(str(e)) from e
         name = s.model_name or (self.engine.model_name if self.engine is not None else os.path.basename(os.path.normpath(s.model or "model")))
         self.metrics = WorkerMetrics(name)
         if s.http_port >= 0:
@@ -131,8 +135,8 @@ class Worker:
                 await self.http.start()
             except OSError as e:
                 raise StartupError(
-                    f"cannot listen on {s.http_host}:{s.http_port} for probes/metrics ({e.strerror or e}); "
-                    "set QWORKER_HTTP_PORT to a free port (0 = any free port, -1 = no HTTP server)"
+                    f"cannot listen on {s.http_host}:{s.http_port} for probes/metrics ({e.strerror or e}); set QWORKER_HTTP_HOST to an "
+                    "address of this host and QWORKER_HTTP_PORT to a free port (0 = any free port, -1 = no HTTP server)"
                 ) from e
         if self.engine is None:
             if not s.model:

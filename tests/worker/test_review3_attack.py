@@ -37,7 +37,8 @@ def _cases(tmp: Path, tiny: Path) -> dict[str, tuple[dict[str, str], str]]:
         "broken config.json": ({"QWORKER_MODEL": str(_bad_config_model(tmp))}, "QWORKER_MODEL="),
         # the tiny model's blocks are 4 KiB: 1e-9 of any machine's memory holds fewer than two
         "KV fraction under two blocks": ({"QWORKER_MODEL": str(tiny), "QWORKER_KV_CACHE_MEMORY": "0.000000001"}, "QWORKER_KV_CACHE_MEMORY="),
-        "unknown device": ({"QWORKER_MODEL": str(tiny), "QWORKER_DEVICE": "tpu"}, "QWORKER_DEVICE="),
+        "unknown trace exporter": ({"QWORKER_MODEL": str(tiny), "OTEL_TRACES_EXPORTER": "bogus"}, "OTEL_TRACES_EXPORTER"),
+        "probe host not of this machine": ({"QWORKER_MODEL": str(tiny), "QWORKER_HTTP_PORT": "0", "QWORKER_HTTP_HOST": "999.1.1.1"}, "QWORKER_HTTP_HOST"),
     }
     import torch
 
@@ -48,9 +49,10 @@ def _cases(tmp: Path, tiny: Path) -> dict[str, tuple[dict[str, str], str]]:
 
 def test_engine_failures_at_start_are_one_line_and_exit_2(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Before: anything the engine raised while loading (a KV budget under two blocks, a CUDA
-    device on a CPU machine - told as a pinned-memory error -, a device torch does not know, a
-    config.json that is not JSON)
-    left ``qworker run`` with a 30-line traceback and exit 1."""
+    device on a CPU machine - told as a pinned-memory error -, a config.json that is not JSON),
+    and an OTEL_TRACES_EXPORTER the tracer does not know, left ``qworker run`` with a 30-line
+    traceback and exit 1; a probe host that is not an address of the machine was blamed on
+    QWORKER_HTTP_PORT."""
     procs = {
         name: (subprocess.Popen([sys.executable, "-m", "qworker.cli", "run"], cwd=REPO, env=_clean_env(**env),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE), names)
@@ -307,3 +309,12 @@ def test_a_setting_given_as_a_flag_and_as_an_option_is_one_line(monkeypatch) -> 
     finally:  # qworker run installs its log handler on the root logger
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+def test_tracing_misconfiguration_is_a_named_error() -> None:
+    from qworker.telemetry.tracing import TracingConfigError, configure_tracing
+
+    for env, name in [({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER"),
+                      ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "pigeon"}, "OTEL_EXPORTER_OTLP_PROTOCOL")]:
+        with pytest.raises(TracingConfigError, match=name):
+            configure_tracing(env, install_global=False)
