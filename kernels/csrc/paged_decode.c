@@ -22,7 +22,7 @@
  * q, out and all arithmetic are fp32; the cache is fp32, fp16 (converted on load, F16C, or bit by
  * bit without it) or bf16 (converted on load: a 16-bit shift), one copy of paged_decode_impl.h each.
  *
- * kernels/cpu.py builds this file once per vector ISA: with AVX-512 (D a multiple of 16, D <= 128)
+ * kernels/cpu.py builds this file once per vector ISA: with AVX-512 (D = 64 or 128)
  * the GQA kernels load each K/V row once for up to 3 query heads of its KV head (16-float
  * vectors); with AVX2+FMA+F16C the 8-float kernels run one query head at a time; otherwise
  * plain loops the compiler vectorises as it can.

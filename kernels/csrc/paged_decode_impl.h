@@ -224,7 +224,7 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
 }
 
 #ifdef QW_AVX512
-/* The GQA path of the "avx512" build (one KV head per item, D a multiple of 16, D <= 128): each K
+/* The GQA path of the "avx512" build (one KV head per item, D = 64 or 128): each K
  * and V row of the head is loaded (and converted) once for up to 3 of its query heads at a time,
  * instead of once per query head. NH (1..3) and ND16 (D / 16) are constants after inlining. */
 static inline __attribute__((always_inline)) void FN(score8_heads)(const float *restrict q, const KV_T *restrict k,
@@ -386,7 +386,9 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
     const int64_t token_stride = (int64_t)Hkv * D;
     /* whole sequences when there are enough of them, else one KV head per item */
 #ifdef QW_AVX512
-    const int gqa = D % 16 == 0 && D <= 128; /* the GQA kernels */
+    /* the GQA kernels are instantiated for D = 64 and 128 only (QW_HEADS_SWITCH); any other D
+     * would run them with the wrong vector count and overrun the accumulators */
+    const int gqa = D == 64 || D == 128;
 #endif
     const int heads_per_item = B < 2 * num_threads ? 1 : Hkv;
     const int items_per_seq = Hkv / heads_per_item;
