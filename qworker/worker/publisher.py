@@ -70,14 +70,17 @@ class Publisher:
     def fits(self, key: Key, value: bytes | None, headers: Headers = None) -> bool:
         return record_size(key, value, headers) <= self.max_message_bytes
 
-    async def wait_retry(self, what: str, e: BaseException, backoff: float) -> float:
+    async def wait_retry(self, what: str, e: BaseException, backoff: float, key: Key = None) -> float:
+        """Back off after a failed delivery to ``what`` (raises when it can never succeed or the
+        worker gives up). ``key``: the record's, named as the job on the log line when it is one
+        (answers and stream events are keyed by job id)."""
         self.failures += 1
         if isinstance(e, PERMANENT_ERRORS):
             too_large = isinstance(e, (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError))
             raise DeliveryRefused(f"{what}: {e!r}", too_large) from e
         if self.giving_up():
             raise DeliveryAborted(f"{what}: {e!r}") from e
-        log.warning("delivery to %s failed (%r); retrying in %.1fs", what, e, backoff)
+        log.warning("delivery to %s failed (%r); retrying in %.1fs", what, e, backoff, extra={"job_id": key} if isinstance(key, str) else None)
         await asyncio.sleep(backoff)
         return min(backoff * 2, 2.0)
 
@@ -98,7 +101,7 @@ class Publisher:
                 else:
                     fut = await self.producer.send(topic, value=value, key=kb, headers=headers)
             except KafkaError as e:
-                backoff = await self.wait_retry(topic, e, backoff)
+                backoff = await self.wait_retry(topic, e, backoff, key)
                 continue
             self.sent += 1
             return fut
@@ -122,4 +125,4 @@ class Publisher:
                 await fut
                 return
             except KafkaError as e:
-                backoff = await self.wait_retry(topic, e, backoff)
+                backoff = await self.wait_retry(topic, e, backoff, key)

@@ -194,7 +194,7 @@ class StreamSender:
                 self.restarts += 1
                 new_id = uuid.uuid4().hex[:16]
                 log.warning("stream of run %s: delivery failed (%r); replaying it as run %s", self.run_id, failed, new_id, extra=self.log_extra)
-                await self.publisher.wait_retry(self.topic, failed, 0.2)  # raises when stopping
+                await self.publisher.wait_retry(self.topic, failed, 0.2, self.coalescer.job_id)  # raises when stopping
                 # each replayed event must fit the size limit the original events were sent under
             limit = getattr(self.publisher, "max_message_bytes", None) or 1_000_000
             await self._send_all(self.coalescer.restart(new_id, max(1024, min(256 * 1024, limit - _ENVELOPE))))

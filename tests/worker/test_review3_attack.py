@@ -318,3 +318,45 @@ def test_tracing_misconfiguration_is_a_named_error() -> None:
                       ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "pigeon"}, "OTEL_EXPORTER_OTLP_PROTOCOL")]:
         with pytest.raises(TracingConfigError, match=name):
             configure_tracing(env, install_global=False)
+
+
+# ------------------------------------------------------------------ a delivery retry names its job
+async def test_a_delivery_retry_is_logged_with_its_job_id(tmp_path: Path, caplog) -> None:
+    """Through a frozen broker: an answer's delivery times out and is retried. Before: the
+    ``delivery to <topic> failed ... retrying`` lines (one per job per retry during an outage)
+    named no job, so an operator could not tell whose answer was stuck."""
+    import asyncio
+    import logging
+    import signal
+
+    from qworker.broker import start_broker, stop_broker
+    from qworker.worker.client import create_topics
+    from qworker.worker.producer import start_producer
+    from qworker.worker.publisher import Publisher
+
+    from .conftest import make_settings
+
+    broker = start_broker(log_dir=tmp_path)
+    try:
+        s = make_settings(broker.bootstrap, request_timeout_ms=1000)
+        await create_topics(s, partitions=1)
+        producer = await start_producer({**s.producer_options(), "request_timeout_ms": 1000, "compression_type": None})
+        try:
+            pub = Publisher(producer, lambda: False)
+            await pub.deliver(s.completions_topic, "warm", b"{}")  # metadata known before the freeze
+            os.kill(broker.proc.pid, signal.SIGSTOP)
+            try:
+                with caplog.at_level(logging.WARNING, logger="qworker.worker.publisher"):
+                    task = asyncio.create_task(pub.deliver(s.completions_topic, "job-stuck", b"{}"))
+                    loop = asyncio.get_running_loop()
+                    deadline = loop.time() + 60
+                    while not any(getattr(r, "job_id", None) == "job-stuck" for r in caplog.records):
+                        assert not task.done() and loop.time() < deadline, [r.getMessage() for r in caplog.records]
+                        await asyncio.sleep(0.05)
+            finally:
+                os.kill(broker.proc.pid, signal.SIGCONT)
+            await asyncio.wait_for(task, 60)
+        finally:
+            await producer.stop()
+    finally:
+        stop_broker(broker)
