@@ -9,6 +9,7 @@ an operator sets, so the translation happens here, where both are known.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from qworker.config import ENV_PREFIX, WorkerSettings
@@ -61,6 +62,7 @@ async def load_engine(settings: WorkerSettings) -> Any:
     try:
         await engine.start()
     except Exception as e:  # noqa: BLE001
-        await engine.shutdown()
+        with contextlib.suppress(Exception):  # the start's error is the one to report
+            await engine.shutdown()
         raise EngineStartError(f"the engine did not start ({given(settings)}): {type(e).__name__}: {_one_line(e)}") from e
     return engine
