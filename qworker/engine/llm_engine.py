@@ -284,9 +284,10 @@ class LLMEngine:
             drafts = self._propose() if self.spec is not None else None
             # without drafts, the plain call: benches and tests wrap schedule() with no arguments
             sched = self.scheduler.schedule(drafts) if drafts else self.scheduler.schedule()
-        except Exception:
-            # a bookkeeping bug, not a model failure: the caller fails what is in flight; drop the
-            # half-made step so no copy of it is applied later and no unwritten block stays hit-able
+        except BaseException:
+            # a bookkeeping bug (not a model failure) or an interrupt: the caller fails what is in
+            # flight; drop the half-made step so no copy of it is applied later and no unwritten
+            # block stays hit-able
             self.kv.unregister(self.kv.take_registered())
             self.kv.take_copies()
             raise
@@ -404,9 +405,14 @@ class LLMEngine:
                 ids, lps = sample(logits, sampling, self.eos_token_ids, self._generator,
                                   bitmask=self.bitmask if constrained else None, constrained=constrained, filled=filled)
                 tokens, logprobs = [[t] for t in ids], [[lp] for lp in lps]
-        except Exception as e:
+        except BaseException as e:
             if filled is not None:  # the fill reads the states: let it finish before they move
                 filled.exception()
+            if not isinstance(e, Exception):
+                # an interrupt (Ctrl-C) ends the step for good: the caller aborts what it queued,
+                # but blocks the step registered and never wrote must not outlive it in the prefix map
+                self._withdraw(sched)
+                raise
             return self._recover(sched, e)
         self.counters["steps"] += 1
         changed = self._update(order, sampling, drafts, tokens, logprobs)
@@ -444,14 +450,7 @@ class LLMEngine:
         is in ends up failing alone and no other request gets an error."""
         log.warning("engine step failed: %r", exc, exc_info=exc)
         self.counters["steps_failed"] += 1
-        self.kv.unregister(sched.registered)
-        untrusted = [s.seq for s in sched.scheduled] + [seq for seq, mode in sched.preempted if mode == "swap"] + sched.swapped_in
-        withdrawn = {b.block_id for b in sched.registered}
-        if withdrawn:
-            untrusted += [seq for seq in self.scheduler.running if any(b.block_id in withdrawn for b in seq.block_table)]
-        for seq in dict.fromkeys(untrusted):
-            if not seq.finished:
-                self.scheduler.requeue(seq)
+        self._withdraw(sched)
         step_reqs = list(dict.fromkeys(s.seq.request for s in sched.scheduled))
         if len(step_reqs) == 1:
             req = step_reqs[0]
@@ -469,6 +468,19 @@ class LLMEngine:
             if req not in self.scheduler.suspects:
                 self.scheduler.suspects.append(req)
         return []
+
+    def _withdraw(self, sched: SchedulerOutput) -> None:
+        """A step that did not run to the end: its prefix-map entries are withdrawn and every
+        sequence whose KV is now untrusted (scheduled, swapped in or out this step, or holding a
+        withdrawn block) goes back to waiting, to be recomputed from scratch."""
+        self.kv.unregister(sched.registered)
+        untrusted = [s.seq for s in sched.scheduled] + [seq for seq, mode in sched.preempted if mode == "swap"] + sched.swapped_in
+        withdrawn = {b.block_id for b in sched.registered}
+        if withdrawn:
+            untrusted += [seq for seq in self.scheduler.running if any(b.block_id in withdrawn for b in seq.block_table)]
+        for seq in dict.fromkeys(untrusted):
+            if not seq.finished:
+                self.scheduler.requeue(seq)
 
     def _clear_suspect(self) -> None:
         """The isolated suspect is cleared once it has computed, alone, what it had at the failure."""
