@@ -3,7 +3,9 @@
 Prompt forms ``generate`` takes (vLLM's first, then qworker's own):
 
 - a string, or ``{"prompt": str}`` (vLLM's ``TextPrompt``);
-- ``{"prompt_token_ids": [int, ...]}`` (vLLM's ``TokensPrompt``), or a bare list of token ids;
+- ``{"prompt_token_ids": [int, ...]}`` (vLLM's ``TokensPrompt``; its optional ``"prompt"`` is the
+  ids' text, shown as ``RequestOutput.prompt``, never encoded), or a bare list of token ids; token
+  ids may be a 1-D numpy integer array;
 - a chat as a list of ``{"role", "content"}`` messages (rendered with the chat template; vLLM
   users call ``LLM.chat``, which is here too);
 - a list or tuple of any of these, one prompt each.
@@ -58,7 +60,23 @@ def _is_message(v: object) -> bool:
     return isinstance(v, dict) and "role" in v
 
 
+def _is_array(v: object) -> bool:
+    """A numpy-like array (not imported here: only its ``ndim`` and ``dtype.kind`` are read)."""
+    return hasattr(v, "ndim") and hasattr(getattr(v, "dtype", None), "kind") and hasattr(v, "tolist")
+
+
+def _array_ids(a, where: str) -> list[int]:
+    """A 1-D integer array of token ids -> Python ints; any other array is refused."""
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise _invalid(f"{where} must be a 1-D integer array of token ids, got a {a.ndim}-D {a.dtype} array")
+    if a.size == 0:
+        raise InvalidRequestError("empty_prompt", f"{where} is empty")
+    return [int(t) for t in a.tolist()]
+
+
 def _token_ids(ids: object, where: str) -> list[int]:
+    if _is_array(ids):
+        return _array_ids(ids, where)
     if not isinstance(ids, (list, tuple)) or not all(_is_token_id(t) for t in ids):
         raise _invalid(f"{where} must be a list of integer token ids")
     return [int(t) for t in ids]
@@ -74,10 +92,11 @@ def _from_dict(d: dict, where: str) -> tuple[Prompt, str | None]:
     unknown = sorted(map(str, d.keys() - _UNSUPPORTED_KEYS.keys() - {"prompt", "prompt_token_ids"}))
     if unknown:
         raise _invalid(f"{where}: unknown keys {unknown}; a prompt dict has 'prompt' (a string) or 'prompt_token_ids' (token ids)")
-    if "prompt" in d and "prompt_token_ids" in d:
-        raise _invalid(f"{where}: give 'prompt' or 'prompt_token_ids', not both")
-    if "prompt_token_ids" in d:
-        return _token_ids(d["prompt_token_ids"], f"{where}['prompt_token_ids']"), None
+    text = d.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise _invalid(f"{where}['prompt'] must be a string, got {type(text).__name__}")
+    if "prompt_token_ids" in d:  # vLLM's TokensPrompt: the ids run; a "prompt" is their text, for show
+        return _token_ids(d["prompt_token_ids"], f"{where}['prompt_token_ids']"), text
     if "prompt" not in d:
         raise _invalid(f"{where}: a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (token ids)")
     if not isinstance(d["prompt"], str):
@@ -89,6 +108,8 @@ def _one(p: object, where: str) -> tuple[Prompt, str | None]:
     """One prompt in any accepted form -> (what the engine encodes, the text to show)."""
     if isinstance(p, str):
         return p, p
+    if _is_array(p):
+        return _array_ids(p, where), None
     if isinstance(p, dict):
         if _is_message(p):
             raise _invalid(f"{where} is a chat message; a chat is a list of messages (or use LLM.chat)")
@@ -109,7 +130,7 @@ def _one(p: object, where: str) -> tuple[Prompt, str | None]:
 def parse_prompts(prompts: object) -> list[tuple[Prompt, str | None]]:
     """``generate``'s first argument -> one (engine prompt, shown text) per prompt; see the module
     docstring for the forms. One prompt or a batch is decided by type, never by trying."""
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict)) or _is_array(prompts):
         return [_one(prompts, "the prompt")]
     if not isinstance(prompts, (list, tuple)):
         raise _invalid(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
@@ -224,18 +245,18 @@ class LLM:
             raise _invalid("mm_processor_kwargs: multi-modal input is not supported (text models only)")
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise _invalid(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {chat_template_content_format!r}")
-        if add_generation_prompt and continue_final_message:
-            raise _invalid("continue_final_message needs add_generation_prompt=False")
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
             convs = [list(c) for c in messages]
         else:
             convs = [messages]
-        kwargs = dict(chat_template_kwargs or {})
-        kwargs.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+        kwargs: dict[str, Any] = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
         if tools is not None:
             kwargs["tools"] = tools
+        kwargs.update(chat_template_kwargs or {})  # as vLLM: they come last and win
+        if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+            raise _invalid("continue_final_message needs add_generation_prompt=False")
         prompts, texts = [], []
         for i, conv in enumerate(convs):
             where = "messages" if len(convs) == 1 else f"messages[{i}]"

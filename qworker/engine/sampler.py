@@ -88,12 +88,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
         chosen = chosen.squeeze(1).tolist()
         for j, i in enumerate(want):
             k = seqs[i].request.params.logprobs
-            entry: TokenLogprobs = {}
+            # vLLM's dict: the sampled token first, then the top k (a sampled token among them
+            # keeps its first place and takes its top-k rank)
+            entry: TokenLogprobs = {ids[i]: Logprob(chosen[j], ranks[j])}
             if k:
                 top = torch.topk(lp[j], k)
                 for r, (tok, val) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
                     entry[tok] = Logprob(val, r)
-            entry[ids[i]] = Logprob(chosen[j], ranks[j])
             logprobs[i] = entry
     return ids, logprobs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -12,9 +13,27 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 # entries of a logit_bias dict (OpenAI's limit is 300; this bounds the per-step cost of one request)
 MAX_LOGIT_BIAS = 1024
+# |bias| is clamped to this when applied: far past any logit (so it still decides), and small
+# enough that neither float32 (max ~3.4e38) nor the division by a temperature >= GREEDY_EPS after a
+# repetition penalty <= 10 overflows to inf (an inf logit makes the row's probabilities NaN)
+LOGIT_BIAS_LIMIT = 1e30
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by a denormal
 # temperature overflows to inf/NaN.
 GREEDY_EPS = 1e-5
+
+
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+
+
+def _is_bool(v: object) -> bool:
+    """A Python or numpy bool (numpy's is no ``int`` subclass, and must not pass as a number)."""
+    return isinstance(v, bool) or getattr(getattr(v, "dtype", None), "kind", None) == "b"
+
+
+def _is_integer(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not _is_bool(v)
 
 
 class InvalidRequestError(ValueError):
@@ -37,7 +56,10 @@ class SamplingParams:
     ``max_tokens=None`` means up to the model's context (the engine resolves it per request at
     admission: ``resolved``). ``logit_bias`` ({token id: bias}) is added to the logits before
     sampling (before penalties and temperature; the reported logprobs are the raw model's, as
-    vLLM's default); its ids are checked against the vocabulary at admission.
+    vLLM's default); its ids are checked against the vocabulary at admission, and a value's
+    magnitude is capped at ``LOGIT_BIAS_LIMIT`` (1e30) when applied.
+    Numbers may be numpy scalars (``np.int64``, ``np.float32``, ``np.bool_``): they are stored as
+    Python ``int`` / ``float`` / ``bool``.
     ``prompt_logprobs`` exists for vLLM code but only None is accepted.
     """
 
@@ -83,9 +105,33 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)  # the caller's dict may change later; ours must not
             if not self.logit_bias:
                 self.logit_bias = None
+        self._plain_numbers()
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
+
+    def _plain_numbers(self) -> None:
+        """numpy (or other ``numbers``) scalars -> Python ``int`` / ``float`` / ``bool``, in place,
+        so the checks see one kind of number and torch, seeds and JSON get plain ones. What is not
+        a number of the field's kind is left as it is, for ``validate`` to refuse."""
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if type(v) is not int and _is_integer(v):
+                setattr(self, name, int(v))
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if type(v) not in (int, float) and isinstance(v, numbers.Real) and not _is_bool(v):
+                setattr(self, name, float(v))
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if type(v) is not bool and _is_bool(v):
+                setattr(self, name, bool(v))
+        if isinstance(self.stop_token_ids, list) and any(type(t) is not int for t in self.stop_token_ids):
+            self.stop_token_ids = [int(t) if _is_integer(t) else t for t in self.stop_token_ids]
+        bias = self.logit_bias
+        if isinstance(bias, dict) and any(type(k) is not int or type(v) not in (int, float) for k, v in bias.items()):
+            self.logit_bias = {(int(k) if _is_integer(k) else k): (float(v) if isinstance(v, numbers.Real) and not _is_bool(v) else v)
+                               for k, v in bias.items()}
 
     def logit_bias_tensors(self) -> tuple | None:
         """``logit_bias`` as ``(ids int64, values float32, max id)``, or None without one."""
@@ -99,7 +145,8 @@ class SamplingParams:
             import torch
 
             ids = torch.tensor(list(bias.keys()), dtype=torch.long)
-            cached = (ids, torch.tensor(list(bias.values()), dtype=torch.float32), int(ids.max()))
+            values = torch.tensor(list(bias.values()), dtype=torch.float64).clamp_(-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+            cached = (ids, values.to(torch.float32), int(ids.max()))
             self._bias_tensors = cached
         return cached
 
@@ -120,6 +167,7 @@ class SamplingParams:
             return InvalidRequestError("invalid_sampling", msg)
 
         self._bias_tensors = None  # the dict may have been replaced since they were built
+        self._plain_numbers()  # fields may have been set since construction
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
