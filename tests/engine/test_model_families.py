@@ -118,3 +118,38 @@ def test_mistral_window_is_honoured(family_models, tmp_path):
     outs = LLM(str(no_window), dtype="float32", kv_cache_memory=8 << 20).generate(prompts, greedy())
     refs = [eager_greedy(path, p, MAX_TOKENS).token_ids for p in prompts]
     assert any(o.outputs[0].token_ids != r for o, r in zip(outs, refs))
+
+
+def drafting_prompt(path, rng: random.Random, n: int) -> list[int]:
+    """A prompt that already holds the model's first greedy token ``g``, so n-gram lookup (min 1)
+    drafts from the first decode step: ``g`` is written at the first position where it does not
+    change the model's choice of ``g`` (a few tries on these models)."""
+    for _ in range(5):
+        prompt = [rng.randrange(3, 49000) for _ in range(n)]
+        g = int(eager_last_logits(path, prompt).argmax())
+        for pos in range(n - 1):
+            candidate = prompt[:pos] + [g] + prompt[pos + 1:]
+            if int(eager_last_logits(path, candidate).argmax()) == g:
+                return candidate
+    pytest.fail("no prompt holding its own first greedy token")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_greedy_matches_with_forks_and_ngram_speculation(family_models, model_type):
+    """n=2 forks (copy-on-write of the shared partial block) and n-gram speculation (drafts
+    verified as decode rows, each under its own position's window) keep every family's greedy
+    output equal to transformers'."""
+    path = family_models.get(model_type)
+    rng = random.Random(f"{model_type}-spec")
+    w = max(window_of(model_type), 24)
+    prompts = [drafting_prompt(path, rng, n) for n in (w + 5, 2 * w + 7)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=16, speculative_config=spec)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2))
+    stats = llm.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0, f"{model_type}: nothing drafted"
+    for p, o in zip(prompts, outs):
+        ref = eager_greedy(path, p, MAX_TOKENS)
+        assert len(o.outputs) == 2
+        for c in o.outputs:
+            assert_greedy_matches(c.token_ids, ref, f"{model_type} fork/spec, prompt of {len(p)}")
