@@ -45,7 +45,7 @@ class EngineConfig:
     grammar_cache_bytes: int = 256 * MiB
     grammar_compile_timeout: float = 10.0
     grammar_compile_workers: int = 2
-    # speculative decoding (issue 16), vLLM's dict: {"method": "ngram", "num_speculative_tokens":
+    # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens":
     # k, "prompt_lookup_max": n_max, "prompt_lookup_min": n_min}, plus our "policy": "always" (as
     # vLLM) or "auto" (only where the measured step cost pays). None: off. Normalised to a
     # SpeculativeConfig.

@@ -6,6 +6,8 @@ import numbers
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from qworker.engine.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from qworker.engine.structured.spec import StructuredOutputsParams
 
@@ -34,14 +36,6 @@ def _is_bool(v: object) -> bool:
 
 def _is_integer(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not _is_bool(v)
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine can never run (bad parameters or prompt); ``code`` is stable for clients."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(slots=True)
@@ -81,7 +75,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # keep the matched stop string, or the text of a matched stop token id / EOS, in the text
     include_stop_str_in_output: bool = False
-    # structured output (issue 14; vLLM's name): JSON schema, JSON object, regex, choice or grammar.
+    # structured output (vLLM's name): JSON schema, JSON object, regex, choice or grammar.
     # The spec validates itself at construction; the engine compiles it (see qworker.engine.structured).
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None

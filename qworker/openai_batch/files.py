@@ -32,8 +32,8 @@ from pydantic import ValidationError
 from qworker.messages import Completion, JobError, loads
 from qworker.openai_batch.requests import ENDPOINTS, OpenAIRequest, is_openai_line, looks_like_openai_line
 from qworker.openai_batch.results import IdText, error_line, output_line
-from qworker.worker.client import MAX_JOB_RECORD_BYTES
-from qworker.worker.decode import usable_id
+from qworker.client import MAX_JOB_RECORD_BYTES
+from qworker.job_ids import usable_id
 
 _RECORD_OVERHEAD = 256  # a record batch's header and the record's own framing, generously
 

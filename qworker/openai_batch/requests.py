@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from qworker.job_ids import is_openai_line
 from qworker.messages import MAX_LOGPROBS, Job
 
 CHAT_URL = "/v1/chat/completions"
@@ -79,12 +80,6 @@ class OpenAIRequest:
     include_usage: bool = False
     created: int = 0
     metadata: dict[str, str] | None = None
-
-
-def is_openai_line(data: object) -> bool:
-    """The two formats are told apart by shape: a JSON object with a ``custom_id`` key is an
-    OpenAI batch request line (native jobs reject unknown keys, so none carries one)."""
-    return isinstance(data, dict) and "custom_id" in data
 
 
 def looks_like_openai_line(data: object) -> bool:

@@ -19,7 +19,7 @@ from qworker.messages import json_bytes
 from qworker.openai_batch.files import InputLine, attempt_of, local_answer, status_of, to_output
 from qworker.openai_batch.progress import Progress
 from qworker.openai_batch.results import error_line
-from qworker.worker.client import ResultReader, parse, producer_for
+from qworker.client import ResultReader, parse, producer_for
 
 
 @dataclass

@@ -110,7 +110,7 @@ class EngineStatsCollector(Collector):
         )
         yield counter("generation_tokens", "Tokens generated.", g("generation_tokens", 0))
         yield counter("engine_steps", "Engine steps run.", g("steps", 0))
-        # structured output (issue 14)
+        # structured output
         yield gauge("num_requests_compiling", "Requests waiting for their structured-output grammar to compile.", g("num_compiling", 0))
         yield counter("grammar_compilations", "Structured-output grammars compiled (cache misses).", g("grammar_compilations", 0))
         yield counter("grammar_cache_hits", "Structured-output grammar look-ups served from the cache (or a compile in flight).", g("grammar_cache_hits", 0))
@@ -119,7 +119,7 @@ class EngineStatsCollector(Collector):
         yield counter("grammar_compile_seconds", "Seconds spent compiling structured-output grammars.", g("grammar_compile_seconds", 0.0))
         yield counter("structured_mask_seconds", "Seconds the engine step spent filling and applying structured-output token masks.", g("mask_seconds", 0.0))
         yield counter("structured_masked_rows", "Sampling rows masked by a structured-output grammar.", g("masked_rows", 0))
-        # speculative decoding (issue 16), vLLM's spec_decode names
+        # speculative decoding, vLLM's spec_decode names
         yield counter("spec_decode_num_drafts", "Draft proposals verified (one per speculating sequence per step).", g("spec_decode_num_drafts", 0))
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", g("spec_decode_num_draft_tokens", 0))
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", g("spec_decode_num_accepted_tokens", 0))

@@ -37,7 +37,7 @@ from qworker.worker.dlq import dlq_headers, raw_headers_header, with_original
 from qworker.worker.engine_start import EngineStartError, load_engine
 from qworker.worker.jobs import Attempts, JobRunner, JobState, cancelled_completion, error_message, log_fields
 from qworker.worker.offsets import OffsetTracker
-from qworker.worker.producer import start_producer
+from qworker.producer import start_producer
 from qworker.worker.publisher import DeliveryAborted, DeliveryRefused, Publisher, record_size
 from qworker.worker.stats import WorkerStats
 from qworker.worker.wire import IdText, Shape, answer_headers, token_text

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from qworker.job_ids import usable_id
 from qworker.messages import MAX_ID_LEN, Job, bounded_metadata, loads
 from qworker.openai_batch.requests import OpenAIRequest, RequestError, is_openai_line, map_line
 from qworker.worker.jsonscan import NotJson, scan
@@ -46,16 +47,6 @@ class Unparseable:
 
 
 Decoded = Valid | Invalid | Unparseable
-
-
-def usable_id(value: object) -> bool:
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_LEN:
-        return False
-    try:
-        value.encode("utf-8")  # lone surrogates cannot become a Kafka key
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _clip(text: str, limit: int) -> str:

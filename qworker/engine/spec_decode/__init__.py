@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram (prompt-lookup) drafts (issue 16).
+"""Speculative decoding with n-gram (prompt-lookup) drafts.
 
 - ``config``: ``SpeculativeConfig``, vLLM's option names, validated once.
 - ``ngram``: the proposer: the last n tokens (longest n first) looked up in the prompt and the

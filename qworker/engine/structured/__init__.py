@@ -1,4 +1,4 @@
-"""Structured output (issue 14): JSON schema, JSON object, regex, choice or EBNF grammar, via xgrammar.
+"""Structured output: JSON schema, JSON object, regex, choice or EBNF grammar, via xgrammar.
 
 Phase 1 (this package) is standalone: spec (``spec.py``), tokenizer info (``tokenizer_info.py``),
 compiler service (``compiler.py``: the cache and single flight; ``compile_pool.py`` and

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from qworker.engine.sampling_params import InvalidRequestError
+from qworker.engine.errors import InvalidRequestError
 
 ERROR_CODE = "invalid_structured_output"
 MAX_SPEC_CHARS = 1 << 20  # a spec larger than 1 MiB of text is refused before it is compiled
