@@ -56,6 +56,7 @@ _ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", 
 _isa_override: list[str] = []  # innermost using_isa() last
 
 
+@cache
 def _cpu_features() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -68,10 +69,15 @@ def _cpu_features() -> str:
 
 def available_isas() -> list[str]:
     """The kernel builds this CPU can run, best first (only "generic" off x86)."""
+    return list(_available_isas())
+
+
+@cache
+def _available_isas() -> tuple[str, ...]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return ["generic"]
+        return ("generic",)
     flags = set(_cpu_features().split())
-    return [isa for isa in ISAS if _ISA_NEEDS[isa] <= flags]
+    return tuple(isa for isa in ISAS if _ISA_NEEDS[isa] <= flags)
 
 
 @cache
@@ -97,7 +103,7 @@ def cpu_isa() -> str:
 def using_isa(isa: str) -> Iterator[None]:
     """Run the kernels of another available ISA's build inside the block (tests, benchmarks);
     process-wide, not thread-safe."""
-    if isa not in available_isas():
+    if isa not in _available_isas():
         raise ValueError(f"ISA {isa!r} is not available on this CPU (available: {', '.join(available_isas())})")
     _isa_override.append(isa)
     try:
