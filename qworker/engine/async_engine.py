@@ -107,7 +107,7 @@ class AsyncEngine:
         if self._thread is None:
             return
         self._commands.put(("stop", None))
-        self._wake.set()
+        self._notify()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self.ready = False
@@ -154,7 +154,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._commands.put(("add", (stream, request_id, ids, params, priority, deadline, prompt if isinstance(prompt, str) else None, structured_validated)))
-        self._wake.set()
+        self._notify()
         finished = False
         try:
             while True:
@@ -170,12 +170,18 @@ class AsyncEngine:
                 del self._streams[request_id]
             if not finished:
                 self._commands.put(("abort", (request_id, stream)))
-                self._wake.set()
+                self._notify()
 
     async def abort(self, request_id: str) -> None:
         """Aborts the request now holding ``request_id``; its stream gets a last "abort" delta."""
         self._commands.put(("abort", (request_id, None)))
+        self._notify()
+
+    def _notify(self) -> None:
+        """After a command is queued: wakes the engine thread, whether it sleeps here (nothing to
+        run) or inside ``step()`` (waiting for grammars)."""
         self._wake.set()
+        self.engine.wake()
 
     # -- the engine thread -------------------------------------------------------------------------
     def _emit(self, request_id: str, item: RequestOutput) -> None:

@@ -3,7 +3,7 @@
 A step: schedule -> build the batch -> run the model -> fork n>1 requests whose prompt just
 finished -> sample -> ``_update`` (the only place that mutates request state after a step).
 
-Structured output (issue 14): a request with ``params.structured_outputs`` has its grammar
+Structured output: a request with ``params.structured_outputs`` has its grammar
 compiled off this thread (``self.grammars``); until the compile is done it waits unscheduled (the
 scheduler skips it, the rest of the queue goes on), then its first sequence gets a
 ``StructuredState``. Each step masks the constrained sampling rows (the fill overlaps the forward
@@ -31,6 +31,7 @@ import copy
 import heapq
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -88,6 +89,9 @@ class LLMEngine:
         )
         self.bitmask = StructuredBitmask(self.vocab_size, self.runner.device)
         self._compiling: list[Request] = []  # requests whose grammar is not compiled yet
+        # set when a compile of a request in _compiling finishes, or by wake(): what a step with
+        # nothing to run but compiles pending sleeps on
+        self._grammar_wake = threading.Event()
 
         block_bytes = self.runner.block_bytes(config.block_size)
         budget = self.runner.device_kv_budget(config.kv_cache_memory, config.gpu_memory_utilization, config.cpu_kv_cache_memory)
@@ -233,6 +237,7 @@ class LLMEngine:
         req.seqs.append(self._new_seq(req, 0))
         if params.structured_outputs is not None:
             req.grammar = self.grammars.submit(params.structured_outputs, admitted=structured_validated)
+            req.grammar.add_done_callback(self._grammar_done)
             self._compiling.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
@@ -278,6 +283,7 @@ class LLMEngine:
         ``_recover``."""
         expired = self._expire_deadlines() if self._deadlines else []
         if self._compiling:
+            self._grammar_wake.clear()  # before the poll: a compile finishing after it wakes the wait below
             expired += self._poll_grammars()
         t0 = time.perf_counter()
         try:
@@ -292,8 +298,9 @@ class LLMEngine:
             self.kv.take_copies()
             raise
         if sched.empty and not sched.copies and self._compiling:
-            # nothing can run until a grammar is ready: wait on it briefly rather than spin
-            self._compiling[0].grammar.wait(0.005)
+            # nothing can run until a grammar is ready: sleep until a compile finishes, wake() is
+            # called or the next deadline is due, rather than spin
+            self._grammar_wake.wait(self._grammar_wait_s())
         steps = self.counters["steps"]
         changed = self._run(sched)
         if self.spec_policy is not None and self.counters["steps"] > steps and self._decode_only(sched):
@@ -347,6 +354,19 @@ class LLMEngine:
             st.rollback(n)
         return draft[:n]
 
+    def wake(self) -> None:
+        """Ends a step's sleep while it waits for grammars (another thread has work for the engine)."""
+        self._grammar_wake.set()
+
+    def _grammar_done(self, _handle) -> None:  # on a compile thread
+        self._grammar_wake.set()
+
+    def _grammar_wait_s(self) -> float:
+        """The longest a step sleeps for grammars: up to the next deadline, at most 0.5 s (a guard)."""
+        if not self._deadlines:
+            return 0.5
+        return min(0.5, max(0.0, self._deadlines[0][0] - time.time()))
+
     def _poll_grammars(self) -> list[Request]:
         """Requests whose compile is done leave ``_compiling``: a grammar gives the first sequence
         its state; an error finishes the request, never scheduled."""
@@ -363,8 +383,11 @@ class LLMEngine:
                 req.seqs[0].structured = StructuredState(handle.result())
                 continue
             del self.requests[req.request_id]
-            self._end(req, str(err), ERR_STRUCTURED)
-            self.counters["requests_invalid_structured"] += 1
+            if isinstance(err, InvalidRequestError):  # the spec's fault: refused, or past its budget
+                self._end(req, str(err), ERR_STRUCTURED)
+                self.counters["requests_invalid_structured"] += 1
+            else:  # no compile process could run it: ours, retryable
+                self._end(req, f"grammar compiler unavailable: {err}", ERR_ENGINE)
             failed.append(req)
         self._compiling = still
         return failed

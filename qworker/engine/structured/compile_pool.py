@@ -10,7 +10,15 @@ one compile at a time on it:
   charged to the job;
 - past the budget the process is killed and the job fails with a timeout; the slot forks a fresh
   one for its next job. Nothing else is held up: the other slots keep compiling;
-- a process that dies mid-compile (a crash inside the compiler) fails only the job it was on.
+- a process that dies mid-compile fails only the job it was on, and only after the compile has
+  crashed a fresh process a second time: a process can also die of causes that are not the
+  spec's (the zygote killed, whose death takes its forks with it; the OOM killer; an operator),
+  and an innocent job must not get a non-retryable verdict for that;
+- an idle process found dead before a compile is sent to it is replaced, not charged to the job;
+- an answer that stops arriving (a process that hangs mid-answer) counts as a crash: each read of
+  the answer must make progress within the budget, so no slot waits forever on a half answer;
+- a compile interrupted by ``close()`` fails with ``CompilerUnavailable`` (the engine's, not the
+  job's fault).
 
 Processes are forks of one zygote (``compile_child.py``) that has imported xgrammar and loaded the
 tokenizer once: a replacement costs milliseconds, not the seconds of a fresh interpreter
@@ -40,7 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from qworker.engine.structured.compile_child import HEADER, read_exact, read_frame, write_frame
+from qworker.engine.structured.compile_child import HEADER, read_frame, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +87,16 @@ class _Child:
         self.pid, self.sock = pid, sock
         self.wfd = self.rfd = sock.fileno()
 
-    def kill(self) -> None:
+    def signal_kill(self) -> None:
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    def kill(self) -> None:
+        """Only on the slot thread that owns the child: a socket closed under a thread waiting on
+        it does not wake that thread (epoll drops the closed descriptor and sleeps on)."""
+        self.signal_kill()
         self.sock.close()
 
 
@@ -100,8 +113,11 @@ class _Zygote:
         finally:
             theirs.close()
         self.sock = ours
-        write_frame(ours.fileno(), init)
-        answer = read_frame(ours.fileno()) if _readable(ours.fileno(), _START_TIMEOUT_S) else None
+        try:
+            write_frame(ours.fileno(), init)
+            answer = read_frame(ours.fileno()) if _readable(ours.fileno(), _START_TIMEOUT_S) else None
+        except OSError:  # it died before reading its init: still killed and reaped below
+            answer = None
         if answer is None or answer[:1] != b"R":
             self.kill()
             why = str(memoryview(answer)[1:], "utf-8", "replace") if answer else f"it exited with {self.proc.poll()}"
@@ -161,14 +177,14 @@ class CompilePool:
             return len(self._queue)
 
     def close(self) -> None:
-        """Kills every child; queued jobs fail with ``CompilerUnavailable``."""
+        """Kills every child; queued jobs, and those running, fail with ``CompilerUnavailable``."""
         with self._cond:
             self._closed = True
             dropped, self._queue = list(self._queue), deque()
             children = list(self._children)
             self._cond.notify_all()
-        for c in children:
-            c.kill()
+        for c in children:  # their slots see the end of the answer and close the sockets
+            c.signal_kill()
         with self._zygote_lock:
             if self._zygote is not None:
                 self._zygote.kill()
@@ -251,10 +267,29 @@ class CompilePool:
         child.kill()
 
     def _compile(self, child: _Child, job: PoolJob) -> tuple[str | None, BaseException | None, float, _Child | None]:
-        """One request on ``child``; returns the child to keep (None once it is killed)."""
+        """One request; returns the child to keep (None once it is killed). A crash is retried
+        once on a fresh child: only a spec that crashes two processes is blamed for it."""
         job.on_start()
+        job.started = time.monotonic()
+        for attempt in (1, 2):
+            if _readable(child.rfd, 0):  # an idle child has nothing to say: readable means dead
+                self._forget(child)
+                child = self._start_child()
+            grammar, error, seconds, child = self._compile_once(child, job)
+            if not isinstance(error, CompilerCrashed) or attempt == 2 or self._closed:
+                break
+            self._reap_zygote()
+            log.warning("grammar compile process died mid-compile; retrying the compile once on a fresh process")
+            child = self._start_child()
+        if self._closed and isinstance(error, (CompilerCrashed, CompileTimeout)):
+            error = CompilerUnavailable("the grammar compiler was closed during the compile")
+        elif isinstance(error, CompilerCrashed):
+            self._reap_zygote()
+        return grammar, error, seconds, child
+
+    def _compile_once(self, child: _Child, job: PoolJob) -> tuple[str | None, BaseException | None, float, _Child | None]:
         t0 = time.monotonic()
-        job.started = t0
+        body = None
         try:
             write_frame(child.wfd, json.dumps(job.request).encode())
             if not _readable(child.rfd, self.timeout_s):  # the budget: from the start of this compile
@@ -262,19 +297,45 @@ class CompilePool:
                 with self._cond:
                     self.children_killed += 1
                 return None, CompileTimeout(f"grammar compilation did not finish within {self.timeout_s:g} s"), time.monotonic() - t0, None
-            head = read_exact(child.rfd, HEADER.size)  # the answer is written whole: no wait
-            body = None if head is None else read_exact(child.rfd, HEADER.unpack(head)[0])
+            # the answer has begun; a large one arrives in pieces, each within the budget
+            head = _read_exact_within(child.rfd, HEADER.size, self.timeout_s)
+            body = None if head is None else _read_exact_within(child.rfd, HEADER.unpack(head)[0], self.timeout_s)
         except OSError:
             body = None
         seconds = time.monotonic() - t0
         if body is None:
             self._forget(child)
-            return None, CompilerCrashed("the grammar compiler crashed on it"), seconds, None
+            return None, CompilerCrashed("the grammar compiler crashed on it (or stopped answering), on two fresh processes"), seconds, None
         if body[:1] == b"G":
             text = str(memoryview(body)[1:], "utf-8")  # no intermediate copy of a large answer
             del body
             return text, None, seconds, child
         return None, ValueError(str(memoryview(body)[1:], "utf-8", "replace")), seconds, child
+
+    def _reap_zygote(self) -> None:
+        """A dead zygote is reaped now (no defunct process left until the next compile) and
+        replaced by the next ``_start_child``."""
+        with self._zygote_lock:
+            if self._zygote is not None and self._zygote.proc.poll() is not None:
+                self._zygote.kill()
+                self._zygote = None
+
+
+def _read_exact_within(fd: int, n: int, idle_timeout: float) -> bytearray | None:
+    """``n`` bytes from ``fd``; None at end of file or when no byte arrives for ``idle_timeout``
+    seconds (a writer that hangs mid-answer)."""
+    buf = bytearray(n)
+    view, pos = memoryview(buf), 0
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while pos < n:
+            if not sel.select(idle_timeout):
+                return None
+            k = os.readv(fd, [view[pos:]])
+            if k == 0:
+                return None
+            pos += k
+    return buf
 
 
 def _readable(fd: int, timeout: float) -> bool:
