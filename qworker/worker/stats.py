@@ -1,4 +1,4 @@
-"""Worker counters (exposed as ``qworker:<name>_total`` by ``Worker._observe``)."""
+"""Worker counters (exposed as ``qworker:<name>_total`` by ``Gauges.observe``)."""
 
 from __future__ import annotations
 

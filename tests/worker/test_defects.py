@@ -372,7 +372,7 @@ async def test_revoke_racing_a_delivery_with_a_waiter_elsewhere_answers_once(top
         await real_deliver(topic, key, value, headers)
         if topic == topics.completions_topic and key == "raced" and not raced:
             raced.append(1)  # acknowledged; now the home partition is revoked
-            w._abandon({TopicPartition(topics.jobs_topic, home)})
+            w.partitions.abandon({TopicPartition(topics.jobs_topic, home)})
 
     w.publisher.deliver = deliver
     try:

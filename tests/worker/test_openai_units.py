@@ -279,7 +279,7 @@ def test_an_answer_too_large_in_openai_shape_becomes_a_413_line() -> None:
     wire = OpenAIRequest("big", "chat", 0)
     native = len(msg.model_dump_json())
     assert native < 16_384 - 1024 < len(shape(wire, IdText())(msg))  # fits natively, not as OpenAI's
-    out, data = w._encoded(msg, None, shape(wire, IdText()))
+    out, data = w.answers.encoded(msg, None, shape(wire, IdText()))
     line = orjson.loads(data)
     validate_line(line)
     assert isinstance(out, JobError) and line["custom_id"] == "big" and line["response"]["status_code"] == 413 and line["error"]["code"] == "result_too_large"

@@ -280,6 +280,7 @@ def test_kept_partitions_check_has_one_deadline_for_all_partitions(monkeypatch) 
     from aiokafka.structs import TopicPartition
 
     from qworker.worker import app as app_mod
+    from qworker.worker import partitions as partitions_mod
 
     class Stalled:
         calls = 0
@@ -289,7 +290,7 @@ def test_kept_partitions_check_has_one_deadline_for_all_partitions(monkeypatch) 
             await asyncio.sleep(3600)
 
     # one deadline takes 1 s, one per partition 8 s: the bound below leaves 3 s for a slow machine
-    monkeypatch.setattr(app_mod, "KEPT_CHECK_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(partitions_mod, "KEPT_CHECK_TIMEOUT_S", 1.0)
     w = app_mod.Worker(WorkerSettings())
     w.consumer = Stalled()
     tps = {TopicPartition("jobs", p) for p in range(8)}
@@ -298,7 +299,7 @@ def test_kept_partitions_check_has_one_deadline_for_all_partitions(monkeypatch) 
         w.tracker.done(tp, 0)
         w.tracker.mark_committed({tp: 1})
     t0 = time.monotonic()
-    asyncio.run(w._check_kept(tps))
+    asyncio.run(w.partitions.check_kept(tps))
     elapsed = time.monotonic() - t0
     assert elapsed < 8 * 1.0 / 2, f"{elapsed:.2f} s: the deadline was per partition"
     assert sorted(tp.partition for tp in w.tracker.partitions()) == list(range(8)), "unchecked partitions are kept"

@@ -1,0 +1,145 @@
+"""Partitions: what this member owns of the jobs topic, and the offsets it may commit.
+
+Owns the ``OffsetTracker`` (per partition: offsets seen, finished, committed), the group
+``generation``, whether the consumer has ``joined`` and the partitions revoked since the last
+assignment. Invariants:
+
+- A partition's committed offset only moves past records whose answers the broker acknowledged.
+- On a rebalance, jobs keep running until the assignment says which partitions actually moved;
+  the lost ones' unfinished jobs are abandoned without committing (their next owner reruns them).
+- A kept partition whose group offset went below ours (log reset) starts afresh: its in-flight
+  jobs still answer, but mark no offsets of the new log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
+
+from qworker.worker import consumer as kc
+from qworker.worker.jobs import JobState
+from qworker.worker.offsets import OffsetTracker
+
+if TYPE_CHECKING:
+    from qworker.worker.app import Worker
+
+log = logging.getLogger("qworker.worker")
+# how long a rebalance may wait, in all, for the group's offsets of the partitions it keeps
+KEPT_CHECK_TIMEOUT_S = 5.0
+
+# The partition of a job whose log was reset under it: it still answers, marks no offset.
+DETACHED = TopicPartition("", -1)
+
+
+class Partitions:
+    def __init__(self, worker: Worker):
+        self.w = worker  # consumer, stats, registry, intake (to requeue an heir), telemetry
+        self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+        self.generation = 0
+        self.joined = False  # the consumer joined its group (it may own no partition)
+        self.revoked: set[TopicPartition] = set()
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Commit what is done before ownership may move. Jobs keep running until we learn, in
+        ``on_assigned``, which partitions actually moved (an eager rebalance revokes all)."""
+        w = self.w
+        w.stats.rebalances += 1
+        self.revoked |= revoked
+        c, f = await kc.commit(w.consumer, self.tracker, list(revoked))
+        w.stats.commits += c
+        w.stats.commit_failures += f
+
+    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        w = self.w
+        self.generation = kc.generation(w.consumer)
+        self.joined = True
+        lost = (self.revoked | set(self.tracker.partitions())) - assigned
+        self.revoked = set()
+        if lost:
+            self.abandon(lost)
+        await self.check_kept(assigned)
+        if w.pauser is not None and w.pauser.paused:
+            w.consumer.pause(*assigned)  # a rebalance clears pauses
+        log.info("assigned %s (generation %d)", sorted(f"{tp.topic}/{tp.partition}" for tp in assigned), self.generation)
+
+    async def check_kept(self, assigned: set[TopicPartition]) -> None:
+        """A kept partition whose group offset is now below the one we committed (or gone) no
+        longer holds the records we saw: the broker lost its data (a topic re-created, a log
+        truncated by an unclean election, memory storage restarted) or an operator reset the
+        group's offsets. Its new records reuse offsets we already saw; keeping our "seen up to"
+        mark would take them for refetches and never answer them. So the partition starts
+        afresh; its in-flight jobs still answer, but no longer mark offsets of the new log."""
+        # One deadline for all of them: a stalled broker must not hold up the rebalance (5 s per
+        # partition, one after the other, was 40 s for 8 partitions). Unchecked ones stay as they are.
+        deadline = asyncio.get_running_loop().time() + KEPT_CHECK_TIMEOUT_S
+        for tp in sorted(assigned & set(self.tracker.partitions()), key=lambda t: t.partition):
+            ours = self.tracker.last_committed(tp)
+            if ours is None:
+                continue
+            try:
+                async with asyncio.timeout_at(deadline):
+                    theirs = await self.w.consumer.committed(tp)
+            except (KafkaError, TimeoutError) as e:
+                log.debug("committed(%s) failed: %r", tp, e)
+                continue
+            if theirs is not None and theirs >= ours:
+                continue
+            log.warning("%s/%d: the group's offset is %s, below the %d we committed: the log was reset; starting the partition afresh", tp.topic, tp.partition, theirs, ours)
+            for st in self.w.registry.jobs.values():
+                st.waiters = [wt for wt in st.waiters if wt[0] != tp]
+                if st.tp == tp:
+                    st.tp = DETACHED
+            self.tracker.drop(tp)
+
+    def abandon(self, lost: set[TopicPartition]) -> None:
+        """Abort the lost partitions' unfinished jobs without committing them: the new owner
+        reruns them. A queued job whose waiters sit on partitions we keep is requeued for them.
+        A *running* job with such waiters keeps running and answers them: aborting it could
+        race its delivery (the completion already acknowledged) and run it a second time here."""
+        w, reg = self.w, self.w.registry
+        for st in list(reg.jobs.values()):
+            st.waiters = [wt for wt in st.waiters if wt[0] not in lost]
+            if st.tp not in lost:
+                continue
+            if st.admitted and st.waiters:
+                continue  # its record on the lost partition is the new owner's; done() ignores it
+            if st.admitted:
+                st.task.cancel()  # its run records the outcome
+            else:
+                reg.pending.remove(st)
+                st.tele.outcome("abandoned")
+            reg.forget(st)
+            if st.waiters:
+                (tp, off), rest = st.waiters[0], st.waiters[1:]
+                heir = JobState(job=st.job, tp=tp, offset=off, produced_at=st.produced_at, received_at=st.received_at, waiters=rest, prompt_ids=st.prompt_ids, params=st.params,
+                                wire=st.wire)
+                heir.attempt = reg.attempts.next(st.job.id, self.generation)  # for an answer before its run
+                assert w.telemetry is not None
+                heir.tele = w.telemetry.job(st.job.id, tp.topic, tp.partition, off, st.job.id, None, st.received_at)
+                reg.jobs[st.job.id] = heir
+                # still tokenizing when abandoned: the heir tokenizes here (rare: a duplicate on
+                # another partition during a revoke)
+                w.intake.queue(heir, w.intake.precheck(heir) if st.params is None else None)
+        for tp in lost:
+            self.tracker.drop(tp)
+
+    async def commit_loop(self) -> None:
+        w = self.w
+        while not w.closed:
+            await asyncio.sleep(w.settings.commit_interval_ms / 1000)
+            try:
+                await self.commit()
+                w.gauges.observe()
+            except Exception:  # noqa: BLE001 - offsets must keep moving whatever one round hit
+                log.exception("commit round failed")
+
+    async def commit(self) -> None:
+        w = self.w
+        assigned = w.consumer.assignment()
+        c, f = await kc.commit(w.consumer, self.tracker, [tp for tp in self.tracker.partitions() if tp in assigned])
+        w.stats.commits += c
+        w.stats.commit_failures += f
