@@ -189,15 +189,14 @@ def _revision_path(rev: str):
         fn.argtypes, fn.restype = kcpu._DECODE_ARGS, ctypes.c_int
         fns[suffix] = fn
 
-    def run(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out):
-        B, Hq, D = q.shape
-        _, bs, hkv, _ = k_cache.shape
-        fn = fns[kcpu._SUFFIX[k_cache.dtype]]
-        rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), out.stride(0), B, Hq, hkv, D, bs, float(scale),
-                torch.get_num_threads(), k_cache.shape[0], 0, 0.0)
-        assert rc == 0
-        return out
+    def run(*args, **kwargs):
+        # the current wrapper (same checks and marshalling), with that revision's C function
+        real = kcpu._cache_fn
+        kcpu._cache_fn = lambda name, dtype: fns.get(kcpu._SUFFIX.get(dtype)) if name == "qw_paged_decode" else real(name, dtype)
+        try:
+            return kernels.paged_decode_attention_cpu(*args, **kwargs)
+        finally:
+            kcpu._cache_fn = real
     return run
 
 
