@@ -102,11 +102,11 @@ class DecoderModel:
         embed = take(weights, "model.embed_tokens.weight", (d.vocab, d.hidden))
         self.embed = embed.to(act)  # the lookup table
         self.norm = self._norm_weight(take(weights, "model.norm.weight", (d.hidden,)))
-        lm_head = weights.pop("lm_head.weight", None)
-        if lm_head is None or getattr(config, "tie_word_embeddings", False):
+        if getattr(config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)  # tied: transformers reads the embedding, whatever is stored
             lm_head = embed
-        elif tuple(lm_head.shape) != (d.vocab, d.hidden):
-            raise ValueError(f"tensor 'lm_head.weight' has shape {list(lm_head.shape)}, expected {[d.vocab, d.hidden]}")
+        else:  # an untied head that is absent would be random in transformers: never the embedding here
+            lm_head = take(weights, "lm_head.weight", (d.vocab, d.hidden))
         # every layer's tensors are taken (and checked) before any is converted
         raw = [spec.take_layer(weights, i) for i in range(self.num_layers)]
         unused = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))

@@ -49,8 +49,31 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
     return config
 
 
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files that hold the transformers checkpoint: the shards that
+    ``model.safetensors.index.json`` names, else ``model.safetensors``, else every ``*.safetensors``.
+    Hub folders often carry other formats' files beside the checkpoint (Mistral's
+    ``consolidated.safetensors``, with its own tensor names); reading those would fail the load."""
+    import json
+
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({exc})") from None
+        missing = [s for s in shards if not (path / s).exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are absent: {', '.join(missing[:3])}")
+        return [path / s for s in shards]
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    return sorted(path.glob("*.safetensors"))
+
+
 def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     weights: dict[str, torch.Tensor] = {}

@@ -38,6 +38,22 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int, layer_type: str
     return inv_freq.float(), scale
 
 
+def exact_context(config: PretrainedConfig) -> int | None:
+    """The longest sequence whose rotations a fixed table reproduces, where that is shorter than the
+    model's context: under "longrope" transformers switches every position to the long factors
+    once the sequence passes ``original_max_position_embeddings`` (re-rotating what is cached), so
+    the short-factor table served here is exact only up to it. None: no such limit."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    tables = [p for p in params.values() if isinstance(p, dict)] or [params]
+    limits = []
+    for p in tables:
+        if p.get("rope_type", p.get("type")) == "longrope":
+            original = p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+            if original:
+                limits.append(int(original))
+    return min(limits) if limits else None
+
+
 class RotaryEmbedding:
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype, backend: str = "cpu",
                  layer_type: str | None = None):

@@ -16,6 +16,7 @@ from qworker.model.kv_cache import KVCache, bytes_per_block
 from qworker.model.linear import check_cpu_bf16
 from qworker.model.decoder import DecoderModel
 from qworker.model.loader import load_config, load_state_dict, resolve_device, resolve_dtype
+from qworker.model.rope import exact_context
 
 
 class ModelRunner:
@@ -31,6 +32,8 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is supported on CPU only; use 'auto' on {self.device}")
         self.config = load_config(model_dir)
         model_len = getattr(self.config, "max_position_embeddings", 4096)
+        exact = exact_context(self.config)  # past it a fixed rope table would serve other tokens
+        model_len = min(model_len, exact) if exact else model_len
         self.max_model_len = min(max_model_len or model_len, model_len)
         weights = load_state_dict(model_dir, self.device, self.dtype)
         self.model = DecoderModel(self.config, weights, self.device, self.dtype, self.max_model_len, kernel_backend)

@@ -30,4 +30,9 @@ def spec_for(config: PretrainedConfig) -> DecoderSpec:
     build = FAMILIES.get(config.model_type)
     if build is None:
         raise ValueError(f"unsupported model type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
-    return build(config)
+    spec = build(config)
+    # the silu families read no activation name themselves: one they would silently replace is refused
+    act = getattr(config, "hidden_act", None) or "silu"
+    if spec.activation == "silu" and act != "silu":
+        raise ValueError(f"{config.model_type}: unsupported hidden_act {act!r}; supported: 'silu'")
+    return spec

@@ -5,7 +5,8 @@
 * embeddings are multiplied by ``sqrt(hidden_size)`` rounded to the model dtype;
 * the MLP is GELU (tanh approximation) gated: ``down(gelu_tanh(gate(x)) * up(x))``;
 * attention scale ``query_pre_attn_scalar ** -0.5``; windows per layer from ``layer_types``;
-* Gemma 2: attention-score and final-logit soft-capping (``c * tanh(x / c)``);
+* Gemma 2: attention-score and final-logit soft-capping (``c * tanh(x / c)``); Gemma 3: the
+  final-logit one only (its attention ignores ``attn_logit_softcapping``);
 * Gemma 3: RMSNorm (1 + w) over each head of q and k; the sliding layers take their rope from
   ``rope_parameters["sliding_attention"]`` (``rope_local_base_freq``, 10k), the full ones from
   ``rope_parameters["full_attention"]``.
@@ -60,7 +61,8 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         activation=ACTIVATIONS[act_name],
         embed_scale=d.hidden**0.5,
         attn_scale=config.query_pre_attn_scalar**-0.5,
-        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never applies it
+        attn_softcap=None if gemma3 else getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
         rope_tables=rope_tables,
     )

@@ -13,6 +13,8 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
     if config.model_type == "qwen2":
         layers = typed_layers(config)
-    else:  # Llama has no window; Mistral's is global (None when the config has none)
+    elif config.model_type == "mistral":  # one window for every layer (None when the config has none)
         layers = uniform_layers(config, getattr(config, "sliding_window", None))
+    else:  # transformers' Llama masks causally only, whatever "sliding_window" a config.json carries
+        layers = uniform_layers(config, None)
     return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size), layers=layers)
