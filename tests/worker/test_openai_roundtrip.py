@@ -46,7 +46,7 @@ def request(cid: str, i: int, rng: random.Random) -> dict:
 INVALID = [  # (the line, what its answer must say)
     (b'{"custom_id": "cut-short", "method": "POST", "url"', "not valid JSON"),
     (b'["an", "array"]', "not an object"),
-    (orjson.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), "no usable 'id'"),
+    (orjson.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), "no usable 'custom_id'"),
     (orjson.dumps({"custom_id": "x" * 300, "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), "no usable 'custom_id'"),
 ]
 
