@@ -157,6 +157,7 @@ def rms_norm(
 
     return impl(x, weight, eps, residual)
 
+
 def moe_experts(
     x: torch.Tensor,
     gate_up: torch.Tensor,

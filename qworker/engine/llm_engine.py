@@ -13,7 +13,7 @@ failed step, a recompute or a swap leaves both consistent (nothing already gener
 re-sampled). A spec the compiler refuses (or a compile past ``grammar_compile_timeout``) finishes
 the request, unscheduled, with ``error_code`` "invalid_structured_output".
 
-Speculative decoding (issue 16, ``config.speculative_config``): before scheduling, each decoding
+Speculative decoding (``config.speculative_config``): before scheduling, each decoding
 sequence gets an n-gram draft (``_propose``; cut where its grammar refuses a token, where it
 would pass ``max_tokens`` or the context; ``auto`` may cap or drop the drafts of a step); the
 scheduler gives it ``1 + len(draft)`` tokens and the model returns logits for each of them;
