@@ -59,7 +59,7 @@ def test_vllm_prompt_dicts_are_read_as_prompts(llm):
     ({"encoder_prompt": TEXT, "decoder_prompt": TEXT}, "encoder/decoder"),
     ({"text": TEXT}, r"unknown keys \['text'\]"),
     ({}, "needs 'prompt'"),
-    ({"prompt": TEXT, "prompt_token_ids": [5, 6]}, "not both"),
+    ({"prompt": 5, "prompt_token_ids": [5, 6]}, "must be a string"),
     ({"prompt": ["a", "b"]}, "must be a string"),
     ({"prompt_token_ids": "5 6 7"}, "token ids"),
     ({"prompt_token_ids": [5, True]}, "token ids"),
