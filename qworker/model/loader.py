@@ -50,13 +50,16 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files that hold the transformers checkpoint: the shards that
-    ``model.safetensors.index.json`` names, else ``model.safetensors``, else every ``*.safetensors``.
+    """The safetensors files that hold the transformers checkpoint, in transformers' order:
+    ``model.safetensors``, else the shards ``model.safetensors.index.json`` names, else every
+    ``*.safetensors``.
     Hub folders often carry other formats' files beside the checkpoint (Mistral's
     ``consolidated.safetensors``, with its own tensor names); reading those would fail the load."""
     import json
 
     path = Path(model_dir)
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -67,8 +70,6 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{index} names shards that are absent: {', '.join(missing[:3])}")
         return [path / s for s in shards]
-    if (path / "model.safetensors").exists():
-        return [path / "model.safetensors"]
     return sorted(path.glob("*.safetensors"))
 
 
