@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
@@ -37,13 +38,15 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
         raise FileNotFoundError(f"no config.json in {model_dir}")
     try:
         config = AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, TypeError, StrictDataclassError) as exc:
+        # transformers validates configs as strict dataclasses: their error wraps the one that says why
         import json
 
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
         if model_type not in FAMILIES:
             raise ValueError(f"unsupported model type {model_type!r}; supported: {', '.join(SUPPORTED)}") from None
-        raise ValueError(f"{model_dir}/config.json: {str(exc).splitlines()[0]}") from None
+        why = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ is not None else exc
+        raise ValueError(f"{model_dir}/config.json: {(str(why).strip().splitlines() or [type(why).__name__])[0]}") from None
     if config.model_type not in FAMILIES:
         raise ValueError(f"unsupported model type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
     return config

@@ -196,3 +196,18 @@ def test_other_dimensions_match_under_preemption_and_chunking(models, name):
     stats = llm.stats()
     assert stats["preemptions_recompute"] > 0 and stats["prefix_cache_hits"] > 0, stats
     check(path, ps, outs, name)
+
+
+def test_config_transformers_rejects_is_one_line(models, tmp_path):
+    """transformers validates configs as strict dataclasses and raises its own error type (not a
+    ValueError), which escaped as a traceback; now one line with the reason."""
+    from qworker.model.loader import load_config
+
+    path = tmp_path / "bad-rope"
+    path.mkdir()
+    cfg = json.loads((models("phi3_longrope") / "config.json").read_text())
+    cfg["rope_parameters"]["short_factor"] = [1.0] * 7
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json: .*short_factor field must have length 4, got 7") as info:
+        load_config(path)
+    assert "\n" not in str(info.value)
