@@ -49,6 +49,11 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
         raise ValueError(f"{model_dir}/config.json: {(str(why).strip().splitlines() or [type(why).__name__])[0]}") from None
     if config.model_type not in FAMILIES:
         raise ValueError(f"unsupported model type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
+    quant = getattr(config, "quantization_config", None)
+    if quant:  # packed or scaled weights would be read as plain ones (or fail deep in the loader)
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+        raise ValueError(f"{model_dir}: quantized checkpoints are not supported (quantization_config: {method}); "
+                         "use the unquantized weights")
     return config
 
 

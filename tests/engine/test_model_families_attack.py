@@ -211,3 +211,15 @@ def test_config_transformers_rejects_is_one_line(models, tmp_path):
     with pytest.raises(ValueError, match=r"config\.json: .*short_factor field must have length 4, got 7") as info:
         load_config(path)
     assert "\n" not in str(info.value)
+
+
+def test_quantized_checkpoint_is_refused_by_name(models, tmp_path):
+    """An FP8 checkpoint (quantization_config, scale tensors beside float8 weights) was read as a
+    plain one: now one line naming the quantization method."""
+    path = tmp_path / "fp8"
+    shutil.copytree(models("llama_window_key"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized checkpoints are not supported \\(quantization_config: fp8\\)"):
+        ModelRunner(str(path), dtype="float32")
