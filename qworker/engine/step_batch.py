@@ -1,0 +1,65 @@
+"""The step's prepare stage: what the scheduler chose becomes the model's batch and the list of
+sampling rows. Nothing here changes request state (a fork is built but not attached), so a step
+that fails after it leaves every request as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from qworker.engine.scheduler import ScheduledSeq, SchedulerOutput
+from qworker.engine.sequence import Request, Sequence
+from qworker.model.batch import Batch, SeqChunk
+
+
+def prepare(sched: SchedulerOutput, now: float) -> tuple[list[ScheduledSeq], Batch]:
+    """The scheduled chunks in batch order, and the batch (with the step's block copies); ``now``
+    is the first scheduled time of those that start."""
+    # decodes first, then verifications: attention runs them as one batched decode call
+    order = sorted(sched.scheduled, key=lambda s: 0 if s.num_new_tokens == 1 else 1 if s.draft else 2)
+    for s in order:
+        m = s.seq.request.metrics
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = now
+    batch = Batch(chunks=[_chunk(s) for s in order], swap_out=sched.copies.swap_out,
+                  swap_in=sched.copies.swap_in, copy=sched.copies.copy)
+    return order, batch
+
+
+def _chunk(s: ScheduledSeq) -> SeqChunk:
+    seq = s.seq
+    start = seq.num_computed_tokens
+    num_plain = s.num_new_tokens - len(s.draft)
+    return SeqChunk(
+        token_ids=seq.token_ids[start : start + num_plain] + s.draft,
+        start_pos=start,
+        block_ids=[b.block_id for b in seq.block_table],
+        needs_logits=s.samples,
+        num_draft=len(s.draft),
+    )
+
+
+def sampling_rows(order: list[ScheduledSeq], new_fork: Callable[[Request, int, Sequence], Sequence],
+                  ) -> tuple[list[Sequence], list[int], list[list[int]], int]:
+    """The sequences that sample this step, with their (first) logits rows and drafts (a
+    verifying sequence has ``1 + len(draft)`` consecutive rows); a request whose prompt just
+    finished brings its ``n - 1`` forks (``new_fork(req, index, parent)``: new, not yet
+    attached, so nothing changes here)."""
+    sampling: list[Sequence] = []
+    rows: list[int] = []
+    drafts: list[list[int]] = []
+    num_rows = 0
+    for s in order:
+        if not s.samples:
+            continue
+        seq = s.seq
+        sampling.append(seq)
+        rows.append(num_rows)
+        drafts.append(s.draft)
+        req = seq.request
+        if req.params.n > 1 and not req.forked:
+            for i in range(1, req.params.n):
+                sampling.append(new_fork(req, i, seq))
+                rows.append(num_rows)
+                drafts.append([])
+        num_rows += 1 + len(s.draft)
+    return sampling, rows, drafts, num_rows
