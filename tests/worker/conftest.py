@@ -169,10 +169,12 @@ async def partition_ends(s: WorkerSettings, partitions: int = 4) -> dict[int, in
 
 
 async def wait_committed(s: WorkerSettings, timeout: float = 10.0, partitions: int = 4) -> dict[int, int | None]:
-    """Wait until the group has committed past every record of the jobs topic."""
-    ends = await partition_ends(s, partitions)
+    """Wait until the group has committed past every record of the jobs topic. The ends are read
+    again each round: right after a broker outage a fetch can come back empty with records still
+    there, and one short read would fail the wait however long it lasts."""
     deadline = time.monotonic() + timeout
     while True:
+        ends = await partition_ends(s, partitions)
         c = await committed(s, partitions)
         if all((c[p] or 0) == ends[p] for p in ends):
             return c
