@@ -6,12 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from qworker.model.families import FAMILIES, SUPPORTED
 
+try:  # transformers 5.x validates configs strictly through huggingface_hub; older hubs lack the type
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # pragma: no cover - depends on the installed huggingface_hub
+    class StrictDataclassError(Exception):  # type: ignore[no-redef]
+        """Never raised: stands in where huggingface_hub has no strict dataclasses."""
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
