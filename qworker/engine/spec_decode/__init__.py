@@ -9,9 +9,10 @@
   time, with the ordinary sampler, so greedy and seeded outputs equal non-speculative ones.
 - ``stats``: vLLM-named counters (``spec_decode_num_drafts`` ...).
 
-The engine owns the wiring: drafts are proposed before ``Scheduler.schedule``, which gives a
-decoding sequence ``1 + len(draft)`` tokens; ``_update`` advances ``num_computed_tokens`` over
-the accepted drafts only and trims the block table (``KVCacheManager.trim``).
+- ``speculator``: the engine's collaborator (``Speculator``): proposes each step's drafts before
+  ``Scheduler.schedule`` (which gives a decoding sequence ``1 + len(draft)`` tokens), verifies
+  them and feeds the policy; the step's update advances ``num_computed_tokens`` over the
+  accepted drafts only and trims the block table (``KVCacheManager.trim``).
 """
 
 from qworker.engine.spec_decode.config import SpeculativeConfig
