@@ -54,6 +54,26 @@ static inline float qw_softcap(float x, float cap) {
     return cap * (y < 0.0f ? -t : t);
 }
 
+/* One query head's scores over its attended span, in place: soft-capped (when cap > 0), then the
+ * softmax numerators exp(s - max). Returns 1 / their sum, which the caller applies once to the
+ * weighted V sum (both decode paths share this pass). */
+static inline float qw_softmax_numerators(float *restrict s, int span, float cap) {
+    if (cap > 0.0f) {
+#pragma omp simd
+        for (int t = 0; t < span; t++) s[t] = qw_softcap(s[t], cap);
+    }
+    float m = s[0];
+#pragma omp simd reduction(max : m)
+    for (int t = 0; t < span; t++) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < span; t++) {
+        s[t] = exp_nonpositive(s[t] - m);
+        sum += s[t];
+    }
+    return 1.0f / sum;
+}
+
 /* qsort order: descending int64 keys (a sequence's span in the high half, its index in the low) */
 static int qw_cmp_desc(const void *a, const void *b) {
     const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;

@@ -186,23 +186,7 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
     }
     /* softmax numerators in place; the 1/sum is applied once at the end */
     float inv_sum[nq];
-    for (int qh = 0; qh < nq; qh++) {
-        float *restrict s = scores + (int64_t)qh * span;
-        if (softcap > 0.0f) {
-#pragma omp simd
-            for (int t = 0; t < span; t++) s[t] = qw_softcap(s[t], softcap);
-        }
-        float m = s[0];
-#pragma omp simd reduction(max : m)
-        for (int t = 0; t < span; t++) m = s[t] > m ? s[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < span; t++) {
-            s[t] = exp_nonpositive(s[t] - m);
-            sum += s[t];
-        }
-        inv_sum[qh] = 1.0f / sum;
-    }
+    for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators(scores + (int64_t)qh * span, span, softcap);
     /* pass 2: acc_qh = sum_t p[qh, t] * v_t, page by page */
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
@@ -327,23 +311,7 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
         }
     }
     float inv_sum[nq];
-    for (int qh = 0; qh < nq; qh++) {
-        float *restrict s = scores + (int64_t)qh * span;
-        if (softcap > 0.0f) {
-#pragma omp simd
-            for (int t = 0; t < span; t++) s[t] = qw_softcap(s[t], softcap);
-        }
-        float mx = s[0];
-#pragma omp simd reduction(max : mx)
-        for (int t = 0; t < span; t++) mx = s[t] > mx ? s[t] : mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < span; t++) {
-            s[t] = exp_nonpositive(s[t] - mx);
-            sum += s[t];
-        }
-        inv_sum[qh] = 1.0f / sum;
-    }
+    for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators(scores + (int64_t)qh * span, span, softcap);
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
         FN(prefetch_page)(v_cache, table, blk + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
