@@ -28,3 +28,14 @@ static inline float exp_nonpositive(float x) {
     __builtin_memcpy(&scale2k, &bits, sizeof scale2k);
     return p * scale2k;
 }
+
+/* Gemma 2's soft-cap, for the decode and extend kernels alike.
+ * cap * tanh(x / cap) from one exp of a non-positive argument: vectorisable (tanhf is not without
+ * -ffast-math) and finite for any x; the absolute error stays at fp32 rounding level. */
+static inline float qw_softcap(float x, float cap) {
+    const float y = x / cap;
+    const float e = exp_nonpositive(-2.0f * (y < 0.0f ? -y : y));
+    const float t = (1.0f - e) / (1.0f + e);
+    return cap * (y < 0.0f ? -t : t);
+}
+

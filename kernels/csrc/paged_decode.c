@@ -45,15 +45,6 @@
 #define QW_AVX512 1
 #endif
 
-/* cap * tanh(x / cap) from one exp of a non-positive argument: vectorisable (tanhf is not without
- * -ffast-math) and finite for any x; the absolute error stays at fp32 rounding level. */
-static inline float qw_softcap(float x, float cap) {
-    const float y = x / cap;
-    const float e = exp_nonpositive(-2.0f * (y < 0.0f ? -y : y));
-    const float t = (1.0f - e) / (1.0f + e);
-    return cap * (y < 0.0f ? -t : t);
-}
-
 /* One query head's scores over its attended span, in place: soft-capped (when cap > 0), then the
  * softmax numerators exp(s - max). Returns 1 / their sum, which the caller applies once to the
  * weighted V sum (both decode paths share this pass). */

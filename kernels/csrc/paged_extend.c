@@ -51,13 +51,6 @@ typedef float qw_vf_u __attribute__((vector_size(QW_VL * 4), aligned(4))); /* un
 #include <immintrin.h>
 #endif
 
-static inline float qw_x_softcap(float x, float cap) {
-    const float y = x / cap;
-    const float e = exp_nonpositive(-2.0f * (y < 0.0f ? -y : y));
-    const float t = (1.0f - e) / (1.0f + e);
-    return cap * (y < 0.0f ? -t : t);
-}
-
 static inline float qw_x_bf16(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;

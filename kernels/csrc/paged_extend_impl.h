@@ -68,7 +68,7 @@ static void FN(extend_item)(const float *restrict q, int64_t q_stride, const KV_
             float *restrict s = S + (int64_t)r * QW_NK;
             if (softcap > 0.0f) {
 #pragma omp simd
-                for (int j = j0; j < j1; j++) s[j] = qw_x_softcap(s[j], softcap);
+                for (int j = j0; j < j1; j++) s[j] = qw_softcap(s[j], softcap);
             }
             float cm = -INFINITY;
             for (int j = j0; j < j1; j++) cm = s[j] > cm ? s[j] : cm;
