@@ -1,5 +1,5 @@
 """qworker: a queue-driven LLM inference worker with a paged, continuous-batching engine."""
 
-from qworker.engine import AsyncEngine, InvalidRequestError, LLM, RequestOutput, SamplingParams
+from qworker.engine import AsyncEngine, InvalidRequestError, LLM, LoRARequest, RequestOutput, SamplingParams
 
-__all__ = ["AsyncEngine", "InvalidRequestError", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngine", "InvalidRequestError", "LLM", "LoRARequest", "RequestOutput", "SamplingParams"]

@@ -50,6 +50,13 @@ class EngineConfig:
     # vLLM) or "auto" (only where the measured step cost pays). None: off. Normalised to a
     # SpeculativeConfig.
     speculative_config: Any = None
+    # LoRA adapters (vLLM's names): ``enable_lora`` turns them on; at most ``max_loras`` distinct
+    # adapters run in one step (device slots), adapters of rank <= ``max_lora_rank``, and
+    # ``max_cpu_loras`` adapters kept loaded in CPU memory (LRU; None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -65,6 +72,12 @@ class EngineConfig:
         if self.grammar_cache_size < 1 or self.grammar_compile_workers < 1 or not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 0:
             raise ValueError("grammar_cache_size and grammar_compile_workers must be >= 1, grammar_compile_timeout > 0, grammar_cache_bytes >= 0")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

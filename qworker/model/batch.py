@@ -23,6 +23,7 @@ class SeqChunk:
     block_ids: list[int]  # the sequence's block table (covers start_pos + len(token_ids) tokens)
     needs_logits: bool  # the chunk ends at the sequence's last token: sample its next token
     num_draft: int = 0  # a verify chunk: logits for each of its 1 + num_draft positions
+    lora_slot: int = -1  # the device LoRA slot its tokens run under; -1 is the base model
 
 
 @dataclass(slots=True)
