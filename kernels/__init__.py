@@ -43,6 +43,7 @@ from .reference import (
     store_kv_ref,
 )
 from .moe_reference import moe_experts_ref, moe_align
+from .lora_reference import LoraTiles, lora_expand_ref, lora_shrink_ref, lora_tiles
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -71,6 +72,12 @@ __all__ = [
     "moe_experts",
     "moe_experts_ref",
     "moe_align",
+    "lora_shrink",
+    "lora_shrink_ref",
+    "lora_expand",
+    "lora_expand_ref",
+    "lora_tiles",
+    "LoraTiles",
 ]
 
 
@@ -171,3 +178,33 @@ def moe_experts(
     from .fused_moe import moe_experts as impl
 
     return impl(x, gate_up, down, topk_weights, topk_ids, weights_in_act_dtype, **kwargs)
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
+    **kwargs,
+) -> torch.Tensor:
+    """Multi-LoRA shrink ``x [T, in]`` -> ``h [T, n*R]`` float32 over adapter segments. See :mod:`kernels.lora_sgmv`."""
+    from .lora_sgmv import lora_shrink as impl
+
+    return impl(x, a_stack, seg_start, seg_len, seg_slot, **kwargs)
+
+
+def lora_expand(
+    h: torch.Tensor,
+    b_stack: torch.Tensor,
+    seg_start: torch.Tensor,
+    seg_len: torch.Tensor,
+    seg_slot: torch.Tensor,
+    y: torch.Tensor,
+    out_offset: int,
+    **kwargs,
+) -> None:
+    """Multi-LoRA expand, in place: ``y[rows, off:off+out] += h_rows @ B[slot].T``. See :mod:`kernels.lora_sgmv`."""
+    from .lora_sgmv import lora_expand as impl
+
+    impl(h, b_stack, seg_start, seg_len, seg_slot, y, out_offset, **kwargs)
