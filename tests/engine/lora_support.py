@@ -1,0 +1,121 @@
+"""LoRA test helpers: random PEFT adapters for a base model (made with ``peft``, B non-zero so that
+outputs really move) and the HF/PEFT reference outputs they are checked against.
+
+The reference keeps one fp32 HF model per base folder, wrapped once in a ``PeftModel`` that loads
+each adapter folder under its own name; base-model references run with the adapters disabled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.engine.hf_reference import Reference
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_peft_adapter(base_model_dir, out_dir, *, rank: int, target_modules, seed: int, alpha: float = 16,
+                      use_rslora: bool = False, b_std: float = 0.05, rank_pattern: dict | None = None,
+                      alpha_pattern: dict | None = None) -> Path:
+    """Saves a random LoRA adapter for ``base_model_dir`` in ``out_dir`` (PEFT's own files) and
+    returns ``out_dir``. A is PEFT's initialisation, B is ``randn * b_std`` (PEFT's zeros would
+    leave the model unchanged); both from ``seed``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora,
+                     lora_dropout=0.0, rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {})
+    peft_model = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * b_std)
+    out = Path(out_dir)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+def edit_adapter_config(adapter_dir, **changes) -> None:
+    """Rewrites fields of ``adapter_config.json`` (a value of ``...`` deletes the field)."""
+    path = Path(adapter_dir) / "adapter_config.json"
+    cfg = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is ...:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    path.write_text(json.dumps(cfg))
+
+
+_references: dict[str, dict] = {}
+
+
+def _reference_model(base_model_dir, adapter_dir):
+    """(model, context manager factory) for the base model, or the PEFT model with the adapter set."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    key = str(Path(base_model_dir).resolve())
+    ref = _references.get(key)
+    if ref is None:
+        model = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+        # EOS neither stops nor is suppressed, like the engine's ignore_eos
+        model.generation_config.eos_token_id = None
+        ref = _references[key] = {"model": model, "peft": None, "names": {}}
+    if adapter_dir is None:
+        if ref["peft"] is None:
+            return ref["model"], contextlib.nullcontext
+        return ref["peft"], ref["peft"].disable_adapter
+    from peft import PeftModel
+
+    adapter_key = str(Path(adapter_dir).resolve())
+    name = ref["names"].get(adapter_key)
+    if name is None:
+        name = ref["names"][adapter_key] = f"a{len(ref['names'])}"
+        if ref["peft"] is None:
+            ref["peft"] = PeftModel.from_pretrained(ref["model"], adapter_key, adapter_name=name).eval()
+        else:
+            ref["peft"].load_adapter(adapter_key, adapter_name=name)
+    ref["peft"].set_adapter(name)
+    return ref["peft"], contextlib.nullcontext
+
+
+def peft_logits(base_model_dir, adapter_dir, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits ``[len(token_ids), vocab]`` of one sequence under the adapter (None: base)."""
+    model, ctx = _reference_model(base_model_dir, adapter_dir)
+    with torch.inference_mode(), ctx():
+        return model(input_ids=torch.tensor([token_ids])).logits[0].float()
+
+
+def peft_reference(base_model_dir, adapter_dir, prompt_token_ids: list[int], max_tokens: int) -> Reference:
+    """Greedy tokens and per-position top-2 logprob gaps (for the tie-aware comparison)."""
+    model, ctx = _reference_model(base_model_dir, adapter_dir)
+    ids = list(prompt_token_ids)
+    with torch.inference_mode(), ctx():
+        out = model.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(ids):].tolist()
+    gaps = []
+    for scores in out.logits:
+        top = torch.log_softmax(scores[0].float(), -1).topk(2).values
+        gaps.append((top[0] - top[1]).item())
+    return Reference(tokens, gaps)
+
+
+def peft_greedy(base_model_dir, adapter_dir_or_none, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+    """HF/PEFT's greedy continuation (fp32, ``do_sample=False``, EOS not stopping)."""
+    return peft_reference(base_model_dir, adapter_dir_or_none, prompt_token_ids, max_tokens).token_ids
