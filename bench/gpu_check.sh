@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU run, under 8 minutes, installing nothing: the kernel tests natively on
 # CUDA, the card's copy bandwidth, every kernel timed against its torch
-# reference and that bandwidth, then the engine's throughput benchmark.
+# reference and that bandwidth (the multi-LoRA pair as its own step), then
+# the engine's throughput benchmark.
 # Prints a short table last; full figures go to $OUT (if set) or bench/results/.
 #
 #   bash bench/gpu_check.sh            # on the CUDA machine, from anywhere
@@ -33,7 +34,10 @@ run_step() {  # name, seconds, command...
 run_step env 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv; \
   $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.cuda.get_device_name())'"
 run_step kernel-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/kernels --junitxml="$RES/kernel_tests.xml"
-run_step kernel-bench 210 "$PY" bench/kernel_bench.py --json "$RES/kernel_bench.json"
+run_step kernel-bench 210 "$PY" bench/kernel_bench.py --skip lora --json "$RES/kernel_bench.json"
+# Multi-LoRA shrink/expand at Llama-3-8B's qkv shape: each case checked against the torch
+# reference (the step fails on a mismatch) and timed, with a K-split shrink beside the default.
+run_step lora 60 "$PY" bench/kernel_bench.py --only lora --json "$RES/lora_bench.json"
 
 MODEL=models/smollm2-135m
 if [[ ! -f bench/throughput.py ]]; then
@@ -63,6 +67,9 @@ for s in "${status[@]}"; do echo "$s"; done
 grep -E "(passed|failed|error).* in [0-9.]+s" "$LOG" | tail -1
 if [[ -f $RES/kernel_bench.json ]]; then
   "$PY" bench/kernel_bench.py --summary "$RES/kernel_bench.json"
+fi
+if [[ -f $RES/lora_bench.json ]]; then
+  "$PY" bench/kernel_bench.py --summary "$RES/lora_bench.json"
 fi
 echo "full figures and log: $RES/"
 for s in "${status[@]}"; do [[ $s == *rc=0* || $s == SKIPPED* ]] || exit 1; done

@@ -12,6 +12,11 @@ must read (each live token's K and V once) over its time, against the card's
 device-to-device copy bandwidth (bytes read + written per second). Prefill is
 reported in TFLOP/s of causal attention, store_kv and rms_norm in GB/s.
 
+Multi-LoRA shrink/expand ("lora:shrink", "lora:expand") are timed on a Llama-3-8B-shaped fused qkv
+projection (rank 16, 4 adapters, bf16) at decode (segments sorted by adapter, and one row per
+segment) and prefill, in GB/s of the activations, LoRA weights and outputs they must move;
+``bench/gpu_check.sh`` runs them as their own step (``--only lora``).
+
 Sliding-window (and softcapped) attention is timed on the same kernels with the
 options on ("decode:window", "prefill:window"): decode's bytes are those of the
 window only (what it must read), and ``full_ms`` is the same shape without the
@@ -31,12 +36,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PARTS = ("decode", "prefill", "window", "store_kv", "rms_norm", "moe", "lora")
+
+
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="tiny shapes, CPU interpreter if no CUDA")
     p.add_argument("--json", type=Path, default=None, help="where to write all figures")
     p.add_argument("--no-sweep", action="store_true", help="time only the default decode config")
     p.add_argument("--summary", type=Path, default=None, help="print the table of an existing JSON and exit")
+    p.add_argument("--only", default="", help=f"comma-separated parts to run (default all): {','.join(PARTS)}")
+    p.add_argument("--skip", default="", help="comma-separated parts not to run")
     return p.parse_args()
 
 
@@ -277,6 +287,69 @@ def bench_moe(copy_gbps: float) -> list[dict]:
     return rows
 
 
+def _lora_segments(lens: list[int], slots: list[int]):
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    return tuple(torch.tensor(v, dtype=torch.int32, device=DEV) for v in (starts, lens, slots))
+
+
+def bench_lora(copy_gbps: float) -> list[dict]:
+    """Multi-LoRA shrink (all slices of a fused projection in one launch) and expand (one launch
+    per slice, as the model runs them) against the per-segment torch references: GB/s of what
+    they must move (x or h, the A or B rows of the adapters in use, y read and written)."""
+    from kernels.lora_sgmv import default_block_m
+
+    if DRY:
+        dtype, S, R, in_dim, outs = torch.float32, 3, 16, 40, (24, 8, 8)
+        cases = [("decode-sorted", [2, 3], [0, 2]), ("prefill", [9, 4, 7], [1, -1, 0])]
+    else:  # Llama-3-8B's qkv: 4096 -> 4096 + 1024 + 1024; 4 adapters in 8 slots
+        dtype, S, R, in_dim, outs = torch.bfloat16, 8, 16, 4096, (4096, 1024, 1024)
+        cases = [("decode-sorted", [16] * 4, [0, 1, 2, 3]),  # 64 sequences grouped by adapter
+                 ("decode-1row", [1] * 64, [i % 4 for i in range(64)]),  # worst case: no grouping
+                 ("prefill", [1024] * 4, [0, 1, 2, 3])]
+    n = len(outs)
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.randn(S, n * R, in_dim, generator=gen) / in_dim**0.5).to(DEV, dtype)
+    bs = [(torch.randn(S, out, R, generator=gen) / R**0.5).to(DEV, dtype) for out in outs]
+    rows = []
+    for name, lens, slots in cases:
+        T = sum(lens)
+        seg = _lora_segments(lens, slots)
+        tiles = kernels.lora_tiles(*seg, T, default_block_m(T, len(lens)))
+        x = torch.randn(T, in_dim, generator=gen).to(DEV, dtype)
+        y0 = torch.randn(T, sum(outs), generator=gen).to(DEV, dtype)
+        used = len({s for s in slots if s >= 0})
+        rows_on = sum(length for length, s in zip(lens, slots) if s >= 0)
+        el = x.element_size()
+        common = dict(case=name, T=T, segments=len(lens), adapters=used, n=n, R=R, in_dim=in_dim, outs=list(outs),
+                      dtype=str(dtype))
+
+        h = kernels.lora_shrink(x, a, *seg, tiles=tiles)
+        err = rel_err(h, kernels.lora_shrink_ref(x, a, *seg))
+        ms = bench_ms(lambda: kernels.lora_shrink(x, a, *seg, tiles=tiles))
+        split_ms = None if DRY else bench_ms(lambda: kernels.lora_shrink(x, a, *seg, tiles=tiles, split_k=4))
+        ref_ms = bench_ms(lambda: kernels.lora_shrink_ref(x, a, *seg))
+        nbytes = rows_on * in_dim * el + used * n * R * in_dim * el + T * n * R * 4
+        rows.append(dict(kernel="lora:shrink", **common, ms=ms, split4_ms=split_ms, ref_ms=ref_ms, rel_err=err,
+                         GBps=nbytes / ms / 1e6, frac_copy_bw=nbytes / ms / 1e6 / copy_gbps))
+
+        def expand(fn, y):
+            off = 0
+            for i, (b, out) in enumerate(zip(bs, outs)):
+                fn(h[:, i * R:(i + 1) * R], b, *seg, y, off, **({"tiles": tiles} if fn is kernels.lora_expand else {}))
+                off += out
+
+        y, y_ref = y0.clone(), y0.clone()
+        expand(kernels.lora_expand, y)
+        expand(kernels.lora_expand_ref, y_ref)
+        err = rel_err(y.double() - y0.double(), y_ref.double() - y0.double())  # the update itself, not y's own values, decides the error
+        ms = bench_ms(lambda: expand(kernels.lora_expand, y))
+        ref_ms = bench_ms(lambda: expand(kernels.lora_expand_ref, y))
+        nbytes = T * n * R * 4 + used * sum(outs) * R * el + 2 * rows_on * sum(outs) * el
+        rows.append(dict(kernel="lora:expand", **common, ms=ms, ref_ms=ref_ms, rel_err=err,
+                         GBps=nbytes / ms / 1e6, frac_copy_bw=nbytes / ms / 1e6 / copy_gbps))
+    return rows
+
+
 # ---------------------------------------------------------------- report
 def table(result: dict) -> str:
     lines = [f"copy bandwidth: {result['copy']['GBps']:.0f} GB/s (read+write)  device: {result['device']}"]
@@ -288,6 +361,10 @@ def table(result: dict) -> str:
             shape = f"B{r['B']} ctx{r['ctx']} H{r['Hq']}/{r['Hkv']} D{r['D']}"
         elif r["kernel"] in ("prefill", "prefill:window"):
             shape = f"B{r['B']} ctx{r['ctx']} q{r['q_len']} H{r['Hq']}/{r['Hkv']} D{r['D']}"
+        elif r["kernel"].startswith("lora:"):
+            shape = f"{r['case']} T{r['T']} seg{r['segments']} ad{r['adapters']} {r['n']}xR{r['R']} in{r['in_dim']}"
+            if r.get("split4_ms"):
+                shape += f" (split4 {r['split4_ms']:.3f}ms)"
         elif r["kernel"] == "moe":
             shape = f"T{r['T']} E{r['E']} top{r['K']} H{r['H']} I{r['I']} ({r['experts_hit']} hit)"
         elif r["kernel"] == "store_kv":
@@ -318,19 +395,27 @@ def main() -> None:
     bw = result["copy"]["GBps"]
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
-    dec = bench_decode(bw, sweep=not ARGS.no_sweep and not DRY)
-    # First row of each shape is the default config with auto splits.
-    seen = set()
-    for r in dec:
-        key = (r["B"], r["ctx"], r["Hq"], r["Hkv"], r["D"])
-        if r["kernel"] == "decode" and key not in seen:
-            seen.add(key)
-            rows.append({**r, "kernel": "decode:default"})
-        rows.append(r)
-    print("decode done", flush=True)
-    for part in (bench_prefill, lambda: bench_window(bw), lambda: bench_store_kv(bw), lambda: bench_rms_norm(bw),
-                 lambda: bench_moe(bw)):
-        rows += part()
+    only = {p for p in ARGS.only.split(",") if p} or set(PARTS)
+    wanted = only - {p for p in ARGS.skip.split(",") if p}
+    unknown = wanted - set(PARTS)
+    if unknown:
+        sys.exit(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
+    if "decode" in wanted:
+        dec = bench_decode(bw, sweep=not ARGS.no_sweep and not DRY)
+        # First row of each shape is the default config with auto splits.
+        seen = set()
+        for r in dec:
+            key = (r["B"], r["ctx"], r["Hq"], r["Hkv"], r["D"])
+            if r["kernel"] == "decode" and key not in seen:
+                seen.add(key)
+                rows.append({**r, "kernel": "decode:default"})
+            rows.append(r)
+        print("decode done", flush=True)
+    parts = {"prefill": bench_prefill, "window": lambda: bench_window(bw), "store_kv": lambda: bench_store_kv(bw),
+             "rms_norm": lambda: bench_rms_norm(bw), "moe": lambda: bench_moe(bw), "lora": lambda: bench_lora(bw)}
+    for name, part in parts.items():
+        if name in wanted:
+            rows += part()
     result["rows"] = rows
     bad = [r for r in rows if r.get("rel_err", 0.0) > 2e-2 or r.get("exact") is False]
     result["accuracy_ok"] = not bad

@@ -18,8 +18,8 @@ call (``tiles=``); without it each call builds its own.
   partial sums atomically (more programs for a decode step's few tiles; fp32 addition order then
   varies between runs).
 * ``_expand_kernel``: ``y[rows, off+n0 : off+n0+BN] += h[rows, :R] @ B[slot, n0:n0+BN, :].T``;
-  ``R <= 64`` fits one ``BLOCK_K`` so there is no loop. ``h`` is read through its strides (a
-  slice of shrink's output), B is converted to fp32, ``y`` is read, added to in fp32 and written
+  ``R <= 64`` fits one ``BLOCK_K`` so there is no loop. ``h`` is read through its row stride (a
+  column slice of shrink's output; its columns must be contiguous), B is converted to fp32, ``y`` is read, added to in fp32 and written
   back rounded once to its dtype. Each (row, column) belongs to one program: no atomics.
 
 fp32 operands use IEEE dots (``tf32`` would round them to 10 bits); fp16/bf16 operands use the
@@ -77,15 +77,15 @@ def _shrink_kernel(
     if SPLIT_K == 1:
         tl.store(h_ptrs, acc, mask=mask)
     else:
-        tl.atomic_add(h_ptrs, acc, mask=mask)
+        tl.atomic_add(h_ptrs, acc, mask=mask, sem="relaxed")
 
 
 @triton.jit
 def _expand_kernel(
     h_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, tile_seg_ptr, tile_row_ptr,
-    N, R, out_offset,
-    stride_ht, stride_hr, stride_bs, stride_bn, stride_yt,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    N,
+    stride_ht, stride_bs, stride_bn, stride_yt,
+    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -101,13 +101,17 @@ def _expand_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < R
-    hv = tl.load(h_ptr + rows[:, None] * stride_ht + offs_k[None, :] * stride_hr,
-                 mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    bv = tl.load(b_ptr + slot * stride_bs + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None],
-                 mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_k[None, :]
+    b_ptrs = b_ptr + slot * stride_bs + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    if R == BLOCK_K:  # no mask along the contiguous rank dimension: vectorised loads
+        hv = tl.load(h_ptrs, mask=m_ok[:, None], other=0.0)
+        bv = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0).to(tl.float32)
+    else:  # rank 8 under tl.dot's 16
+        k_ok = offs_k < R
+        hv = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        bv = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     delta = tl.dot(hv, bv, input_precision=DOT_PREC)
-    y_ptrs = y_ptr + rows[:, None] * stride_yt + out_offset + offs_n[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     yv = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=mask)
@@ -193,21 +197,27 @@ def lora_expand(
     assert R <= 128, "the rank must fit one BLOCK_K"
     assert y.shape[0] == T and 0 <= out_offset and out_offset + N <= y.shape[1], "y too small for this slice"
     assert y.stride(1) == 1, "y's rows must be contiguous (it is written in place)"
+    assert h.dtype == torch.float32, "h is lora_shrink's float32 output (or a slice of it)"
     if T == 0 or seg_len.numel() == 0:
         return
     if b_stack.stride(2) != 1:
         b_stack = b_stack.contiguous()
+    if h.stride(1) != 1:
+        h = h.contiguous()
     t = _tiles(tiles, seg_start, seg_len, seg_slot, T)
     if t.tile_seg.numel() == 0:
         return
     bn = block_n or 64
     prec = "ieee" if y.dtype == torch.float32 else "tf32"
     grid = (t.tile_seg.numel(), triton.cdiv(N, bn))
+    # the slice's own view: its start's alignment (not a runtime offset) is what the launcher sees,
+    # so an offset of a multiple of 8 bf16 columns keeps y's loads and stores vectorised
+    y_slice = y.narrow(1, out_offset, N)
     _expand_kernel[grid](
-        h, b_stack, y, seg_start, seg_len, seg_slot, t.tile_seg, t.tile_row,
-        N, R, out_offset,
-        h.stride(0), h.stride(1), b_stack.stride(0), b_stack.stride(1), y.stride(0),
-        BLOCK_M=t.block_m, BLOCK_N=bn, BLOCK_K=_pow2_at_least(R), DOT_PREC=prec, num_warps=4,
+        h, b_stack, y_slice, seg_start, seg_len, seg_slot, t.tile_seg, t.tile_row,
+        N,
+        h.stride(0), b_stack.stride(0), b_stack.stride(1), y.stride(0),
+        R=R, BLOCK_M=t.block_m, BLOCK_N=bn, BLOCK_K=_pow2_at_least(R), DOT_PREC=prec, num_warps=4,
     )
 
 

@@ -20,17 +20,20 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import decode_attention, fused_moe, kv_store, prefill_attention, rmsnorm  # noqa: E402
+from kernels import decode_attention, fused_moe, kv_store, lora_sgmv, prefill_attention, rmsnorm  # noqa: E402
 
 OPS = r"(ld\.global\.b16|cp\.async\.cg\.shared\.global|wgmma\.mma_async|mma\.sync)"
 
 
-def compile_sm90(fn, types: dict[str, str], consts: dict, num_warps: int = 4, num_stages: int = 2) -> dict:
+def compile_sm90(fn, types: dict[str, str], consts: dict, num_warps: int = 4, num_stages: int = 2,
+                 divisible: tuple[str, ...] = ()) -> dict:
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    # What the JIT launcher would specialize on: 16-byte aligned pointers, strides divisible by 16.
+    # What the JIT launcher would specialize on: 16-byte aligned pointers, strides divisible by 16
+    # (and the integer arguments in ``divisible``, e.g. a model's widths).
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n == "split_size")}
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n == "split_size"
+                                     or n in divisible)}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     return {"ops": sorted(set(re.findall(OPS, k.asm["ptx"]))), "shared": k.metadata.shared}
@@ -72,6 +75,16 @@ def main(full: bool) -> dict:
                 TOP_K=8, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=32 if dt == "fp32" else 64, DOT_PREC=prec, EVEN_K=True))
             res[f"moe_down_m{bm}_{dt}"] = compile_sm90(fused_moe._down_kernel, moe_t, dict(
                 BLOCK_M=bm, BLOCK_N=64, BLOCK_K=32 if dt == "fp32" else 64, DOT_PREC=prec, W_IN_ACT=False, EVEN_K=True))
+        # multi-LoRA shrink/expand, rank 16: decode-sized (16-row) tiles, prefill-sized with --full
+        lora_t = {**{n: f"*{dt}" for n in ("x_ptr", "a_ptr", "b_ptr", "y_ptr")}, "h_ptr": "*fp32",
+                  **{n: "*i32" for n in ("seg_start_ptr", "seg_len_ptr", "seg_slot_ptr", "tile_seg_ptr", "tile_row_ptr")}}
+        for bm in (16, 64) if full else (16,):
+            res[f"lora_shrink_m{bm}_{dt}"] = compile_sm90(lora_sgmv._shrink_kernel, lora_t, dict(
+                BLOCK_M=bm, BLOCK_N=64, BLOCK_K=32 if dt == "fp32" else 64, SPLIT_K=1, DOT_PREC=prec, EVEN_K=True),
+                divisible=("K", "N"))
+            res[f"lora_expand_m{bm}_{dt}"] = compile_sm90(lora_sgmv._expand_kernel, lora_t, dict(
+                R=16, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=16, DOT_PREC="ieee" if dt == "fp32" else "tf32"),
+                divisible=("N",))
         if full:
             res[f"decode_direct_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
                 HQ=24, NUM_SPLITS=1, G=3, G_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=32, BLOCK_N=64, DIRECT=True,

@@ -22,6 +22,7 @@ def test_kernel_bench_dry_run(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     data = json.loads(out.read_text())
     kinds = {r["kernel"] for r in data["rows"]}
-    assert {"decode:default", "decode:best", "prefill", "decode:window", "prefill:window", "store_kv", "rms_norm"} <= kinds
+    assert {"decode:default", "decode:best", "prefill", "decode:window", "prefill:window", "store_kv", "rms_norm",
+            "lora:shrink", "lora:expand"} <= kinds
     assert data["accuracy_ok"] and data["copy"]["GBps"] > 0
     assert "decode:best" in res.stdout  # the table is printed last
