@@ -127,6 +127,17 @@ class WorkerSettings(BaseModel):
     # speculative decoding: vLLM's speculative_config as JSON, e.g. {"method": "ngram",
     # "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "policy": "auto"}
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters (qworker/lora_modules.py): JSON {"name": "path"}, vLLM's "name=path ..." list,
+    # or the path of a file holding either, re-read every lora_reload_interval_s when it changes.
+    # Setting it turns LoRA on (enable_lora: on with no adapters yet). Every adapter folder must
+    # resolve inside lora_root when that is set.
+    lora_modules: str | None = None
+    lora_root: str | None = None
+    enable_lora: bool | None = None
+    max_loras: int | None = Field(None, ge=1)  # distinct adapters in one engine step
+    max_lora_rank: int | None = Field(None, ge=1)
+    max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept loaded in host memory (LRU)
+    lora_reload_interval_s: float = Field(10.0, gt=0, allow_inf_nan=False)
 
     # --- admission, shutdown, ops ---
     max_waiting_jobs: int = Field(16, ge=1)
@@ -197,6 +208,32 @@ class WorkerSettings(BaseModel):
             SpeculativeConfig.parse(v)  # checked at start-up, before the model loads
         return v
 
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, v: str | None) -> str | None:
+        # read once here so that a typo stops the start with one line; a file's later
+        # versions are checked by the worker, which keeps the last good set
+        if v is not None:
+            from qworker.lora_modules import is_file_source, parse_modules, read_modules_file
+
+            if is_file_source(v):
+                read_modules_file(v.strip())
+            else:
+                parse_modules(v)
+        return v
+
+    @field_validator("lora_root")
+    @classmethod
+    def _lora_root(cls, v: str | None) -> str | None:
+        if v is not None and not os.path.isdir(v):
+            raise ValueError("no such directory")
+        return v
+
+    @property
+    def lora_enabled(self) -> bool:
+        """LoRA is on when adapters are configured, unless ``enable_lora`` says false."""
+        return bool(self.enable_lora) if self.enable_lora is not None else self.lora_modules is not None
+
     @field_validator("jobs_topic", "tokens_topic", "completions_topic", "dlq_topic", "cancel_topic")
     @classmethod
     def _topic(cls, v: str) -> str:
@@ -233,6 +270,14 @@ class WorkerSettings(BaseModel):
     def _heartbeat_within_session(self) -> WorkerSettings:
         if self.heartbeat_interval_ms >= self.session_timeout_ms:
             raise ValueError(f"QWORKER_HEARTBEAT_INTERVAL_MS ({self.heartbeat_interval_ms}) must be below QWORKER_SESSION_TIMEOUT_MS ({self.session_timeout_ms})")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_limits(self) -> WorkerSettings:
+        if self.enable_lora is False and self.lora_modules is not None:
+            raise ValueError("QWORKER_LORA_MODULES is set but QWORKER_ENABLE_LORA is false: unset one")
+        if self.max_loras is not None and self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"QWORKER_MAX_CPU_LORAS ({self.max_cpu_loras}) must be at least QWORKER_MAX_LORAS ({self.max_loras})")
         return self
 
     @field_validator("*", mode="before")
@@ -278,6 +323,9 @@ class WorkerSettings(BaseModel):
             del cfg["kv_cache_memory"]
             cfg["gpu_memory_utilization"] = self.kv_cache_memory
             cfg["cpu_kv_cache_memory"] = cpu_kv_budget(self.kv_cache_memory, self.model)
+        if self.lora_enabled:
+            cfg["enable_lora"] = True
+            cfg.update({k: getattr(self, k) for k in ("max_loras", "max_lora_rank", "max_cpu_loras") if getattr(self, k) is not None})
         cfg["scheduling_policy"] = "priority"  # jobs carry a priority; lower runs first
         return cfg
 

@@ -124,7 +124,16 @@ class Job(_Strict):
 
     schema_version: Literal[1] = SCHEMA_VERSION
     id: JobId
-    model: str | None = Field(None, max_length=512, description="When set, must name the model this worker serves; else error 'wrong_model'.")
+    model: str | None = Field(
+        None, max_length=512,
+        description="When set, must name the model this worker serves, or one of its LoRA adapters (OpenAI's way); else error "
+        "'wrong_model' (a worker without LoRA) or 'model_not_found' (a worker serving adapters).",
+    )
+    lora: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="The LoRA adapter to run under, by the name the worker's QWORKER_LORA_MODULES gives it (never a path); "
+        "unset: the base model. A name this worker does not serve gets error 'model_not_found'.",
+    )
     prompt: str | None = Field(None, max_length=4_000_000)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=10_000)
     prompt_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=1_000_000)
@@ -261,7 +270,7 @@ class ErrorInfo(BaseModel):
 
     code: str = Field(
         description="invalid_job | invalid_prompt | invalid_sampling | prompt_too_long | deadline_exceeded | "
-        "wrong_model | result_too_large | internal_error | invalid_structured_output | engine_error (or another engine InvalidRequestError code)"
+        "wrong_model | model_not_found | result_too_large | internal_error | invalid_structured_output | engine_error (or another engine InvalidRequestError code)"
     )
     message: str
     retryable: bool = Field(description="True when resubmitting the same job may succeed.")

@@ -55,6 +55,7 @@ def examples() -> dict[str, Any]:
             priority=-1,
             deadline=1893456000.0,
         ),
+        "job.lora": Job(id="job-7", prompt="SELECT", lora="sql-lora", sampling=Sampling(max_tokens=32, temperature=0.0)),
         "job.json_schema": Job(
             id="job-6",
             messages=[ChatMessage(role="user", content="Extract: John Smith, 42, a VIP customer from Boston.")],

@@ -36,6 +36,7 @@ STATUS: dict[str, int] = {
     "prompt_too_long": 400,
     "invalid_structured_output": 400,
     "wrong_model": 404,
+    "model_not_found": 404,  # body.model names no base model or LoRA adapter of a worker serving adapters
     "deadline_exceeded": 408,
     "result_too_large": 413,
     "request_too_large": 413,  # collect only: a file line too large to submit as a job record

@@ -128,6 +128,10 @@ class GenerationTrace:
         self._events_seen = 0
         self._ended = False
 
+    def set_attributes(self, attrs: dict[str, Any]) -> None:
+        if self.recording and not self._ended:
+            self.span.set_attributes(attrs)
+
     def on_output(self, out: Any) -> None:
         """Call with each ``RequestOutput`` delta."""
         if not self.recording:

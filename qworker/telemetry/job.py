@@ -55,17 +55,24 @@ class Telemetry:
 
 
 class JobTelemetry:
-    __slots__ = ("owner", "job_id", "trace", "received_at", "_admission", "_gen", "_timer", "_done")
+    __slots__ = ("owner", "job_id", "trace", "received_at", "lora", "_admission", "_gen", "_timer", "_done")
 
     def __init__(self, owner: Telemetry, job_id: str, trace: JobTrace, received_at: float | None):
         self.owner = owner
         self.job_id = job_id
         self.trace = trace
         self.received_at = received_at
+        self.lora: str | None = None  # the LoRA adapter the job runs under
         self._admission: Span | None = None
         self._gen: GenerationTrace | None = None
         self._timer: RequestTimer | None = None
         self._done = False
+
+    def set_lora(self, name: str) -> None:
+        """The job runs under this adapter: ``qworker.lora.name`` on its spans, its outcome
+        counted per adapter, and ``gen_ai.request.model`` names it (as a vLLM server's would)."""
+        self.lora = name
+        self.trace.set_attributes({"qworker.lora.name": name})
 
     # -- admission -----------------------------------------------------------------------------
     def queued(self) -> None:
@@ -82,7 +89,9 @@ class JobTelemetry:
         """The run starts on the engine: ``operation`` is ``chat`` or ``text_completion``
         (``genai.operation_name`` derives it from an engine prompt)."""
         self.admitted()
-        self._gen = self.trace.generation(operation, sampling, stream=stream)
+        self._gen = self.trace.generation(operation, sampling, stream=stream, model=self.lora)
+        if self.lora is not None:
+            self._gen.set_attributes({"qworker.lora.name": self.lora})
         self._timer = self.owner.metrics.request_timer()
 
     def on_output(self, out: Any) -> None:
@@ -107,7 +116,7 @@ class JobTelemetry:
                 input_tokens=input_tokens,
                 output_tokens=output_tokens,
                 cached_tokens=cached_tokens,
-                response_model=self.owner.tracer.model,
+                response_model=self.lora or self.owner.tracer.model,
                 response_id=self.job_id or None,
             )
 
@@ -145,6 +154,8 @@ class JobTelemetry:
         if outcome in ("error", "abandoned"):
             self.failed(code or outcome)  # no-op when the generate span already ended
         self.owner.metrics.job_outcome(outcome, code)
+        if self.lora is not None:
+            self.owner.metrics.lora.job_outcome(self.lora, outcome)
         if self.received_at is not None:
             fields.setdefault("seconds", round(time.time() - self.received_at, 4))
         with self.trace.activate():

@@ -202,6 +202,9 @@ class WorkerMetrics:
             self.attach_engine(stats)
         self._worker = WorkerSnapshot()
         r.register(self._worker)
+        from qworker.telemetry.lora_metrics import LoRAMetrics
+
+        self.lora = LoRAMetrics(model_name, r)  # exposes nothing until the worker serves LoRA
 
     def attach_engine(self, stats: Callable[[], Mapping[str, Any]]) -> None:
         if self._engine is not None:

@@ -6,7 +6,8 @@ so no state needs a lock):
 1. ``Intake.poll_loop`` fetches it (partitions stay polled even while paused) and registers its
    offset as unfinished in the ``OffsetTracker`` that ``Partitions`` owns.
 2. ``Intake`` decodes it: unparseable bytes go to the DLQ and a schema-invalid job, a wrong
-   model, a past deadline or a prompt that can never fit get an ``error`` message at once, both
+   model or an unknown LoRA adapter (``Adapters``: names from the settings, never paths), a past
+   deadline or a prompt that can never fit get an ``error`` message at once, both
    through ``Answers.publish_side``; a job whose id is already in the ``Registry`` is attached
    to that run as a waiter. A structured-output spec is compiled before the job queues.
 3. Valid jobs wait in the ``Registry``'s bounded ``PendingQueue``; ``Runs.admit_loop`` hands
@@ -37,6 +38,7 @@ from qworker.telemetry import EngineLiveness, TelemetryServer, Tracing, WorkerMe
 from qworker.telemetry.job import Telemetry
 from qworker.telemetry.tracing import TracingConfigError
 from qworker.worker import consumer as kc
+from qworker.worker.adapters import Adapters, LoRAUnavailable, start_adapters
 from qworker.worker.admission import Admission, PendingQueue
 from qworker.worker.answers import Answers
 from qworker.worker.cancellation import CancelRegistry, CancelWatcher
@@ -82,6 +84,7 @@ class Worker:
         self.ready = False
         self.model_names: set[str] = set()
         self.model_name = ""
+        self.adapters = Adapters(None, lambda path: path, "")  # the LoRA adapters served (none until start)
         self.consumer: AIOKafkaConsumer | None = None
         self.producer: AIOKafkaProducer | None = None
         self.publisher: Publisher | None = None
@@ -186,6 +189,14 @@ class Worker:
         self.model_names = {self.model_name, self.engine.model_name}
         if s.model:
             self.model_names.add(os.path.basename(os.path.normpath(s.model)))
+        self.adapters = Adapters(None, lambda path: path, self.model_name, self.model_names)
+        if s.lora_enabled:  # validated before joining: no job is refused for an adapter still loading
+            try:
+                self.adapters = await start_adapters(s.lora_modules, s.lora_root, self.engine, self.model_name, self.model_names)
+            except LoRAUnavailable as e:
+                raise StartupError(str(e)) from e
+            log.info("LoRA: serving %d adapters (%s), %d refused", len(self.adapters.served), ", ".join(sorted(self.adapters.served)) or "none",
+                     len(self.adapters.refused))
         try:
             self.producer = await start_producer(s.producer_options())  # falls back when idempotence is refused
         except KafkaConnectionError as e:
@@ -210,6 +221,8 @@ class Worker:
             asyncio.create_task(self.partitions.commit_loop(), name="commit"),
             asyncio.create_task(self.group_health.run(), name="group-health"),
         ]
+        if s.lora_enabled:
+            self._loops.append(asyncio.create_task(self.adapters.reload_loop(s.lora_reload_interval_s, self.gauges.observe), name="lora-reload"))
         for t in self._loops:
             t.add_done_callback(self._loop_ended)
         self.ready = True

@@ -1,13 +1,16 @@
 """Gauges: the loop-owned state handed to the metrics (scrapes run on another thread).
 
-Owns nothing: it reads the consumer, the offset tracker, the registry and the engine's capacity
-on the worker's loop and writes them into ``WorkerMetrics``, which a scrape reads.
+Owns nothing: it reads the consumer, the offset tracker, the registry, the LoRA adapter table and
+the engine's capacity on the worker's loop and writes them into ``WorkerMetrics``, which a scrape reads.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
+
+from qworker.telemetry.lora_metrics import LoRASnapshot
 
 if TYPE_CHECKING:
     from qworker.worker.app import Worker
@@ -34,6 +37,22 @@ class Gauges:
         # job outcomes are counted by qworker:jobs_total{outcome}; these are the rest
         counters = {k: v for k, v in asdict(w.stats).items() if k not in ("completed", "cancelled", "errors", "dlq", "abandoned")}
         w.metrics.update_worker(counters, self.gauges())
+        if w.settings.lora_enabled:
+            w.metrics.lora.update(self.lora())
+
+    def lora(self) -> LoRASnapshot:
+        """Jobs per adapter: running = handed to the engine, waiting = queued in the worker."""
+        w = self.w
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for st in w.registry.jobs.values():
+            if st.lora is not None:
+                into = running if st.admitted else waiting
+                into[st.lora.lora_name] = into.get(st.lora.lora_name, 0) + 1
+        a = w.adapters
+        cfg = getattr(getattr(w.engine, "engine", None), "config", None)
+        return LoRASnapshot(max_lora=int(getattr(cfg, "max_loras", 0) or 0), served=tuple(sorted(a.served)), refused=tuple(sorted(a.refused)),
+                            running=running, waiting=waiting, refusals=dict(a.refusals), file_errors=a.file_errors, at=time.time())
 
     def gauges(self) -> dict[str, float]:
         w = self.w

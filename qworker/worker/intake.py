@@ -3,8 +3,8 @@
 Owns the structured-output validations in flight (one task per job whose grammar compiles
 before it queues), so a drain can cancel them. Steps for one record: register its offset as
 unfinished (a refetch is skipped); decode it off the loop; dead-letter unparseable bytes;
-answer a schema-invalid job, a wrong model, a past deadline or a cancelled id at once; attach a
-duplicate id to the job it repeats; else register the job, tokenize and check it on a thread,
+answer a schema-invalid job, a wrong model or an unknown LoRA adapter (``Adapters.resolve``),
+a past deadline or a cancelled id at once; attach a duplicate id to the job it repeats; else register the job, tokenize and check it on a thread,
 validate its structured-output spec if any, and push it on the pending queue.
 """
 
@@ -170,7 +170,7 @@ class Intake:
         st.attempt = reg.attempts.next(job.id, w.generation)
         st.tele = self.job_telemetry(job.id, tp, rec, now)
         if job.id in w.cancels:
-            answers.finish_now(st, cancelled_completion(st, w.model_name))
+            answers.finish_now(st, cancelled_completion(st, st.model_name(w.model_name)))
             return None
         err = self.quick_check(st)
         if err is not None:
@@ -210,7 +210,7 @@ class Intake:
         if reg.jobs.get(st.job.id) is not st:
             return  # abandoned while tokenizing: the partition's new owner answers it
         if err is None and st.job.id in w.cancels:
-            err = cancelled_completion(st, w.model_name)
+            err = cancelled_completion(st, st.model_name(w.model_name))
         if err is not None:
             reg.forget(st)
             w.answers.finish_now(st, err)
@@ -224,8 +224,13 @@ class Intake:
 
     def quick_check(self, st: JobState) -> BaseModel | None:
         job, w = st.job, self.w
-        if job.model is not None and job.model not in w.model_names:
-            return error_message(st, "wrong_model", f"this worker serves {w.model_name!r}, not {job.model!r}", retryable=False)
+        if job.model is not None or job.lora is not None:
+            r = w.adapters.resolve(job.model, job.lora, w.settings.lora_enabled)
+            if r.code is not None:
+                return error_message(st, r.code, r.message, retryable=False)
+            if r.lora is not None:
+                st.lora = r.lora
+                st.tele.set_lora(r.lora.lora_name)
         if job.deadline is not None and time.time() > job.deadline:
             return error_message(st, "deadline_exceeded", f"deadline {job.deadline} passed before the job started", retryable=False)
         return None

@@ -42,6 +42,7 @@ class JobState:
     generated: int = 0
     tele: Any = NULL_JOB  # qworker.telemetry.job.JobTelemetry: spans, metrics, outcome log line
     wire: OpenAIRequest | None = None  # came as an OpenAI batch request line: answer in its shapes
+    lora: Any = None  # engine LoRARequest the job runs under (None: the base model)
 
     @property
     def prompt_len(self) -> int:
@@ -54,6 +55,10 @@ class JobState:
     @property
     def admitted(self) -> bool:
         return self.task is not None
+
+    def model_name(self, base: str) -> str:
+        """The name its answers carry: the adapter's, as a vLLM server answers, or the base's."""
+        return self.lora.lora_name if self.lora is not None else base
 
     def offsets(self) -> list[tuple[Any, int]]:
         return [(self.tp, self.offset), *self.waiters]
@@ -158,21 +163,23 @@ class JobRunner:
         job = state.job
         tele = state.tele
         if state.cancel_requested:  # cancelled after admission, before the engine heard of it
-            return cancelled_completion(state, self.model_name)
+            return cancelled_completion(state, state.model_name(self.model_name))
         accs = {i: _Acc() for i in range(job.sampling.n)}
         want_logprobs = job.sampling.logprobs is not None
         stream = None
         if job.stream:
             # one traceparent for every delta event of the run
             stream = StreamSender(self.publisher, self.tokens_topic, StreamCoalescer(job.id, state.attempt, state.run_id, self.interval_s), tele.stream_headers() or None,
-                                  chunk_render(state.wire, self.model_name), log_fields(state))
+                                  chunk_render(state.wire, state.model_name(self.model_name)), log_fields(state))
         tick = asyncio.create_task(self._tick(stream)) if stream is not None else None
         last = None
         cached = 0
         tele.generating(CHAT if job.messages is not None else TEXT_COMPLETION, job.sampling, stream=job.stream)
         # the engine checks the deadline when it would first schedule the request: a job that
         # waited in the engine's queue past it ends "abort" with error_code deadline_exceeded
-        extra = {"structured_validated": True} if state.structured_validated else {}
+        extra: dict[str, Any] = {"structured_validated": True} if state.structured_validated else {}
+        if state.lora is not None:  # only then: an engine without LoRA never sees the argument
+            extra["lora_request"] = state.lora
         gen = self.engine.generate(state.request_id, state.prompt_ids, state.params, priority=job.priority, deadline=job.deadline, **extra)
         state.in_engine = True  # from here a cancel must reach the engine (commands stay ordered)
         aborted = False
@@ -265,7 +272,7 @@ class JobRunner:
             attempt=state.attempt,
             run_id=state.run_id,
             status="cancelled" if cancelled else "ok",
-            model=self.model_name,
+            model=state.model_name(self.model_name),
             choices=choices,
             usage=Usage(prompt_tokens=state.prompt_len, completion_tokens=sum(len(c.token_ids) for c in choices), cached_tokens=cached),
             timings=timings(state, getattr(last, "metrics", None)),

@@ -116,7 +116,7 @@ class Runs:
         if not st.admitted:
             if reg.pending.remove(st):
                 reg.forget(st)
-                w.answers.finish_now(st, cancelled_completion(st, w.model_name))
+                w.answers.finish_now(st, cancelled_completion(st, st.model_name(w.model_name)))
             return  # still tokenizing: intake's ``queue`` sees the cancel in the registry
         st.cancel_requested = True
         # Before the run called generate() the engine does not know the id: the runner sees
