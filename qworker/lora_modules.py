@@ -2,7 +2,7 @@
 
 Three spellings, told apart by their first character (after blanks):
 
-- ``{...}``: a JSON object ``{"name": "path", ...}``;
+- ``{...}``: a JSON object ``{"name": "path", ...}`` (any other JSON is refused);
 - ``name=path`` pairs separated by blanks or commas (vLLM's ``--lora-modules``);
 - anything else: the path of a file holding either of the above. The worker re-reads it when
   its content changes, so adapters can be added to a running pod (a Kubernetes ConfigMap mount
@@ -31,7 +31,7 @@ class LoRAModulesError(ValueError):
 def is_file_source(text: str) -> bool:
     """The value names a file to (re-)read rather than holding the modules itself."""
     s = text.strip()
-    return bool(s) and not s.startswith("{") and "=" not in s
+    return bool(s) and s[0] not in "{[" and "=" not in s
 
 
 def parse_modules(text: str) -> dict[str, str]:
@@ -40,13 +40,13 @@ def parse_modules(text: str) -> dict[str, str]:
     s = text.strip()
     if not s:
         return {}
-    if s.startswith("{"):
+    if s[0] in "{[":
         try:
             data = json.loads(s, object_pairs_hook=_no_duplicates)
         except ValueError as e:
             raise LoRAModulesError(f"not a JSON object of name: path ({e})") from None
         if not isinstance(data, dict):
-            raise LoRAModulesError("must be a JSON object of name: path")
+            raise LoRAModulesError(f"not a JSON object of name: path (a JSON {type(data).__name__})")
         pairs = list(data.items())
     else:
         pairs = []
