@@ -84,6 +84,7 @@ class DecoderModel:
             raise ValueError(f"config.layer_types has {len(spec.layers)} entries for {config.num_hidden_layers} layers")
         self.config = config
         self.spec = spec
+        self.kernel_backend = backend
         self.device = device
         self.dtype = dtype
         self.num_heads = d.num_heads

@@ -39,6 +39,23 @@ class ModelRunner:
         self.model = DecoderModel(self.config, weights, self.device, self.dtype, self.max_model_len, kernel_backend)
         self.kv: KVCache | None = None
         self.block_size = 0
+        self.lora = None  # a qworker.model.lora.model.LoRAModel once enable_lora ran
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """Wraps the model's projections with ``max_loras`` device LoRA slots of rank up to
+        ``max_rank`` (once, at start). Without it the forward is the plain one."""
+        from qworker.model.lora.model import LoRAModel
+
+        if self.lora is not None:
+            raise RuntimeError("enable_lora was already called")
+        self.lora = LoRAModel(self.model, max_loras, max_rank)
+
+    def set_lora(self, slot: int, adapter) -> None:
+        """Copies a :class:`~qworker.model.lora.adapter.LoRAAdapter` into device slot ``slot``
+        (``None`` clears it); chunks with ``lora_slot == slot`` then run under it."""
+        if self.lora is None:
+            raise RuntimeError("set_lora needs enable_lora first")
+        self.lora.set(slot, adapter)
 
     def block_bytes(self, block_size: int) -> int:
         m = self.model
@@ -65,7 +82,11 @@ class ModelRunner:
         assert self.kv is not None
         self.kv.apply(batch.swap_out, batch.swap_in, batch.copy)
         input_ids, positions, meta, logits_indices = self._prepare(batch)
-        return self.model.forward(input_ids, positions, self.kv.layers, meta, logits_indices)
+        if self.lora is None:
+            return self.model.forward(input_ids, positions, self.kv.layers, meta, logits_indices)
+        chunks = batch.chunks
+        with self.lora.step([len(c.token_ids) for c in chunks], [c.lora_slot for c in chunks]):
+            return self.model.forward(input_ids, positions, self.kv.layers, meta, logits_indices)
 
     def _prepare(self, batch: Batch):
         bs = self.block_size

@@ -18,7 +18,7 @@ ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_peft_adapter(base_model_dir, out_dir, *, rank: int, target_modules, seed: int, alpha: float = 16,
-                      use_rslora: bool = False, b_std: float = 0.05, rank_pattern: dict | None = None,
+                      use_rslora: bool = False, b_std: float = 0.15, rank_pattern: dict | None = None,
                       alpha_pattern: dict | None = None) -> Path:
     """Saves a random LoRA adapter for ``base_model_dir`` in ``out_dir`` (PEFT's own files) and
     returns ``out_dir``. A is PEFT's initialisation, B is ``randn * b_std`` (PEFT's zeros would
@@ -27,7 +27,10 @@ def make_peft_adapter(base_model_dir, out_dir, *, rank: int, target_modules, see
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=torch.float32)
+    key = str(Path(base_model_dir).resolve())
+    model = _templates.get(key)
+    if model is None:  # one base model per folder, restored after each adapter (unload)
+        model = _templates[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora,
                      lora_dropout=0.0, rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {})
     peft_model = get_peft_model(model, cfg)
@@ -38,7 +41,15 @@ def make_peft_adapter(base_model_dir, out_dir, *, rank: int, target_modules, see
                 p.copy_(torch.randn(p.shape, generator=gen) * b_std)
     out = Path(out_dir)
     peft_model.save_pretrained(str(out))
+    restored = peft_model.unload()
+    assert restored is model
+    for attr in ("peft_config", "_hf_peft_config_loaded"):
+        if attr in vars(model):
+            delattr(model, attr)
     return out
+
+
+_templates: dict[str, object] = {}
 
 
 def edit_adapter_config(adapter_dir, **changes) -> None:
