@@ -306,8 +306,14 @@ class Rendered:
         return c
 
     @property
+    def config_map(self) -> dict[str, Any]:
+        """The worker's settings ConfigMap (the LoRA modules one, ``<release>-lora``, is apart)."""
+        (cm,) = [o for o in self.of_kind("ConfigMap") if not o["metadata"]["name"].endswith("-lora")]
+        return cm
+
+    @property
     def config(self) -> dict[str, str]:
-        return self.one("ConfigMap")["data"]
+        return self.config_map["data"]
 
     def env(self) -> dict[str, Any]:
         """Container env: ConfigMap entries, then explicit env (which wins)."""

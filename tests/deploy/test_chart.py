@@ -61,6 +61,10 @@ VALID_CASES: dict[str, dict[str, Any]] = {
                "extraVolumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
                "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": "inference"},
     "long-drain": {"worker": {"drainTimeoutSeconds": 600}},
+    "lora-claim": {"lora": {"enabled": True, "existingClaim": "qworker-adapters", "maxLoras": 2, "maxCpuLoras": 8,
+                            "modules": {"sql-lora": "/adapters/sql", "chat/v2": "/adapters/teams/chat-v2"}}},
+    "lora-in-model-volume": {"lora": {"enabled": True, "mountPath": "/models/adapters", "modules": {"a": "/models/adapters/a"}}},
+    "lora-on-nfs-none-yet": {"lora": {"enabled": True, "volume": {"nfs": {"server": "nas", "path": "/adapters", "readOnly": True}}}},
     "example-gpu": load_example("values-gpu.yaml"),
     "example-cpu": load_example("values-cpu.yaml"),
 }
@@ -96,7 +100,7 @@ def check_invariants(r, merged: dict[str, Any]) -> None:
     assert all(isinstance(v, str) for v in cfg.values()), "ConfigMap data must be strings"
     assert cfg["QWORKER_BOOTSTRAP_SERVERS"] == merged["kafka"]["bootstrapServers"]
     assert cfg["QWORKER_DEVICE"] == ("cuda" if merged["gpu"]["enabled"] else "cpu")
-    assert {"configMapRef": {"name": r.one("ConfigMap")["metadata"]["name"]}} in c["envFrom"]
+    assert {"configMapRef": {"name": r.config_map["metadata"]["name"]}} in c["envFrom"]
 
     # Signals: the grace period outlasts the drain.
     drain = int(cfg["QWORKER_DRAIN_TIMEOUT_S"])
@@ -199,6 +203,57 @@ def check_invariants(r, merged: dict[str, Any]) -> None:
         assert all(ep["port"] in port_names and ep["path"] == "/metrics" for ep in sm["spec"]["endpoints"])
 
     assert "qworker topics create" in r.notes and f"--partitions {partitions}" in r.notes
+    check_lora(r, merged)
+
+
+def check_lora(r, merged: dict[str, Any]) -> None:
+    """LoRA: the modules reach the worker as a file in a mounted ConfigMap folder (a subPath
+    mount would never see an update), every adapter inside the root, the worker's own parser
+    reads what the chart wrote, and the settings the worker gets pass its validation."""
+    from qworker.config import WorkerSettings
+    from qworker.lora_modules import parse_modules
+
+    lora, cfg, pod, c = merged["lora"], r.config, r.pod, r.container
+    lora_maps = [o for o in r.of_kind("ConfigMap") if o["metadata"]["name"].endswith("-lora")]
+    if not lora["enabled"]:
+        assert not lora_maps and not any(k.startswith("QWORKER_LORA") or "LORAS" in k for k in cfg)
+        return
+    (cm,) = lora_maps
+    modules = parse_modules(cm["data"]["modules.json"])
+    assert modules == (lora["modules"] or {})
+    root = cfg["QWORKER_LORA_ROOT"]
+    assert root == lora["mountPath"] and all(p.startswith(root.rstrip("/") + "/") for p in modules.values())
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "lora-modules"]
+    assert "subPath" not in mount and mount.get("readOnly") is True
+    assert volumes["lora-modules"]["configMap"]["name"] == cm["metadata"]["name"]
+    assert cfg["QWORKER_LORA_MODULES"] == mount["mountPath"] + "/modules.json"
+    if lora["existingClaim"] or lora["volume"]:
+        (adapters,) = [m for m in c["volumeMounts"] if m["name"] == "lora-adapters"]
+        assert adapters["mountPath"] == root and adapters.get("readOnly") is True
+    assert int(cfg["QWORKER_MAX_LORAS"]) == lora["maxLoras"]
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "modules.json")
+        with open(path, "w") as f:
+            f.write(cm["data"]["modules.json"])
+        env = {k: v for k, v in cfg.items() if k.startswith("QWORKER_") and ("LORA" in k)}
+        env.update(QWORKER_LORA_MODULES=path, QWORKER_LORA_ROOT=d)
+        s = WorkerSettings.from_env(env)
+        assert s.lora_enabled and s.engine_config()["max_loras"] == lora["maxLoras"]
+
+
+def test_lora_modules_change_without_a_rollout(render):
+    """Adding an adapter changes only the -lora ConfigMap: the pod template (and its config
+    checksum) stays the same, so running pods pick it up through the mount."""
+    one = {"lora": {"enabled": True, "existingClaim": "adapters", "modules": {"a": "/adapters/a"}}}
+    two = {"lora": {"enabled": True, "existingClaim": "adapters", "modules": {"a": "/adapters/a", "b": "/adapters/b"}}}
+    r1, r2 = render(one), render(two)
+    assert r1.deployment["spec"]["template"] == r2.deployment["spec"]["template"]
+    maps = [[o["data"] for o in r.of_kind("ConfigMap") if o["metadata"]["name"].endswith("-lora")] for r in (r1, r2)]
+    assert maps[0] != maps[1]
 
 
 def check_scaled_object(r, so: dict[str, Any], merged: dict[str, Any]) -> None:
@@ -436,6 +491,11 @@ INVALID_CASES = [
     ("kv-cache-zero", {"worker": {"kvCacheMemory": "0"}}, "kvCacheMemory"),
     ("kv-cache-fraction-above-one", {"worker": {"kvCacheMemory": "1.5"}}, "kvCacheMemory"),
     ("kv-cache-no-unit-fraction-as-number", {"worker": {"kvCacheMemory": 0}}, "kvCacheMemory"),
+    ("lora-adapter-outside-root", {"lora": {"enabled": True, "modules": {"a": "/models/a"}}}, "lora.modules.a"),
+    ("lora-adapter-relative", {"lora": {"enabled": True, "modules": {"a": "adapters/a"}}}, "modules"),
+    ("lora-bad-name", {"lora": {"enabled": True, "modules": {"bad name": "/adapters/a"}}}, "bad name"),
+    ("lora-cpu-below-slots", {"lora": {"enabled": True, "maxLoras": 4, "maxCpuLoras": 2}}, "lora.maxCpuLoras"),
+    ("lora-same-mount-as-model", {"lora": {"enabled": True, "mountPath": "/models", "existingClaim": "a"}}, "lora.mountPath"),
 ]
 
 

@@ -133,6 +133,19 @@ persistentVolumeClaim:
 {{- end -}}
 {{- end -}}
 
+{{- define "qworker.lora.volumeSource" -}}
+{{- if .Values.lora.volume -}}
+{{- toYaml .Values.lora.volume -}}
+{{- else if .Values.lora.existingClaim -}}
+persistentVolumeClaim:
+  claimName: {{ .Values.lora.existingClaim }}
+  readOnly: true
+{{- end -}}
+{{- end -}}
+
+{{/* Where the LoRA modules ConfigMap is mounted (a folder: subPath mounts never update). */}}
+{{- define "qworker.lora.modulesDir" -}}/etc/qworker/lora{{- end -}}
+
 {{- define "qworker.kafka.authNeeded" -}}
 {{- if or .Values.kafka.sasl.enabled .Values.kafka.tls.enabled -}}true{{- end -}}
 {{- end -}}

@@ -86,6 +86,21 @@ Every template includes this, so a bad combination fails `helm install` and
   {{- end -}}
 {{- end -}}
 
+{{- if $v.lora.enabled -}}
+  {{- $lp := trimSuffix "/" $v.lora.mountPath -}}
+  {{- range $name, $path := $v.lora.modules -}}
+    {{- if not (hasPrefix (printf "%s/" $lp) $path) -}}
+    {{- fail (printf "qworker: lora.modules.%s (%s) must lie inside lora.mountPath (%s), where the adapters are mounted (QWORKER_LORA_ROOT)" $name $path $lp) -}}
+    {{- end -}}
+  {{- end -}}
+  {{- if and (not (kindIs "invalid" $v.lora.maxCpuLoras)) (lt (int $v.lora.maxCpuLoras) (int $v.lora.maxLoras)) -}}
+  {{- fail (printf "qworker: lora.maxCpuLoras (%d) must be at least lora.maxLoras (%d)" (int $v.lora.maxCpuLoras) (int $v.lora.maxLoras)) -}}
+  {{- end -}}
+  {{- if and (include "qworker.model.volumeSource" .) (include "qworker.lora.volumeSource" .) (eq (trimSuffix "/" $v.model.mountPath) $lp) -}}
+  {{- fail "qworker: lora.mountPath must differ from model.mountPath when both have a volume" -}}
+  {{- end -}}
+{{- end -}}
+
 {{- if $v.podDisruptionBudget.enabled -}}
   {{- $pdb := $v.podDisruptionBudget -}}
   {{- if and (kindIs "invalid" $pdb.maxUnavailable) (kindIs "invalid" $pdb.minAvailable) -}}
