@@ -45,13 +45,15 @@ def run(
     max_num_seqs: Optional[int] = typer.Option(None, help="Max running sequences [QWORKER_MAX_NUM_SEQS]"),
     device: Optional[str] = typer.Option(None, help="cpu / cuda [QWORKER_DEVICE]"),
     dtype: Optional[str] = typer.Option(None, help="float32 / bfloat16 / float16 [QWORKER_DTYPE]"),
+    lora_modules: list[str] = typer.Option([], "--lora-modules", help="LoRA adapters as vLLM's name=path (repeatable), JSON, or a file re-read live [QWORKER_LORA_MODULES]"),
     option: list[str] = typer.Option([], "--option", "-o", help="Any other setting as KEY=VALUE (e.g. -o session_timeout_ms=6000)"),
 ) -> None:
     """Run the worker until SIGTERM (which drains, commits and exits 0)."""
     from pydantic import ValidationError
 
     flags = dict(bootstrap_servers=bootstrap_servers, model=model, group_id=group_id, http_port=http_port, drain_timeout_s=drain_timeout_s,
-                 max_waiting_jobs=max_waiting_jobs, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, device=device, dtype=dtype)
+                 max_waiting_jobs=max_waiting_jobs, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
+                 lora_modules=" ".join(lora_modules) or None)
     # a setting given both as its own flag and as -o KEY=VALUE: the flag wins (it was a
     # TypeError traceback: the same keyword twice)
     settings_kw = {**_parse_options(option), **{k: v for k, v in flags.items() if v is not None}}

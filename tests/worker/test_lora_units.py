@@ -246,3 +246,13 @@ def test_lora_metrics_exposition() -> None:
     assert 'qworker:lora_adapter_refusals_total{lora_name="d",model_name="base"} 3.0' in body
     assert "qworker:lora_modules_file_errors_total 1.0" in body
     assert 'qworker:lora_requests_total{lora_name="a",model_name="base",outcome="completed"} 1.0' in body
+
+
+def test_cli_lora_modules_flag() -> None:
+    """``qworker run --lora-modules`` takes vLLM's repeated name=path values, checked as the setting."""
+    from typer.testing import CliRunner
+
+    from qworker.cli import app
+
+    r = CliRunner().invoke(app, ["run", "--lora-modules", "a=/x", "--lora-modules", "a=/y", "--http-port", "-1"])
+    assert r.exit_code == 2 and "QWORKER_LORA_MODULES: adapter 'a' is named twice" in r.output
