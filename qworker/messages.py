@@ -270,7 +270,7 @@ class ErrorInfo(BaseModel):
 
     code: str = Field(
         description="invalid_job | invalid_prompt | invalid_sampling | prompt_too_long | deadline_exceeded | "
-        "wrong_model | model_not_found | result_too_large | internal_error | invalid_structured_output | engine_error (or another engine InvalidRequestError code)"
+        "wrong_model | model_not_found | invalid_lora | result_too_large | internal_error | invalid_structured_output | engine_error (or another engine InvalidRequestError code)"
     )
     message: str
     retryable: bool = Field(description="True when resubmitting the same job may succeed.")

@@ -7,7 +7,8 @@ per-adapter counts.
   Only the current combination is exposed (a collector, not a labelled Gauge), so old label
   sets do not pile up.
 - ``qworker:lora_requests_running`` / ``_waiting{model_name, lora_name}``: the same per adapter,
-  as numbers. Running: in the engine; waiting: admitted by intake, queued in the worker.
+  as numbers. Running: in the engine's running batch; waiting: in the engine's queue or the
+  worker's (the worker's ``Gauges`` merges the engine's ``lora_stats()`` with its own queue).
 - ``qworker:lora_requests_total{model_name, lora_name, outcome}``: jobs finished per adapter.
 - ``qworker:lora_adapters{model_name, state}``: adapters served / refused now;
   ``qworker:lora_adapter_refusals_total{model_name, lora_name}``: validation failures (start and
@@ -72,8 +73,8 @@ class LoRAMetrics(Collector):
         waiting = sorted(n for n, c in s.waiting.items() if c)
         info.add_metric([",".join(running), ",".join(waiting), str(s.max_lora)], s.at or time.time())
         yield info
-        for name, doc, values in (("lora_requests_running", "Jobs in the engine, per LoRA adapter.", s.running),
-                                  ("lora_requests_waiting", "Jobs queued in the worker, per LoRA adapter.", s.waiting)):
+        for name, doc, values in (("lora_requests_running", "Requests in the engine's running batch, per LoRA adapter.", s.running),
+                                  ("lora_requests_waiting", "Requests waiting (engine queue and worker queue), per LoRA adapter.", s.waiting)):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "lora_name"])
             for lora in s.served:
                 g.add_metric([m, lora], values.get(lora, 0))

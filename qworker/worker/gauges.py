@@ -41,17 +41,24 @@ class Gauges:
             w.metrics.lora.update(self.lora())
 
     def lora(self) -> LoRASnapshot:
-        """Jobs per adapter: running = handed to the engine, waiting = queued in the worker."""
+        """Requests per adapter. With the engine's ``lora_stats()``: running = in its running
+        batch, waiting = in its queue plus queued in the worker (vLLM's meaning, with the
+        worker's own queue counted as waiting too). Without it: running = handed to the engine."""
         w = self.w
-        running: dict[str, int] = {}
-        waiting: dict[str, int] = {}
+        cfg = getattr(getattr(w.engine, "engine", None), "config", None)
+        max_lora = int(getattr(cfg, "max_loras", 0) or 0)
+        stats = getattr(w.engine, "lora_stats", None)
+        engine_view = stats() if callable(stats) else None
+        running: dict[str, int] = dict(engine_view.get("running", {})) if engine_view else {}
+        waiting: dict[str, int] = dict(engine_view.get("waiting", {})) if engine_view else {}
+        if engine_view:
+            max_lora = int(engine_view.get("max_lora", max_lora) or 0)
         for st in w.registry.jobs.values():
-            if st.lora is not None:
+            if st.lora is not None and (not st.admitted or engine_view is None):
                 into = running if st.admitted else waiting
                 into[st.lora.lora_name] = into.get(st.lora.lora_name, 0) + 1
         a = w.adapters
-        cfg = getattr(getattr(w.engine, "engine", None), "config", None)
-        return LoRASnapshot(max_lora=int(getattr(cfg, "max_loras", 0) or 0), served=tuple(sorted(a.served)), refused=tuple(sorted(a.refused)),
+        return LoRASnapshot(max_lora=max_lora, served=tuple(sorted(a.served)), refused=tuple(sorted(a.refused)),
                             running=running, waiting=waiting, refusals=dict(a.refusals), file_errors=a.file_errors, at=time.time())
 
     def gauges(self) -> dict[str, float]:

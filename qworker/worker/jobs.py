@@ -256,6 +256,8 @@ class JobRunner:
                 return error_message(state, "deadline_exceeded", err or f"deadline {job.deadline} passed before the engine started the job", retryable=False)
             if code == "invalid_structured_output":  # its grammar failed in the engine (not validated at admission)
                 return error_message(state, code, err or "the structured-output spec did not compile", retryable=False)
+            if code == "invalid_lora":  # the engine could not load the job's adapter (its files changed since validation)
+                return error_message(state, code, err or "the LoRA adapter did not load", retryable=False)
             return error_message(state, "engine_error", err or "the engine aborted the request", retryable=True)
         choices = [
             Choice(
