@@ -127,6 +127,9 @@ class WorkerSettings(BaseModel):
     # speculative decoding: vLLM's speculative_config as JSON, e.g. {"method": "ngram",
     # "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "policy": "auto"}
     speculative_config: dict[str, Any] | None = None
+    # tensor parallelism: the model sharded over this many devices of the pod (rank 0 is this
+    # process, ranks 1.. are spawned); across pods, see the chart's leaderWorkerSet option
+    tensor_parallel_size: int | None = Field(None, ge=1)
     # LoRA adapters (qworker/lora_modules.py): JSON {"name": "path"}, vLLM's "name=path ..." list,
     # or the path of a file holding either, re-read every lora_reload_interval_s when it changes.
     # Setting it turns LoRA on (enable_lora: on with no adapters yet). Every adapter folder must
@@ -315,7 +318,7 @@ class WorkerSettings(BaseModel):
     def engine_config(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncEngine.from_model`` (only what was set)."""
         keys = ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "block_size", "swap_space", "enable_prefix_caching", "device", "dtype", "kv_cache_dtype",
-                "grammar_cache_size", "grammar_cache_bytes", "grammar_compile_timeout", "speculative_config")
+                "grammar_cache_size", "grammar_cache_bytes", "grammar_compile_timeout", "speculative_config", "tensor_parallel_size")
         cfg = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         if isinstance(self.kv_cache_memory, float):  # a fraction: the engine sizes the pool per device
             from qworker.host_memory import cpu_kv_budget

@@ -24,6 +24,7 @@ from qworker.engine.llm_engine import Capacity, LLMEngine, Prompt
 from qworker.engine.output_processor import delta_output, final_output
 from qworker.engine.outputs import ERR_ENGINE, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
+from qworker.model.parallel.errors import ExecutorFailed
 
 log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5  # the longest sleep with nothing to run (deadlines are checked at least this often)
@@ -52,6 +53,10 @@ class AsyncEngine:
         self.last_step_time = time.monotonic()
         self.ready = False
         self.step_error: BaseException | None = None
+        # a fatal engine failure (a dead tensor-parallel rank): the engine thread has ended and
+        # ``on_fatal`` (set by the worker) was called with it from that thread
+        self.fatal: ExecutorFailed | None = None
+        self.on_fatal = None
         # snapshots written by the engine thread, read by the loop: the loop never walks the
         # scheduler's queues while the engine thread changes them
         self._capacity = engine.capacity()
@@ -104,7 +109,10 @@ class AsyncEngine:
         self.ready = True
 
     async def shutdown(self) -> None:
+        close = getattr(self.engine.runner, "close", None)  # tensor parallel: stops the follower ranks
         if self._thread is None:
+            if close is not None:
+                close()
             return
         self._commands.put(("stop", None))
         self._notify()
@@ -112,6 +120,8 @@ class AsyncEngine:
         self._thread = None
         self.ready = False
         self._closed = True
+        if close is not None:
+            await asyncio.to_thread(close)
         # requests added after the engine thread took "stop" were never seen by it: end them
         while True:
             try:
@@ -229,10 +239,17 @@ class AsyncEngine:
                 self.last_step_time = time.monotonic()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+                failure = getattr(self.engine.runner, "failure", None)  # a rank that died while idle
+                if failure is not None:
+                    self._fail(failure)
+                    return
                 continue
             steps = self.engine.counters["steps"]
             try:
                 changed = self.engine.step()
+            except ExecutorFailed as e:
+                self._fail(e)
+                return
             except Exception as e:
                 # step() recovers from failures of the model and sampler itself; this is a bug in
                 # the engine's own bookkeeping: fail what was in flight, keep serving new work
@@ -252,6 +269,27 @@ class AsyncEngine:
                 # service sets _wake), a command arrives, or the next request deadline is due
                 self._wake.wait(timeout=self._idle_wait())
                 self._wake.clear()
+
+    def _fail(self, e: ExecutorFailed) -> None:
+        """The engine cannot run any more: ``on_fatal`` first (the worker gives up on its jobs,
+        uncommitted, and exits non-zero), then every stream raises ``e`` rather than wait forever.
+        No request is answered with an error: each is left for a healthy engine to redo."""
+        log.error("engine stopped: %s", e)
+        self.fatal = self.step_error = e
+        self.ready = False
+        self._closed = True
+        if self.on_fatal is not None:
+            self.on_fatal(e)
+        for stream in self._listeners.values():
+            stream.put(e)
+        self._listeners.clear()
+        while True:  # requests queued but not yet added: the same
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                arg[0].put(e)
 
     def _idle_wait(self) -> float:
         deadlines = self.engine._deadlines

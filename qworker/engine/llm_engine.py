@@ -34,6 +34,7 @@ from qworker.engine.spec_decode.speculator import Speculator
 from qworker.engine.step_batch import prepare, sampling_rows
 from qworker.engine.step_recovery import clear_suspect, recover, withdraw
 from qworker.engine.structured.outputs import StepMasks, StructuredOutputs
+from qworker.model.parallel.errors import ExecutorFailed
 from qworker.model.runner import ModelRunner
 
 __all__ = ["Capacity", "LLMEngine", "Prompt"]
@@ -42,7 +43,13 @@ __all__ = ["Capacity", "LLMEngine", "Prompt"]
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, config.kv_cache_dtype)
+        if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group: the followers start here
+            from qworker.model.parallel.leader import ParallelRunner
+
+            self.runner = ParallelRunner(config.tensor_parallel_size, config.model, config.device, config.dtype, config.max_model_len,
+                                         config.kv_cache_dtype)
+        else:
+            self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, config.kv_cache_dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.model_name = config.model.rstrip("/").split("/")[-1]
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model)
@@ -191,9 +198,10 @@ class LLMEngine:
         except BaseException as e:
             if masks is not None:
                 masks.settle()
-            if not isinstance(e, Exception):
-                # an interrupt (Ctrl-C) ends the step for good: the caller aborts what it queued,
-                # but blocks the step registered and never wrote must not outlive it in the prefix map
+            if not isinstance(e, Exception) or isinstance(e, ExecutorFailed):
+                # an interrupt (Ctrl-C) or a dead tensor-parallel rank (no request to blame, none can
+                # run) ends the step for good: the caller aborts what it queued (or exits), but
+                # blocks the step registered and never wrote must not outlive it in the prefix map
                 withdraw(self.kv, self.scheduler, sched)
                 raise
             return recover(self.kv, self.scheduler, self.book, sched, e, time.time())
@@ -271,4 +279,7 @@ class LLMEngine:
         return engine_capacity(self.kv, self.scheduler)
 
     def stats(self) -> dict:
-        return engine_stats(self.kv, self.scheduler, self.counters, self.structured, self.speculator)
+        stats = engine_stats(self.kv, self.scheduler, self.counters, self.structured, self.speculator)
+        if hasattr(self.runner, "stats"):  # tensor parallel: rank 0's step and all-reduce time
+            stats.update(self.runner.stats())
+        return stats

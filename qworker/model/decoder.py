@@ -74,7 +74,9 @@ class DecoderModel:
     with torch references). Tests run the Triton backend on CPU tensors under the interpreter."""
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, max_positions: int,
-                 kernel_backend: str | None = None, spec: DecoderSpec | None = None):
+                 kernel_backend: str | None = None, spec: DecoderSpec | None = None, shard=None):
+        """``shard``: a :class:`~qworker.model.parallel.shard.Sharder` (tensor parallelism): the
+        layers are sliced to its rank's heads and intermediate range before they are packed."""
         backend = kernel_backend or ("triton" if device.type == "cuda" else "cpu")
         if backend not in ("triton", "cpu"):
             raise ValueError(f"kernel_backend must be 'triton' or 'cpu', got {backend!r}")
@@ -110,6 +112,10 @@ class DecoderModel:
             lm_head = take(weights, "lm_head.weight", (d.vocab, d.hidden))
         # every layer's tensors are taken (and checked) before any is converted
         raw = [spec.take_layer(weights, i) for i in range(self.num_layers)]
+        if shard is not None:  # this rank's heads and MLP slice; the forward reads the sizes below
+            raw = [shard.layer(layer) for layer in raw]
+            self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+            self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         unused = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))
         if unused:  # e.g. biases the family has no place for: serving without them would be wrong
             more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""

@@ -21,7 +21,9 @@ from qworker.model.rope import exact_context
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, device: str = "auto", dtype: str = "auto", max_model_len: int | None = None,
-                 kv_cache_dtype: str = "auto", kernel_backend: str | None = None):
+                 kv_cache_dtype: str = "auto", kernel_backend: str | None = None, tp=None):
+        """``tp``: this process's :class:`~qworker.model.parallel.build.TPRank` under tensor
+        parallelism (the model is then its rank's shard); None: the whole model."""
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
@@ -35,8 +37,11 @@ class ModelRunner:
         exact = exact_context(self.config)  # past it a fixed rope table would serve other tokens
         model_len = min(model_len, exact) if exact else model_len
         self.max_model_len = min(max_model_len or model_len, model_len)
-        weights = load_state_dict(model_dir, self.device, self.dtype)
-        self.model = DecoderModel(self.config, weights, self.device, self.dtype, self.max_model_len, kernel_backend)
+        if tp is None:
+            weights = load_state_dict(model_dir, self.device, self.dtype)
+            self.model = DecoderModel(self.config, weights, self.device, self.dtype, self.max_model_len, kernel_backend)
+        else:
+            self.model = tp.build_model(model_dir, self.config, self.device, self.dtype, self.max_model_len, kernel_backend)
         self.kv: KVCache | None = None
         self.block_size = 0
         self.lora = None  # a qworker.model.lora.model.LoRAModel once enable_lora ran

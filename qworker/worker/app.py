@@ -100,6 +100,7 @@ class Worker:
         self._loops: list[asyncio.Task] = []
         self._stop_requested: asyncio.Event | None = None
         self.closed = False  # loops exit (besides being cancelled)
+        self.exit_code = 0  # 1 once the engine failed for good (a dead tensor-parallel rank)
 
     # the collaborators' state, under the names the rest of the worker (and its tests) use
     @property
@@ -174,6 +175,9 @@ class Worker:
                 raise StartupError(str(e)) from e
         if hasattr(self.engine, "stats"):
             self.metrics.attach_engine(self.engine.stats)
+        if hasattr(self.engine, "on_fatal"):
+            loop = asyncio.get_running_loop()
+            self.engine.on_fatal = lambda e: loop.call_soon_threadsafe(self._engine_failed, e)
         self.token_text = token_text(self.engine)
         # A pod told to stop while it loads must never join the group: joining would take
         # partitions from a healthy pod (whose runs would be abandoned and rerun) only to leave.
@@ -254,6 +258,13 @@ class Worker:
     def _loop_ended(self, t: asyncio.Task) -> None:
         if not self.closed and not t.cancelled():
             log.error("worker loop %s ended: %r; /healthz now fails", t.get_name(), t.exception())
+
+    def _engine_failed(self, e: BaseException) -> None:
+        """The engine can run nothing any more (a tensor-parallel rank died): give up on every job
+        at once, uncommitted (a healthy pod redoes them), and exit non-zero."""
+        log.error("engine failed: %s; giving up in-flight jobs uncommitted and exiting", e)
+        self.exit_code = 1
+        self.hurry()
 
     def request_stop(self) -> None:
         """Begin the drain (SIGTERM). Safe to call more than once."""
@@ -361,5 +372,5 @@ async def serve(settings: WorkerSettings, engine: Any | None = None) -> int:
         await w.close_after_failed_start()
         raise
     await w.wait_stop_requested()
-    await w.stop()
-    return 0
+    await w.stop(0.0 if w.exit_code else None)
+    return w.exit_code

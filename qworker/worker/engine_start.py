@@ -17,7 +17,7 @@ from qworker.config import ENV_PREFIX, WorkerSettings
 # settings that shape the engine, as engine_config() passes them on
 ENGINE_SETTINGS = ("model", "device", "dtype", "kv_cache_memory", "kv_cache_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
                    "swap_space", "enable_prefix_caching", "grammar_cache_size", "grammar_cache_bytes", "grammar_compile_timeout", "speculative_config",
-                   "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+                   "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "tensor_parallel_size")
 
 
 class EngineStartError(Exception):

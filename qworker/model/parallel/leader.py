@@ -1,0 +1,252 @@
+"""The leader's side of tensor parallelism: a model runner the engine calls as it calls
+:class:`~qworker.model.runner.ModelRunner`, driving the follower ranks.
+
+Rank 0 is the engine's process: it holds rank 0's shard and the only LM head. Each call that
+touches the model (KV allocation, a step, a step's block moves) is first broadcast to the
+followers, which run the same thing on their shards, their KV pools laid out block for block as
+the leader's (one block manager, on the leader, for all ranks).
+
+Failure is fatal, fast and never a hang: before every command the locally spawned followers are
+checked (their process sentinels), a watcher thread notices a death while idle, every collective
+has a timeout, and any of these raises :class:`ExecutorFailed` (also kept in ``failure`` for an
+idle engine to see). While idle the leader pings the followers every few seconds, so a follower
+never waits out its timeout on a healthy leader and a dead remote follower is noticed.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import threading
+import time
+import weakref
+
+import torch
+
+from qworker.model.batch import Batch
+from qworker.model.loader import load_config, resolve_device
+from qworker.model.parallel import comm as cm
+from qworker.model.parallel.build import TPRank, check_supported
+from qworker.model.parallel.errors import ExecutorFailed
+from qworker.model.parallel.follower import spawned
+from qworker.model.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+PING_INTERVAL_S = 5.0
+
+
+def follower_devices(device: torch.device, world: int) -> list[str]:
+    """The devices of ranks 1..world-1 on this host: the next CUDA devices after the leader's, or cpu."""
+    if device.type != "cuda":
+        return ["cpu"] * (world - 1)
+    first = device.index or 0
+    count = torch.cuda.device_count()
+    if first + world > count:
+        raise ValueError(f"tensor_parallel_size={world} from cuda:{first} needs {first + world} CUDA devices; this host has {count}")
+    return [f"cuda:{first + r}" for r in range(1, world)]
+
+
+class _KV:
+    """``runner.kv`` as the engine uses it: block moves are applied on every rank."""
+
+    def __init__(self, owner: ParallelRunner):
+        self._owner = owner
+
+    def apply(self, swap_out, swap_in, copy) -> None:
+        self._owner._command("apply", (swap_out, swap_in, copy))
+        self._owner.local.kv.apply(swap_out, swap_in, copy)
+
+    def __getattr__(self, name):
+        return getattr(self._owner.local.kv, name)
+
+
+class ParallelRunner:
+    """``tensor_parallel_size`` ranks behind the ModelRunner interface. With ``external=True`` the
+    followers are not spawned here: they join the rendezvous at ``MASTER_ADDR:MASTER_PORT`` on
+    their own (``python -m qworker.model.parallel.follower``, other nodes)."""
+
+    def __init__(self, world: int, model_dir: str, device: str = "auto", dtype: str = "auto", max_model_len: int | None = None,
+                 kv_cache_dtype: str = "auto", kernel_backend: str | None = None, *, external: bool | None = None,
+                 timeout_s: float | None = None):
+        if world < 2:
+            raise ValueError(f"ParallelRunner needs tensor_parallel_size >= 2, got {world}")
+        env = os.environ
+        external = bool(env.get("QWORKER_TP_EXTERNAL_FOLLOWERS")) if external is None else external
+        check_supported(load_config(model_dir), world)  # before anything starts
+        dev = resolve_device(device)
+        self.world = world
+        self.failure: ExecutorFailed | None = None
+        self._lock = threading.Lock()
+        self._last_command = time.monotonic()
+        self._procs: list[mp.process.BaseProcess] = []
+        self._closed = False
+        self.comm: cm.Comm | None = None
+        self.step_seconds = 0.0
+        self.steps = 0
+        if external:
+            addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        else:
+            addr, port = "127.0.0.1", cm.free_port()
+            devices = follower_devices(dev, world)
+            threads = None
+            if dev.type == "cpu":  # the ranks share the host's cores
+                threads = max(1, (os.cpu_count() or 1) // world)
+                torch.set_num_threads(threads)
+            ctx = mp.get_context("spawn")
+            for rank in range(1, world):
+                p = ctx.Process(target=spawned, args=(rank, world, addr, port, devices[rank - 1], os.getpid(), timeout_s or cm.timeout_s(), threads),
+                                name=f"qworker-tp-rank{rank}", daemon=True)
+                p.start()
+                self._procs.append(p)
+        self._finalizer = weakref.finalize(self, _kill, list(self._procs))
+        try:
+            self.comm = cm.Comm(0, world, addr, port, dev, timeout_s)
+            self.comm.broadcast({"model_dir": model_dir, "dtype": dtype, "max_model_len": max_model_len,
+                                 "kv_cache_dtype": kv_cache_dtype, "kernel_backend": kernel_backend})
+            error = None
+            try:
+                self.local = ModelRunner(model_dir, device, dtype, max_model_len, kv_cache_dtype, kernel_backend,
+                                         tp=TPRank(0, world, self.comm.all_reduce))
+            except Exception as e:  # noqa: BLE001 - the followers still wait for the gather
+                error = e
+            statuses = self.comm.gather(None)
+            if error is not None:
+                raise error
+            bad = [s for s in statuses if s]
+            if bad:
+                raise ValueError("a tensor-parallel rank did not load the model: " + "; ".join(bad))
+        except BaseException:
+            self.close()
+            raise
+        self.kv = None
+        self._watcher = threading.Thread(target=self._watch, name="qworker-tp-watch", daemon=True)
+        self._watcher.start()
+        log.info("tensor parallel: %d ranks (%s), followers %s", world, "gloo" if dev.type == "cpu" else "nccl",
+                 "external" if external else [p.pid for p in self._procs])
+
+    # -- the ModelRunner surface ------------------------------------------------------------------
+    def __getattr__(self, name):  # device, dtype, config, model, max_model_len, block_bytes, ...
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1")
+
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        self._command("alloc", (num_blocks, num_cpu_blocks, block_size))
+        self.local.allocate_kv_cache(num_blocks, num_cpu_blocks, block_size)
+        self.kv = _KV(self)
+
+    def execute(self, batch: Batch) -> torch.Tensor:
+        with self._lock:
+            self._check()
+            t0 = time.perf_counter()
+            try:
+                self.comm.broadcast(("step", batch))
+                logits = self.local.execute(batch)
+            except ExecutorFailed:
+                raise
+            except Exception as e:  # noqa: BLE001 - a peer closed its connection, a timeout, or this
+                # rank's forward broke off mid-step: the ranks are out of step for good either way
+                raise self._fail(f"a step failed: {e!r}") from e
+            self.step_seconds += time.perf_counter() - t0
+            self.steps += 1
+            self._last_command = time.monotonic()
+            return logits
+
+    def rank_stats(self) -> list[dict]:
+        """Each rank's cumulative step and all-reduce time (rank 0 first); a collective."""
+        mine = {"steps": self.steps, "step_seconds": self.step_seconds, "allreduce_seconds": self.comm.allreduce_seconds,
+                "allreduce_calls": self.comm.allreduce_calls}
+        with self._lock:
+            self._send("stats", None)
+            try:
+                others = self.comm.gather(None)
+            except RuntimeError as e:
+                raise self._fail(f"a collective failed: {e}") from e
+        return [mine, *others[1:]]
+
+    def stats(self) -> dict:
+        """Rank 0's counters, for the engine's stats (no collective: safe to call any time)."""
+        c = self.comm
+        return {"tp_size": self.world, "tp_steps": self.steps, "tp_step_seconds": self.step_seconds,
+                "tp_allreduce_seconds": c.allreduce_seconds if c else 0.0, "tp_allreduce_calls": c.allreduce_calls if c else 0}
+
+    def close(self) -> None:
+        """Stops the followers (a "stop" command, then by pid if they linger). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.failure is None and self.comm is not None and all(p.exitcode is None for p in self._procs):
+            try:
+                with self._lock:
+                    self.comm.broadcast(("stop", None))
+            except Exception:  # noqa: BLE001 - they are killed below
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+        _kill(self._procs)
+        if self.comm is not None:  # with the peers gone, even a broken group closes at once
+            self.comm.close()
+
+    # -- failure ------------------------------------------------------------------------------------
+    def _command(self, cmd: str, arg) -> None:
+        with self._lock:
+            self._send(cmd, arg)
+
+    def _send(self, cmd: str, arg) -> None:
+        self._check()
+        try:
+            self.comm.broadcast((cmd, arg))
+        except RuntimeError as e:
+            raise self._fail(f"a collective failed: {e}") from e
+        self._last_command = time.monotonic()
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        dead = [p for p in self._procs if p.exitcode is not None]
+        if dead:
+            raise self._fail(", ".join(f"rank {p.name.rsplit('rank', 1)[-1]} (pid {p.pid}) exited with status {p.exitcode}" for p in dead))
+
+    def _fail(self, why: str) -> ExecutorFailed:
+        if self.failure is None:
+            self.failure = ExecutorFailed(f"tensor-parallel executor failed: {why}")
+            log.error("%s", self.failure)
+        return self.failure
+
+    def _watch(self) -> None:
+        """Notices a follower death while idle, and pings the followers while nothing else talks."""
+        sentinels = [p.sentinel for p in self._procs]
+        while not self._closed and self.failure is None:
+            ready = multiprocessing.connection.wait(sentinels, timeout=1.0) if sentinels else []
+            if ready:
+                gone = [p for p in self._procs if p.sentinel in ready]
+                for p in gone:  # the sentinel fires as the process ends, a moment before it is reaped
+                    p.join(timeout=5)
+                with self._lock:
+                    if not self._closed and self.failure is None:
+                        self._fail(", ".join(f"rank {p.name.rsplit('rank', 1)[-1]} (pid {p.pid}) exited with status {p.exitcode}"
+                                             for p in gone))
+                return
+            if not sentinels:
+                time.sleep(1.0)
+            if time.monotonic() - self._last_command > PING_INTERVAL_S and self._lock.acquire(blocking=False):
+                try:
+                    if not self._closed and self.failure is None:
+                        self._send("ping", None)
+                except ExecutorFailed:
+                    return
+                finally:
+                    self._lock.release()
+
+
+def _kill(procs) -> None:
+    """Kills (by pid) the followers still running: never leaves a spawned rank behind."""
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=5)
