@@ -9,6 +9,11 @@ each weight packed once (``torch.ops.mkldnn._reorder_linear_weight(w, batch_size
 each ``--hints`` value. Weights are fresh random tensors of the model's shapes (values do not
 change GEMM time; all of them together are far larger than the caches, as in a real step).
 The paths alternate round by round; medians; the fastest per row count in bold.
+
+With ``--dtype bfloat16`` one more path, ``oneDNN fp32 act``, is what the CPU bf16 model runs: fp32
+activations rounded to bf16 before each GEMM and the bf16 result converted back to fp32 (the first
+hint's packing), so its distance from ``oneDNN hint=...`` is the cost of those conversions.
+``--clock thread`` (with ``--threads 1``) times one thread's CPU time, for a shared machine.
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--hints", default="none,16,64,256", help="oneDNN batch_size_hint values ('none' = no hint)")
     ap.add_argument("--rounds", type=int, default=None, help="default 7 (--quick 3)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall")
     args = ap.parse_args(argv)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = [int(r) for r in (args.rows or ("1,16,64" if args.quick else "1,8,16,32,48,64,128,256,1024")).split(",")]
@@ -75,6 +82,15 @@ def main(argv=None) -> dict:
                     torch.ops.mkldnn._linear_pointwise(xs[w0.shape[1]], w, None, "none", [], "")
 
             fns[f"oneDNN hint={h}"] = onednn
+        if dtype != torch.float32:
+            x32 = {k: x.float() for k, x in xs.items()}
+            ws = packed[hints[0]]
+
+            def onednn_fp32_act():
+                for w, w0 in zip(ws, out_in):
+                    torch.ops.mkldnn._linear_pointwise(x32[w0.shape[1]].to(dtype), w, None, "none", [], "").float()
+
+            fns["oneDNN fp32 act"] = onednn_fp32_act
         return fns
 
     result = report.meta("cpu", str(dtype).replace("torch.", ""))
@@ -88,9 +104,9 @@ def main(argv=None) -> dict:
             times = {k: [] for k in fns}
             for _ in range(rounds):
                 for k, f in fns.items():
-                    t = time.perf_counter()
+                    t = clock()
                     f()
-                    times[k].append(time.perf_counter() - t)
+                    times[k].append(clock() - t)
             ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
             result["rows"][n] = {"ms": ms, "gflops": {k: flops_per_row * n / (v / 1e3) / 1e9 for k, v in ms.items()}}
             print(f"rows {n}: " + "  ".join(f"{k} {v:.1f} ms" for k, v in ms.items()), file=sys.stderr, flush=True)

@@ -30,8 +30,11 @@ Peers (``--peers``, any of ``qworker,vllm,vllm-eager,llamacpp,qworker-gemma3``; 
 * ``qworker-gemma3`` (opt-in): the same engine on Gemma 3 270M (``make model-gemma3``), the same
   texts and lengths in its own tokens; its outputs are not compared (another model).
 
-``--dtype bfloat16`` runs qworker and vLLM in bf16 (llama.cpp keeps its F32 GGUF). Output:
-a Markdown table, and JSON + PNG in ``--out`` (``bench/report.py``).
+``--dtype bfloat16`` runs qworker and vLLM in bf16 (llama.cpp keeps its F32 GGUF); ``--dtype
+float32,bfloat16`` runs the whole comparison once per dtype in one invocation (one table row per
+system and dtype, the ratios within each dtype, plus qworker bf16 / qworker fp32). The report
+names the CPU and its vector/matrix flags (``bench/cpu_info.py``): bf16 speed depends on
+AVX512_BF16 and AMX. Output: a Markdown table, and JSON + PNG in ``--out`` (``bench/report.py``).
 """
 
 from __future__ import annotations
@@ -380,7 +383,7 @@ def compare(tokens: list[list[int]], reference: list[list[int]]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(ROOT))
-    from bench import report, workloads
+    from bench import cpu_info, report, workloads
 
     ap = report.parser(__doc__, quick_help="12 requests, prompts 16-128, outputs 32-64 tokens")
     ap.add_argument("--peers", default=DEFAULT_PEERS, help=f"comma-separated, any of {','.join(PEERS)}")
@@ -429,20 +432,26 @@ def main(argv: list[str] | None = None) -> dict:
     result["workload"] = {"requests": num, "prompt_tokens": sum(map(len, job["prompts"])), "useful_output_tokens": sum(job["max_tokens"]),
                           "prompt_range": [16, max_prompt], "output_range": [min(32, max_out), max_out], "seed": args.seed}
     result["load_average"] = os.getloadavg()
+    result["cpu"] = cpu_info.summary()
     result["systems"] = {}
+    dtypes = [d for d in args.dtype.split(",") if d]
     with tempfile.TemporaryDirectory() as tmp:
-        job_path = Path(tmp) / "job.json"
-        job_path.write_text(json.dumps(job))
-        for peer in peers:
+        # one job per dtype; with several dtypes each system's row is named "<system> <dtype>"
+        runs = []
+        for dt in dtypes:
+            path = Path(tmp) / f"job-{dt}.json"
+            path.write_text(json.dumps({**job, "dtype": dt}))
+            runs += [(peer, path, peer if len(dtypes) == 1 else f"{peer} {dt}") for peer in peers]
+        for peer, job_path, name in runs:
             if peer in failed:
-                result["failed"] = {**result.get("failed", {}), peer: failed[peer]}
+                result["failed"] = {**result.get("failed", {}), name: failed[peer]}
                 continue
             shm_before = _kmp_files()
             try:
                 if peer == "qworker":
                     r = run_worker(Path(sys.executable), "qworker", job_path)
                 elif peer == "qworker-gemma3":
-                    r = run_worker(Path(sys.executable), "qworker", gemma3_job(job, Path(tmp), num, args.seed, max_prompt, max_out))
+                    r = run_worker(Path(sys.executable), "qworker", gemma3_job(json.loads(job_path.read_text()), Path(tmp), num, args.seed, max_prompt, max_out))
                 elif peer in ("vllm", "vllm-eager"):
                     py = setups["vllm"]
                     r = run_worker(py, peer, job_path, env=vllm_env(py))
@@ -450,8 +459,8 @@ def main(argv: list[str] | None = None) -> dict:
                     server, gguf = setups["llamacpp"]
                     r = run_llamacpp(server, gguf, job, args.threads)
             except Exception as exc:  # noqa: BLE001 - reported; the other systems still run
-                log(f"{peer}: failed: {exc}")
-                result["failed"] = {**result.get("failed", {}), peer: str(exc)[-1000:]}
+                log(f"{name}: failed: {exc}")
+                result["failed"] = {**result.get("failed", {}), name: str(exc)[-1000:]}
                 continue
             finally:
                 # Intel OpenMP leaves these behind when vLLM force-kills its engine process
@@ -460,11 +469,13 @@ def main(argv: list[str] | None = None) -> dict:
             r["tokens_per_s"] = sum(len(t) for t in r["tokens"]) / r["seconds"] if peer == "qworker-gemma3" else result["workload"]["useful_output_tokens"] / r["seconds"]
             if any(len(t) != m for t, m in zip(r["tokens"], job["max_tokens"])):
                 r["length_mismatch"] = True
-            result["systems"][peer] = r
-            log(f"{peer}: {r['tokens_per_s']:.1f} useful tokens/s ({r['seconds']:.1f} s, load {r['load_s']:.1f} s)")
-    ref = result["systems"].get("qworker")
+            result["systems"][name] = r
+            log(f"{name}: {r['tokens_per_s']:.1f} useful tokens/s ({r['seconds']:.1f} s, load {r['load_s']:.1f} s, "
+                f"load average {os.getloadavg()[0]:.2f})")
     for name, r in result["systems"].items():
-        if ref is not None and name not in ("qworker", "qworker-gemma3"):
+        peer, _, dt = name.partition(" ")
+        ref = result["systems"].get(f"qworker {dt}" if dt else "qworker")
+        if ref is not None and peer not in ("qworker", "qworker-gemma3"):
             r["vs_qworker"] = compare(r["tokens"], ref["tokens"])
             r["qworker_ratio"] = ref["tokens_per_s"] / r["tokens_per_s"]
     report.publish(result, "peers", args.out, plot, markdown)
@@ -505,10 +516,14 @@ def markdown(r: dict) -> str:
              f"{w['requests']} requests, prompts {w['prompt_range'][0]}-{w['prompt_range'][1]} tokens ({w['prompt_tokens']} in all), outputs "
              f"{w['output_range'][0]}-{w['output_range'][1]} ({w['useful_output_tokens']} in all), greedy, EOS ignored; load average at start "
              f"{r['load_average'][0]:.2f}", ""]
+    if "cpu" in r:
+        from bench import cpu_info
+
+        lines += [cpu_info.line(r["cpu"]), ""]
     rows = []
     for name, s in r["systems"].items():
         same = s.get("vs_qworker")
-        if name == "qworker-gemma3":  # another model: no ratio, no output comparison
+        if name.partition(" ")[0] == "qworker-gemma3":  # another model: no ratio, no output comparison
             rows.append([name, s["tokens_per_s"], s["seconds"], s["load_s"], "-", "(Gemma 3 270M)"])
             continue
         rows.append([name, s["tokens_per_s"], s["seconds"], s["load_s"], f"{s['qworker_ratio']:.2f}x" if "qworker_ratio" in s else "1.00x",
@@ -518,10 +533,14 @@ def markdown(r: dict) -> str:
     lines.append(report.table(["system", "useful tokens/s", "seconds", "load s", "qworker / system", "outputs identical to qworker's"], rows))
     for name, why in r.get("failed", {}).items():
         lines.append(f"\n{name} did not run: {why}")
-    q = r["systems"].get("qworker")
-    if q:
+    qb, qf = r["systems"].get("qworker bfloat16"), r["systems"].get("qworker float32")
+    if qb and qf:
+        lines.append(f"\nqworker bfloat16 / qworker float32: {qb['tokens_per_s'] / qf['tokens_per_s']:.2f}x")
+    for name, q in r["systems"].items():
+        if name.partition(" ")[0] != "qworker":
+            continue
         d = q["detail"]
-        lines += ["", f"qworker: {d['dtype']}, linears {d['linear_backend']}, {d['kv_memory_mib']:.0f} MiB KV, "
+        lines += ["", f"{name}: {d['dtype']}, linears {d['linear_backend']}, {d['kv_memory_mib']:.0f} MiB KV, "
                       f"engine args {d.get('engine_args') or 'defaults'}, {d.get('preemptions', 0)} preemptions"]
     return "\n".join(lines)
 
@@ -539,7 +558,7 @@ def plot(path: Path, r: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(r["systems"])
     report.bars(ax, names, [s["tokens_per_s"] for s in r["systems"].values()], "useful output tokens/s",
-                f"{r['workload']['requests']} requests, {r['dtype']}", highlight=[i for i, n in enumerate(names) if n == "qworker"])
+                f"{r['workload']['requests']} requests, {r['dtype']}", highlight=[i for i, n in enumerate(names) if n.partition(" ")[0] == "qworker"])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -116,6 +116,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the medians (ms per step, per batch) to this file")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
                     help="thread: this thread's CPU time, with torch and the kernels on one thread (a shared, loaded machine "
                          "then still gives a usable breakdown: no time-slicing, no spinning at OpenMP barriers)")
@@ -140,6 +141,10 @@ def main(argv=None):
         if r["cprofile"]:
             print(r["cprofile"])
         del engine
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps([{"batch": r["batch"], "ms": r["ms"]} for r in out]))
     return out
 
 

@@ -45,3 +45,15 @@ def test_compare_and_peer_names(tmp_path):
         peers.main(["--peers", "qworker,nonesuch", "--cache-dir", str(tmp_path)])
     assert peers._req_name("protobuf!=6.30.*,>=5.29.6; platform_machine != 's390x'") == "protobuf"
     assert peers._req_name("mistral_common[image]>=1.11.6") == "mistral-common"
+
+
+def test_several_dtypes_one_run(tiny_model_dir, tmp_path, capsys):
+    """``--dtype a,b``: one row per system and dtype, each peer compared with qworker of its own
+    dtype, and the CPU (model, flags) named in the report."""
+    r = peers.main(["--model", str(tiny_model_dir), "--quick", "--peers", "qworker", "--dtype", "float32,auto", "--num-requests", "2",
+                    "--max-output", "4", "--kv-memory-mib", "8", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")])
+    assert set(r["systems"]) == {"qworker float32", "qworker auto"}
+    assert r["systems"]["qworker float32"]["tokens"] == r["systems"]["qworker auto"]["tokens"]  # auto is fp32 on CPU
+    assert r["cpu"]["kernel_isa"] in ("avx512", "avx2", "generic") and isinstance(r["cpu"]["flags"], list)
+    printed = capsys.readouterr().out
+    assert "| qworker float32 |" in printed and "CPU: " in printed
