@@ -87,6 +87,7 @@ def submit(
     max_tokens: int = typer.Option(32, help="max_tokens"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     priority: int = typer.Option(0, help="Lower runs first"),
+    lora: Optional[str] = typer.Option(None, help="Run under this LoRA adapter (a name the worker's QWORKER_LORA_MODULES gives)"),
     stream: bool = typer.Option(True, help="Stream tokens to the tokens topic"),
     follow: bool = typer.Option(False, "--follow", help="Print the streamed result until every job finished"),
     timeout_s: float = typer.Option(300.0, help="--follow gives up after this long"),
@@ -104,9 +105,9 @@ def submit(
         jid = job_id or uuid.uuid4().hex[:12]
         if chat is not None:
             msgs = ([ChatMessage(role="system", content=system)] if system else []) + [ChatMessage(role="user", content=chat)]
-            flag_jobs.append(Job(id=jid, messages=msgs, sampling=sampling, stream=stream, priority=priority))
+            flag_jobs.append(Job(id=jid, messages=msgs, sampling=sampling, stream=stream, priority=priority, lora=lora))
         else:
-            flag_jobs.append(Job(id=jid, prompt=prompt, sampling=sampling, stream=stream, priority=priority))
+            flag_jobs.append(Job(id=jid, prompt=prompt, sampling=sampling, stream=stream, priority=priority, lora=lora))
     if file is None and not flag_jobs:
         raise typer.BadParameter("give --prompt, --chat or --file")
     lines = _read_batch(file) if file is not None else []

@@ -169,7 +169,16 @@ async def test_jobs_pick_adapters_by_name(lora_engine, adapters, broker, tmp_pat
             assert w.adapters.served["a-again"].lora_int_id not in (w.adapters.served["a"].lora_int_id, w.adapters.served["b"].lora_int_id)
             assert "big" not in w.adapters.served and "big" not in w.adapters.refused  # removed from the file
             await submit(s, [native("n-a-again", lora="a-again"), native("n-big-gone", lora="big")])
-            await got.wait({"n-a-again", "n-big-gone"}, 60)
+            # and one from the CLI's flags
+            from typer.testing import CliRunner
+
+            from qworker.cli import app
+
+            cli = await asyncio.to_thread(CliRunner().invoke, app, ["submit", "-p", PROMPT, "--lora", "b", "--id", "cli-b", "--max-tokens", str(MAX_TOKENS),
+                                                                     "--no-stream", "--bootstrap-servers", s.bootstrap_servers],
+                                          env={"QWORKER_JOBS_TOPIC": s.jobs_topic, "QWORKER_ENABLE_IDEMPOTENCE": "false"})
+            assert cli.exit_code == 0, cli.output
+            await got.wait({"n-a-again", "n-big-gone", "cli-b"}, 60)
             out.update(got.by_key)
         await wait_committed(s)
 
@@ -192,6 +201,7 @@ async def test_jobs_pick_adapters_by_name(lora_engine, adapters, broker, tmp_pat
         # outputs really move under an adapter, and equal the engine's own run for it
         assert tokens["n-a"] != tokens["n-base"] and tokens["n-b"] != tokens["n-base"] and tokens["n-a"] != tokens["n-b"]
         assert tokens["n-a-by-model"] == tokens["n-a-again"] == tokens["n-a"]
+        assert out["cli-b"]["model"] == "b" and out["cli-b"]["choices"][0]["token_ids"] == tokens["n-b"]
         assert tokens["n-base"] == await direct(eng, PROMPT, None)
         assert tokens["n-a"] == await direct(eng, PROMPT, LoRARequest("ref-a", 1001, paths["a"]))
         assert tokens["n-b"] == await direct(eng, PROMPT, LoRARequest("ref-b", 1002, paths["b"]))
@@ -200,7 +210,7 @@ async def test_jobs_pick_adapters_by_name(lora_engine, adapters, broker, tmp_pat
         w.gauges.observe()
         body = w.metrics.render()[0].decode()
         assert 'qworker:lora_requests_total{lora_name="a",model_name="%s",outcome="completed"} 2.0' % w.model_name in body
-        assert 'qworker:lora_requests_total{lora_name="b",model_name="%s",outcome="completed"} 2.0' % w.model_name in body
+        assert 'qworker:lora_requests_total{lora_name="b",model_name="%s",outcome="completed"} 3.0' % w.model_name in body
         assert 'qworker:lora_adapter_refusals_total{lora_name="link",model_name="%s"} 1.0' % w.model_name in body
         assert 'qworker:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}' in body
         assert 'code="model_not_found"' in body
@@ -208,7 +218,7 @@ async def test_jobs_pick_adapters_by_name(lora_engine, adapters, broker, tmp_pat
         # traces: the adapter's name on its job's spans
         spans = exporter.get_finished_spans()
         gen = [sp for sp in spans if sp.name == "generate" and sp.attributes.get("qworker.lora.name") == "b"]
-        assert len(gen) == 2 and all(sp.attributes["gen_ai.request.model"] == "b" for sp in gen)
+        assert len(gen) == 3 and all(sp.attributes["gen_ai.request.model"] == "b" for sp in gen)
         assert any(sp.name.startswith("process ") and sp.attributes.get("qworker.lora.name") == "a" for sp in spans)
     finally:
         await w.stop()
