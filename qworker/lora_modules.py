@@ -77,6 +77,11 @@ def read_modules_file(path: str) -> dict[str, str]:
             raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise LoRAModulesError(f"cannot read {path}: {e.strerror or e}") from None
+    return parse_file_bytes(raw, path)
+
+
+def parse_file_bytes(raw: bytes, path: str) -> dict[str, str]:
+    """The modules of a file already read (its bytes); errors name ``path``."""
     if len(raw) > MAX_FILE_BYTES:
         raise LoRAModulesError(f"{path} is larger than {MAX_FILE_BYTES} bytes")
     try:

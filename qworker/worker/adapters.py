@@ -30,11 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from qworker.engine.lora_request import LoRARequest
-from qworker.lora_modules import LoRAModulesError, is_file_source, parse_modules, read_modules_file
+from qworker.lora_modules import MAX_FILE_BYTES, LoRAModulesError, is_file_source, parse_file_bytes, parse_modules
 
 log = logging.getLogger("qworker.worker")
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
+_UNREAD = b"\x00unread"  # no file bytes seen yet (a real modules file is UTF-8 text, never this)
 _LISTED = 20  # names quoted in a model_not_found message
 
 
@@ -78,7 +79,7 @@ class Adapters:
         self._paths: dict[str, str] = {}  # name -> configured path
         self._ids: dict[tuple[str, tuple | None], int] = {}
         self._next_id = 1
-        self._file_bytes: bytes | None = None
+        self._file_bytes: bytes | None = _UNREAD  # the file's last bytes; None: unreadable last time
 
     # ------------------------------------------------------------------ lookups (event loop)
     def resolve(self, model: str | None, lora: str | None, enabled: bool) -> Resolution:
@@ -157,7 +158,7 @@ class Adapters:
         path = src.strip()
         try:
             with open(path, "rb") as f:
-                raw = f.read()
+                raw = f.read(MAX_FILE_BYTES + 1)
         except OSError as e:
             if self._file_bytes is not None:
                 self.file_errors += 1
@@ -168,7 +169,7 @@ class Adapters:
             return dict(self._paths)
         self._file_bytes = raw
         try:
-            return read_modules_file(path)
+            return parse_file_bytes(raw, path)
         except LoRAModulesError as e:
             self.file_errors += 1
             log.error("LoRA modules file rejected (%s); keeping the %d adapters read before", e, len(self._paths))

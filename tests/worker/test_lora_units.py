@@ -256,3 +256,15 @@ def test_cli_lora_modules_flag() -> None:
 
     r = CliRunner().invoke(app, ["run", "--lora-modules", "a=/x", "--lora-modules", "a=/y", "--http-port", "-1"])
     assert r.exit_code == 2 and "QWORKER_LORA_MODULES: adapter 'a' is named twice" in r.output
+
+
+def test_modules_file_unreadable_from_the_start_is_counted(tmp_path: Path) -> None:
+    validate, _ = checker()
+    t = Adapters(str(tmp_path / "not-yet.json"), validate, "base")
+    asyncio.run(t.refresh())
+    asyncio.run(t.refresh())
+    assert t.served == {} and t.file_errors == 1  # counted (and logged) once, not every round
+    adapter_dir(tmp_path, "a")
+    (tmp_path / "not-yet.json").write_text(f"a={tmp_path / 'a'}")
+    asyncio.run(t.refresh())
+    assert list(t.served) == ["a"]
