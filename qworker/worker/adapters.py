@@ -123,7 +123,8 @@ class Adapters:
             self._drop(name)
             log.info("LoRA adapter %r removed from the modules: no new jobs take it", name)
             changed = True
-        checks = {name: version(path) for name, path in modules.items()}
+        # stat calls on a thread: adapter folders may sit on a network volume
+        checks = await asyncio.to_thread(lambda: {name: version(path) for name, path in modules.items()})
         todo = [(name, path) for name, path in modules.items() if name not in self._paths or self._paths[name] != path or self._versions.get(name) != checks[name]]
         for name, path in todo:
             self._paths[name] = path
