@@ -52,17 +52,19 @@ class Comm:
         start = datetime.timedelta(seconds=max(DEFAULT_START_TIMEOUT_S, self.timeout_s))
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        # the start timeout covers the rendezvous; the model group's collectives get the short one
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=self.timeout_s))
-        # the control group waits out model loads (the first command comes after them)
+        # the rendezvous waits for ranks that start late (pods of a multi-node group come up one
+        # by one); the model group's collectives get the short timeout
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=start)
+        self.model = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+        # the control group waits out model loads (the first command comes after them); while
+        # idle the leader pings, so a follower never waits this long on a live leader
         self.control = dist.new_group(backend="gloo", timeout=start)
         self.allreduce_seconds = 0.0
         self.allreduce_calls = 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.model)
         # on CUDA the call returns once enqueued: this counts launch time, not the NCCL kernel
         self.allreduce_seconds += time.perf_counter() - start
         self.allreduce_calls += 1
