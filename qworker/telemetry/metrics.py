@@ -129,6 +129,11 @@ class EngineStatsCollector(Collector):
             {str(i): v for i, v in enumerate(g("spec_decode_num_accepted_tokens_per_pos", None) or [])},
             "position",
         )
+        if "tp_size" in s:  # tensor parallelism: rank 0's share (each follower logs its own)
+            yield gauge("tensor_parallel_size", "Ranks the model is sharded over (tensor parallelism).", g("tp_size", 1))
+            yield counter("tp_step_seconds", "Seconds rank 0 spent in model steps (command broadcast, forward, all-reduces).", g("tp_step_seconds", 0.0))
+            yield counter("tp_allreduce_seconds", "Seconds rank 0 spent in all-reduces (on CUDA: enqueueing them).", g("tp_allreduce_seconds", 0.0))
+            yield counter("tp_allreduce_calls", "All-reduces rank 0 ran (two per layer per step).", g("tp_allreduce_calls", 0))
 
 
 class WorkerSnapshot(Collector):

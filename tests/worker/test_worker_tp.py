@@ -145,6 +145,7 @@ async def test_tp2_worker_answers_every_job_then_dies_cleanly_with_its_follower(
         for k, msgs in r.completions.items():
             assert all(m["type"] == "completion" for m in msgs), msgs
         await wait_committed(s)
+        assert w.metric("qworker:tensor_parallel_size") == 2 and w.metric("qworker:tp_allreduce_calls_total") > 0
 
         # a follower dies while jobs run: the worker exits non-zero, nothing unanswered committed
         await submit(s, jobs("kill", 8, 800))

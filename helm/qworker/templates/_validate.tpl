@@ -111,6 +111,18 @@ Every template includes this, so a bad combination fails `helm install` and
   {{- end -}}
 {{- end -}}
 
+{{- $tp := $v.tensorParallel -}}
+{{- if $tp.leaderWorkerSet.enabled -}}
+  {{- if lt (int $tp.size) 2 -}}
+  {{- fail "qworker: tensorParallel.leaderWorkerSet.enabled needs tensorParallel.size >= 2 (one pod per rank)" -}}
+  {{- end -}}
+  {{- if and $v.gpu.enabled (ne (int $v.gpu.count) 1) -}}
+  {{- fail (printf "qworker: with tensorParallel.leaderWorkerSet each pod is one rank on one GPU: set gpu.count to 1 (got %d)" (int $v.gpu.count)) -}}
+  {{- end -}}
+{{- else if and $v.gpu.enabled (gt (int $tp.size) (int $v.gpu.count)) -}}
+  {{- fail (printf "qworker: tensorParallel.size (%d) needs one GPU per rank in the pod: set gpu.count to at least %d, or use tensorParallel.leaderWorkerSet" (int $tp.size) (int $tp.size)) -}}
+{{- end -}}
+
 {{- $startupBudget := mul (int $v.probes.startup.periodSeconds) (int $v.probes.startup.failureThreshold) -}}
 {{- if lt $startupBudget 60 -}}
 {{- fail (printf "qworker: the startup probe allows only %d s (periodSeconds x failureThreshold) for model load; give it at least 60 s" $startupBudget) -}}

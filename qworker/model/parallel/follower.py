@@ -3,7 +3,8 @@
 Started two ways: by the leader with multiprocessing spawn (one per local device, :func:`spawned`),
 or as its own process on another node (``python -m qworker.model.parallel.follower``) with
 torchrun's environment: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` (and
-``LOCAL_RANK`` for the device). The model settings come from the leader's first broadcast, so a
+``LOCAL_RANK`` for the device), or a LeaderWorkerSet pod's ``LWS_LEADER_ADDRESS``,
+``LWS_WORKER_INDEX``, ``LWS_GROUP_SIZE``. The model settings come from the leader's first broadcast, so a
 follower needs no model flags. A follower exits when the leader says "stop", when a collective
 with the leader fails (the leader died: its sockets closed), and, when spawned, as soon as its
 parent process is gone.
@@ -88,13 +89,27 @@ def serve(rank: int, world: int, addr: str, port: int, device: str, timeout_s: f
         comm.close()
 
 
+# a LeaderWorkerSet pod's own variables, where torchrun's are not set
+LWS_NAMES = {"RANK": "LWS_WORKER_INDEX", "WORLD_SIZE": "LWS_GROUP_SIZE", "MASTER_ADDR": "LWS_LEADER_ADDRESS"}
+
+
+def rendezvous_env(name: str) -> str:
+    """torchrun's variable ``name``, else its LeaderWorkerSet equivalent; KeyError if neither."""
+    env = os.environ
+    if env.get(name):
+        return env[name]
+    if name in LWS_NAMES and env.get(LWS_NAMES[name]):
+        return env[LWS_NAMES[name]]
+    raise KeyError(name)
+
+
 def main() -> int:
     """``python -m qworker.model.parallel.follower``: a follower on another node (torchrun env)."""
     logging.basicConfig(level=os.environ.get("QWORKER_LOG_LEVEL", "INFO").upper())
     env = os.environ
     try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        rank, world = int(rendezvous_env("RANK")), int(rendezvous_env("WORLD_SIZE"))
+        addr, port = rendezvous_env("MASTER_ADDR"), int(rendezvous_env("MASTER_PORT"))
     except (KeyError, ValueError) as e:
         print(f"qworker follower: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT ({e})", file=sys.stderr)
         return 2

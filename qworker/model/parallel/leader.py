@@ -30,7 +30,7 @@ from qworker.model.loader import load_config, resolve_device
 from qworker.model.parallel import comm as cm
 from qworker.model.parallel.build import TPRank, check_supported
 from qworker.model.parallel.errors import ExecutorFailed
-from qworker.model.parallel.follower import spawned
+from qworker.model.parallel.follower import rendezvous_env, spawned
 from qworker.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,14 @@ class ParallelRunner:
         self.comm: cm.Comm | None = None
         self.step_seconds = 0.0
         self.steps = 0
-        if external:
-            addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        if external:  # the rendezvous on this host's MASTER_PORT; followers find it at MASTER_ADDR
+            try:
+                addr, port = rendezvous_env("MASTER_ADDR"), int(rendezvous_env("MASTER_PORT"))
+                group = int(rendezvous_env("WORLD_SIZE"))
+            except KeyError as e:
+                raise ValueError(f"external tensor-parallel followers need {e.args[0]} (or its LWS_* equivalent) set") from None
+            if group != world:
+                raise ValueError(f"tensor_parallel_size={world}, but the group's WORLD_SIZE is {group}")
         else:
             addr, port = "127.0.0.1", cm.free_port()
             devices = follower_devices(dev, world)
