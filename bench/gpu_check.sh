@@ -61,6 +61,18 @@ else
   run_step throughput 150 "$PY" bench/throughput.py --device cuda --dtype bfloat16 --model "$MODEL" --hf-single-sample 8 ${extra[@]+"${extra[@]}"}
 fi
 
+# Tensor parallelism, TP=2 over NCCL (bench/tensor_parallel.py: TP=1 and TP=2 step times side by
+# side, per-rank all-reduce time, greedy tokens compared): only where this machine has >= 2 GPUs.
+ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if (( ngpu >= 2 )); then
+  tp_extra=()
+  [[ -f $MODEL/model.safetensors ]] || tp_extra+=(--random-weights)
+  run_step tensor-parallel 180 "$PY" bench/tensor_parallel.py --device cuda --dtype bfloat16 --model "$MODEL" --steps 10 ${tp_extra[@]+"${tp_extra[@]}"}
+else
+  msg="SKIPPED tensor-parallel: $ngpu GPU(s) here, TP=2 needs 2"
+  echo "$msg" | tee -a "$LOG"; status+=("$msg")
+fi
+
 echo
 echo "================ gpu_check summary ================"
 for s in "${status[@]}"; do echo "$s"; done
