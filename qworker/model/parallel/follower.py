@@ -31,9 +31,12 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def spawned(rank: int, world: int, addr: str, port: int, device: str, parent_pid: int, timeout_s: float, threads: int | None) -> None:
-    """The multiprocessing entry point of a locally spawned follower."""
+def spawned(rank: int, world: int, addr: str, port: int, device: str, parent_pid: int, timeout_s: float, threads: int | None,
+            log_level: int = logging.INFO) -> None:
+    """The multiprocessing entry point of a locally spawned follower (its log lines go to the
+    worker's stderr, at the worker's level)."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     if threads:
         import torch
 

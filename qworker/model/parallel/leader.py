@@ -102,7 +102,8 @@ class ParallelRunner:
                 torch.set_num_threads(threads)
             ctx = mp.get_context("spawn")
             for rank in range(1, world):
-                p = ctx.Process(target=spawned, args=(rank, world, addr, port, devices[rank - 1], os.getpid(), timeout_s or cm.timeout_s(), threads),
+                p = ctx.Process(target=spawned, args=(rank, world, addr, port, devices[rank - 1], os.getpid(), timeout_s or cm.timeout_s(), threads,
+                                                      logging.getLogger().getEffectiveLevel()),
                                 name=f"qworker-tp-rank{rank}", daemon=True)
                 p.start()
                 self._procs.append(p)
@@ -192,8 +193,9 @@ class ParallelRunner:
                     self.comm.broadcast(("stop", None))
             except Exception:  # noqa: BLE001 - they are killed below
                 pass
-        for p in self._procs:
-            p.join(timeout=10)
+        if self.failure is None:  # told to stop: give them a moment to close their groups
+            for p in self._procs:
+                p.join(timeout=10)
         _kill(self._procs)
         if self.comm is not None:  # with the peers gone, even a broken group closes at once
             self.comm.close()
