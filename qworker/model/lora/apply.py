@@ -9,8 +9,13 @@ step while the forward runs and ``None`` otherwise (then the wrapper costs one a
 Two paths, by the slots' layout (:mod:`.stack`):
 
 * grouped (CPU): per slot, its rows (a slice when its segments are one run, else an index
-  gather) go through the slot's shrink and expand Linears once, and the result is added into the
-  columns the adapter targets.
+  gather) go through the slot's shrink and expand GEMMs once, and the result is added into the
+  columns the adapter targets. When slots' rows are scattered and about as many (decode), all
+  slots run at once instead: their rows gathered into a ``[slots, M, in]`` block (short groups
+  padded, the padding's products zeroed), two batched GEMMs over the padded stacks, and every
+  row of ``y`` adds its row of the result (base rows a zero padding row): six ops per projection
+  whatever the number of slots. (A gather, not ``index_add_``: torch's CPU ``index_add_`` adds
+  one row at a time and was as slow as the two GEMMs together.)
 * stack (Triton backend): ``kernels.lora_sgmv.lora_shrink`` once over all segments, then
   ``lora_expand`` per output slice, in place. Where that module is unavailable (no triton, or
   not built yet) the same stacks run through a torch loop over the segments.
@@ -26,21 +31,33 @@ from qworker.model.lora.stack import ProjectionSlots
 class LoRAStep:
     """The adapter segments of one step over its ``T`` rows."""
 
-    __slots__ = ("slots", "segments", "num_tokens", "groups", "seg_start", "seg_len", "seg_slot", "tiles")
+    __slots__ = ("slots", "segments", "num_tokens", "groups", "padded", "seg_start", "seg_len", "seg_slot", "tiles")
 
-    def __init__(self, segments: list[tuple[int, int, int]], num_tokens: int, device: torch.device, grouped: bool):
+    def __init__(self, segments: list[tuple[int, int, int]], num_tokens: int, device: torch.device, grouped: bool,
+                 dtype: torch.dtype = torch.float32, max_loras: int | None = None):
         """``segments``: ``(start, length, slot)`` with ``slot >= 0``, disjoint, in row order,
-        inside the step's ``num_tokens`` rows."""
+        inside the step's ``num_tokens`` rows; ``dtype``: the activations'."""
         self.segments = segments
         self.num_tokens = num_tokens
         self.tiles = None  # the kernels' tile map, built by the first projection that needs it
         self.slots = frozenset(s for _, _, s in segments)
         self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        # (slot ids or None for all slots in order, row index [S*M], pad mask [S, M, 1], S, M,
+        #  each of the T rows' position in the padded result [T])
+        self.padded = None
         self.seg_start = self.seg_len = self.seg_slot = None
         if grouped:
             runs: dict[int, list[tuple[int, int]]] = {}
             for start, length, slot in segments:
                 runs.setdefault(slot, []).append((start, length))
+            counts = {slot: sum(n for _, n in rs) for slot, rs in runs.items()}
+            M = max(counts.values())
+            # batched when some slot needs a gather anyway and padding at most doubles the rows
+            if any(len(rs) > 1 for rs in runs.values()) and len(runs) * M <= 2 * sum(counts.values()):
+                if sum(counts.values()) < num_tokens:
+                    M += 1  # base rows read a zero row: make sure one exists
+                self.padded = self._padded(runs, M, num_tokens, device, dtype, max_loras)
+                return
             for slot, rs in runs.items():
                 if len(rs) == 1:
                     rows = slice(rs[0][0], rs[0][0] + rs[0][1])
@@ -50,6 +67,28 @@ class LoRAStep:
         else:
             cols = list(zip(*segments))
             self.seg_start, self.seg_len, self.seg_slot = (torch.tensor(c, dtype=torch.int32, device=device) for c in cols)
+
+    @staticmethod
+    def _padded(runs: dict[int, list[tuple[int, int]]], M: int, T: int, device, dtype, max_loras):
+        ids = sorted(runs)
+        index = torch.zeros(len(ids), M, dtype=torch.long)
+        mask = torch.zeros(len(ids), M, 1, dtype=dtype)
+        where = None
+        for i, slot in enumerate(ids):
+            rows = torch.cat([torch.arange(s, s + n) for s, n in runs[slot]])
+            n = len(rows)
+            index[i, :n] = rows
+            mask[i, :n] = 1
+            if n < M and where is None:
+                where = torch.full((T,), i * M + n, dtype=torch.long)  # a padding row: zero
+        if where is None:
+            where = torch.zeros(T, dtype=torch.long)  # every row runs under an adapter
+        for i, slot in enumerate(ids):
+            n = int(mask[i].sum())
+            where[index[i, :n]] = torch.arange(i * M, i * M + n)
+        every = max_loras is not None and ids == list(range(max_loras))
+        slot_ids = None if every else torch.tensor(ids, dtype=torch.long, device=device)
+        return slot_ids, index.flatten().to(device), mask.to(device), len(ids), M, where.to(device)
 
     @staticmethod
     def segments_of(chunk_lengths: list[int], chunk_slots: list[int]) -> list[tuple[int, int, int]]:
@@ -106,16 +145,25 @@ class LoRALinear:
 
 
 def apply_grouped(slots: ProjectionSlots, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> None:
-    """``y[rows, lo:hi] += expand(shrink(x[rows]))`` per slot of the step, in place."""
+    """``y[rows, lo:hi] += (x[rows] @ a_t) @ b_t`` per slot of the step, in place."""
+    if step.padded is not None:
+        slot_ids, index, mask, S, M, where = step.padded
+        a, b = slots.pad_a, slots.pad_b
+        if slot_ids is not None:
+            a, b = a.index_select(0, slot_ids), b.index_select(0, slot_ids)
+        h = torch.bmm(x.index_select(0, index).view(S, M, -1), a)
+        h.mul_(mask)  # padding rows gathered row 0: their products must be zero
+        y.add_(torch.bmm(h, b).view(S * M, -1).index_select(0, where))
+        return
     for slot, rows in step.groups:
         g = slots.grouped[slot]
         if g is None:
             continue
-        shrink, expand, lo, hi = g
+        a_t, b_t, lo, hi = g
         if isinstance(rows, slice):
-            y[rows, lo:hi] += expand(shrink(x[rows]))
+            y[rows, lo:hi].addmm_(x[rows] @ a_t, b_t)
         else:
-            y[:, lo:hi].index_add_(0, rows, expand(shrink(x.index_select(0, rows))))
+            y[:, lo:hi].index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)
 
 
 _kernels = None

@@ -49,7 +49,7 @@ class LoRAModel:
                 if isinstance(base, LoRALinear):
                     raise RuntimeError("LoRA is already enabled on this model")
                 slots = ProjectionSlots(base.in_features, self._out_slices(proj, base.out_features), max_loras, max_rank,
-                                        model.device, model.act_dtype, self.layout, model.linear_backend)
+                                        model.device, model.act_dtype, self.layout)
                 wrapper = LoRALinear(base, slots, self.state)
                 setattr(layer, proj, wrapper)
                 if proj in ("gate_up", "down") and getattr(layer.mlp, proj, None) is base:
@@ -105,7 +105,8 @@ class LoRAModel:
             if s >= self.max_loras or s < -1:
                 raise ValueError(f"LoRA slot {s} out of range -1..{self.max_loras - 1}")
         segments = LoRAStep.segments_of(chunk_lengths, chunk_slots)
-        self.state.step = LoRAStep(segments, sum(chunk_lengths), self.device, self.layout == "grouped") if segments else None
+        self.state.step = (LoRAStep(segments, sum(chunk_lengths), self.device, self.layout == "grouped", self.model.act_dtype, self.max_loras)
+                           if segments else None)
         try:
             yield
         finally:
