@@ -149,6 +149,8 @@ class Worker:
                 liveness={
                     "engine_loop": EngineLiveness(lambda: self.engine, s.liveness_timeout_s, busy=self.registry.busy),
                     "worker_loops": self.loops_alive,
+                    # a dead tensor-parallel rank: the worker is exiting; red until it has
+                    "engine_executors": lambda: getattr(self.engine, "fatal", None) is None,
                 },
                 readiness={
                     "model_loaded": lambda: self.engine is not None and bool(getattr(self.engine, "ready", False)),
