@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.engine.hf_reference import Reference
+from tests.engine.hf_reference import TIE_GAP, Reference
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -130,3 +130,18 @@ def peft_reference(base_model_dir, adapter_dir, prompt_token_ids: list[int], max
 def peft_greedy(base_model_dir, adapter_dir_or_none, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
     """HF/PEFT's greedy continuation (fp32, ``do_sample=False``, EOS not stopping)."""
     return peft_reference(base_model_dir, adapter_dir_or_none, prompt_token_ids, max_tokens).token_ids
+
+
+def assert_peft_greedy(base_model_dir, adapter_dir, prompt_token_ids: list[int], tokens: list[int], what: str = "") -> None:
+    """``tokens`` are PEFT's greedy continuation of the prompt, checked teacher-forced in one
+    forward: at every position PEFT's argmax given the prompt and ``tokens`` before it is the
+    token (or ties with it within float noise, :data:`TIE_GAP` in logprob). Equivalent to
+    comparing with :func:`peft_greedy` token for token (stricter after a tie: later positions are
+    still checked), at the cost of one forward instead of one per token."""
+    prompt = list(prompt_token_ids)
+    logits = peft_logits(base_model_dir, adapter_dir, prompt + list(tokens[:-1]))[len(prompt) - 1:]
+    for i, (tok, row) in enumerate(zip(tokens, logits)):
+        logp = torch.log_softmax(row, -1)
+        top = int(logp.argmax())
+        gap = (logp[top] - logp[tok]).item()
+        assert top == tok or gap < TIE_GAP, f"{what}: token {i} is {tok}, PEFT's greedy choice is {top} (logprob gap {gap:.4f})"
