@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 from qworker.engine.config import EngineConfig
 from qworker.engine.llm_engine import Capacity, LLMEngine, Prompt
+from qworker.engine.lora_request import LoRARequest
 from qworker.engine.output_processor import delta_output, final_output
 from qworker.engine.outputs import ERR_ENGINE, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class AsyncEngine:
         # scheduler's queues while the engine thread changes them
         self._capacity = engine.capacity()
         self._stats = engine.stats()
+        self._lora_stats = engine.lora_stats()
         # a finished compile wakes the engine thread when it sleeps waiting for grammars
         engine.grammars.add_listener(self._wake.set)
 
@@ -95,9 +97,16 @@ class AsyncEngine:
         """As of the last step; a copy the caller may keep."""
         return dict(self._stats)
 
+    def lora_stats(self) -> dict:
+        """Requests per LoRA adapter as of the last step: ``{"running": {name: n}, "waiting":
+        {name: n}, "max_lora": max_loras}`` (vLLM's ``vllm:lora_requests_info``)."""
+        return self._lora_stats
+
     def _snapshot(self) -> None:
         self._capacity = self.engine.capacity()
         self._stats = self.engine.stats()
+        if self.engine.loras.enabled:
+            self._lora_stats = self.engine.lora_stats()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -130,6 +139,8 @@ class AsyncEngine:
                 break
             if kind == "add":
                 arg[0].put(RuntimeError("the engine has shut down"))
+            elif kind == "call":
+                _settle_threadsafe(arg[1], arg[2], None, RuntimeError("the engine has shut down"))
 
     # -- requests ----------------------------------------------------------------------------------
     async def validate_structured(self, params: SamplingParams) -> None:
@@ -150,20 +161,25 @@ class AsyncEngine:
         handle.result()  # raises StructuredOutputError for a refused spec or a timeout
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, *,
-                       deadline: float | None = None, structured_validated: bool = False) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None, structured_validated: bool = False,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes. Raises ``InvalidRequestError`` at once for a
         request that can never run, ``ValueError`` for a request id already in flight.
         ``deadline`` (``time.time()``): see ``LLMEngine.add_request``; an expired request's one
-        output has finish_reason "abort" and ``error_code`` "deadline_exceeded"."""
+        output has finish_reason "abort" and ``error_code`` "deadline_exceeded". ``lora_request``:
+        the LoRA adapter it runs under; an adapter that fails to load ends this request alone,
+        finish_reason "abort", ``error_code`` "invalid_lora"."""
         if self._closed:
             raise RuntimeError("the engine has shut down")
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already in flight")
         ids = self.engine.encode(prompt)
         self.engine.check(ids, params)
+        self.engine.check_lora(lora_request)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._commands.put(("add", (stream, request_id, ids, params, priority, deadline, prompt if isinstance(prompt, str) else None, structured_validated)))
+        self._commands.put(("add", (stream, request_id, ids, params, priority, deadline, prompt if isinstance(prompt, str) else None, structured_validated,
+                                    lora_request)))
         self._notify()
         finished = False
         try:
@@ -181,6 +197,30 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", (request_id, stream)))
                 self._notify()
+
+    # -- LoRA adapters (vLLM's names) ---------------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads and validates an adapter (on a worker thread) into the engine's CPU cache; raises
+        ``InvalidRequestError`` ("invalid_lora") with the loader's reason."""
+        adapter = await asyncio.to_thread(self.engine.loras.load, lora_request)
+        return await self._on_engine_thread(lambda: self.engine.add_lora_loaded(lora_request, adapter))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._on_engine_thread(lambda: self.engine.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._on_engine_thread(self.engine.list_loras)
+
+    async def _on_engine_thread(self, fn):
+        """``fn()`` where the engine's state may be touched: on the engine thread between steps
+        (or here when that thread is not running)."""
+        if self._thread is None:
+            return fn()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._commands.put(("call", (fn, loop, fut)))
+        self._notify()
+        return await fut
 
     async def abort(self, request_id: str) -> None:
         """Aborts the request now holding ``request_id``; its stream gets a last "abort" delta."""
@@ -211,13 +251,20 @@ class AsyncEngine:
                     self._abort(rid)
                 return False
             if kind == "add":
-                stream, rid, ids, params, priority, deadline, text, validated = arg
+                stream, rid, ids, params, priority, deadline, text, validated, lora = arg
                 try:
-                    req = self.engine.add_request(rid, ids, params, priority, deadline, structured_validated=validated)
+                    req = self.engine.add_request(rid, ids, params, priority, deadline, structured_validated=validated, lora_request=lora)
                     req.prompt = text
                     self._listeners[rid] = stream
                 except Exception as e:  # validated on the loop side already; report, keep serving
                     stream.put(e)
+            elif kind == "call":
+                fn, loop, fut = arg
+                try:
+                    result, error = fn(), None
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    result, error = None, e
+                _settle_threadsafe(loop, fut, result, error)
             elif kind == "abort":
                 rid, stream = arg
                 if stream is None or self._listeners.get(rid) is stream:  # not a newer request's
@@ -290,12 +337,31 @@ class AsyncEngine:
                 break
             if kind == "add":
                 arg[0].put(e)
+            elif kind == "call":
+                _settle_threadsafe(arg[1], arg[2], None, e)
 
     def _idle_wait(self) -> float:
         deadlines = self.engine._deadlines
         if not deadlines:
             return _IDLE_WAIT_S
         return min(_IDLE_WAIT_S, max(0.0, deadlines[0][0] - time.time()))
+
+
+def _settle_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result, error: BaseException | None) -> None:
+    """From the engine thread: completes ``fut`` with ``result`` or ``error`` on its loop."""
+
+    def settle() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop closed: nobody awaits it any more
+        pass
 
 
 def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from qworker.engine.config import EngineConfig
 from qworker.engine.llm_engine import LLMEngine, Prompt
+from qworker.engine.lora_request import LoRARequest
 from qworker.engine.output_processor import final_output
 from qworker.engine.outputs import RequestOutput
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -185,11 +186,19 @@ def _progress(use_tqdm: bool | Callable[..., Any], total: int):
     return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
 
 
-def _check_progress_and_lora(use_tqdm, lora_request) -> None:
+def _check_progress(use_tqdm) -> None:
     if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
         raise TypeError(f"use_tqdm must be a bool or a tqdm-like callable, got {type(use_tqdm).__name__}")
-    if lora_request is not None:
-        raise InvalidRequestError("unsupported", "LoRA adapters are not supported (lora_request must be None)")
+
+
+def _loras(lora_request, n: int) -> list[LoRARequest | None]:
+    """vLLM's ``lora_request``: None (the base model), one ``LoRARequest`` for every prompt, or a
+    list with one per prompt (None entries: the base model)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if isinstance(lora_request, (list, tuple)):
+        return _per_prompt(lora_request, n, "lora_request")
+    raise InvalidRequestError("invalid_lora", f"lora_request must be a LoRARequest, a list of them (one per prompt) or None, got {type(lora_request).__name__}")
 
 
 class LLM:
@@ -212,21 +221,23 @@ class LLM:
         priority: Seq[int] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
-        lora_request: None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion with continuous batching; outputs in prompt order.
         Prompt forms: see the module docstring. ``priority``: one integer per prompt, lower first;
-        anything but 0 needs ``scheduling_policy="priority"`` (the default)."""
-        _check_progress_and_lora(use_tqdm, lora_request)
+        anything but 0 needs ``scheduling_policy="priority"`` (the default). ``lora_request``: the
+        LoRA adapter (``enable_lora=True``) for every prompt, or a list with one per prompt (None:
+        the base model); each adapter is loaded and checked before anything runs."""
+        _check_progress(use_tqdm)
         parsed = parse_prompts(prompts)
-        return self._run([p for p, _ in parsed], [t for _, t in parsed], sampling_params, priority, use_tqdm)
+        return self._run([p for p, _ in parsed], [t for _, t in parsed], sampling_params, priority, use_tqdm, lora_request)
 
     def chat(
         self,
         messages: list[dict] | Seq[list[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
-        lora_request: None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -240,7 +251,7 @@ class LLM:
         ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts (joined with
         newlines, as vLLM's "string" format); other part types are refused. ``RequestOutput.prompt``
         is the rendered text."""
-        _check_progress_and_lora(use_tqdm, lora_request)
+        _check_progress(use_tqdm)
         if mm_processor_kwargs is not None:
             raise _invalid("mm_processor_kwargs: multi-modal input is not supported (text models only)")
         if chat_template_content_format not in ("auto", "string", "openai"):
@@ -268,9 +279,10 @@ class LLM:
                 raise _invalid(f"{where}: chat template failed: {e}") from e
             prompts.append(_token_ids(list(ids), f"{where} (rendered)"))
             texts.append(text)
-        return self._run(prompts, texts, sampling_params, None, use_tqdm)
+        return self._run(prompts, texts, sampling_params, None, use_tqdm, lora_request)
 
-    def _run(self, prompts: list[Prompt], texts: list[str | None], sampling_params, priority, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], texts: list[str | None], sampling_params, priority, use_tqdm,
+             lora_request=None) -> list[RequestOutput]:
         """Checks everything, queues every prompt, steps until all are done; on any exception the
         requests queued here are aborted before it propagates (see the module docstring)."""
         n = len(prompts)
@@ -290,11 +302,19 @@ class LLM:
                 where = f"prompts[{i}]: " if n > 1 else ""
                 raise InvalidRequestError(e.code, f"{where}{e}") from e
             ids.append(tokens)
+        loras = _loras(lora_request, n)
+        for i, lora in enumerate(loras):
+            try:
+                self.engine.check_lora(lora)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(e.code, f"lora_request[{i}]: {e}" if isinstance(lora_request, (list, tuple)) else str(e)) from e
+        for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
+            self.engine.add_lora(lora)  # loads and validates now: a bad adapter fails the call before anything runs
         added: list[Request] = []
         bar = None
         try:
-            for tokens, text, p, prio in zip(ids, texts, params, prios):
-                req = self.engine.add_request(f"offline-{next(self._ids)}", tokens, p, prio)
+            for tokens, text, p, prio, lora in zip(ids, texts, params, prios, loras):
+                req = self.engine.add_request(f"offline-{next(self._ids)}", tokens, p, prio, lora_request=lora)
                 req.prompt = text
                 added.append(req)
             bar = _progress(use_tqdm, n)
@@ -315,6 +335,16 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    # -- LoRA adapters (vLLM's names) ---------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
 
 def _chat_messages(conv: object, where: str) -> list[dict]:

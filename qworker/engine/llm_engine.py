@@ -11,6 +11,8 @@ their hooks:
   nothing to run but compiles.
 - ``Speculator`` (``spec_decode/speculator.py``): n-gram drafts before the schedule, their
   verification in place of the sampler, and the counters and ``auto`` policy.
+- ``LoRAManager`` (``lora_manager.py``): LoRA adapters: loads off the step (a request waits
+  unscheduled for its adapter), the CPU cache, and the device slots filled before each forward.
 - ``step_recovery.py``: a step that failed or was interrupted (its KV untrusted, blame).
 """
 
@@ -25,6 +27,8 @@ from transformers import AutoTokenizer
 from qworker.engine.config import EngineConfig
 from qworker.engine.introspection import Capacity, engine_capacity, engine_stats
 from qworker.engine.kv_cache_manager import KVCacheManager
+from qworker.engine.lora_manager import LoRAManager
+from qworker.engine.lora_request import LoRARequest
 from qworker.engine.requests import Prompt, RequestBook, eos_token_ids
 from qworker.engine.sampler import sample
 from qworker.engine.sampling_params import SamplingParams
@@ -56,6 +60,8 @@ class LLMEngine:
         self.vocab_size = self.runner.model.vocab_size
         self.structured = StructuredOutputs(config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.runner.device)
 
+        # LoRA slots before the KV budget: on a GPU they take memory the pool must not count on
+        self.loras = LoRAManager(config, self.runner, {})
         block_bytes = self.runner.block_bytes(config.block_size)
         budget = self.runner.device_kv_budget(config.kv_cache_memory, config.gpu_memory_utilization, config.cpu_kv_cache_memory)
         num_blocks = budget // block_bytes
@@ -86,6 +92,7 @@ class LLMEngine:
         self.book = RequestBook(config, self.scheduler, self.tokenizer, self.vocab_size, self.max_model_len,
                                 self.eos_token_ids, self._generator.device, self.counters)
         self.requests = self.book.requests  # the same dict: the requests in flight
+        self.loras.requests = self.requests
 
     def thread_safe_tokenizer(self) -> None:
         """Gives the detokenizers (which run in ``step``) a copy of the tokenizer, for callers that
@@ -136,13 +143,18 @@ class LLMEngine:
         self.structured.validate(params)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, deadline: float | None = None,
-                    structured_validated: bool = False) -> Request:
+                    structured_validated: bool = False, lora_request: LoRARequest | None = None) -> Request:
         """Queues a request. ``deadline`` (``time.time()`` seconds): if it passes before the request
         is first scheduled, the request finishes without running (finish_reason "abort",
         ``error_code`` "deadline_exceeded"); once started, it runs to completion. A request with
-        ``params.structured_outputs`` waits (unscheduled) for its grammar; see ``structured/outputs.py``."""
-        req = self.book.make(request_id, prompt, params, priority, deadline, time.time())
+        ``params.structured_outputs`` waits (unscheduled) for its grammar; see ``structured/outputs.py``.
+        ``lora_request``: the LoRA adapter it runs under (None: the base model); it waits
+        (unscheduled) while the adapter loads, and ends with ``error_code`` "invalid_lora" if the
+        load fails; see ``lora_manager.py``."""
+        self.loras.check(lora_request)
+        req = self.book.make(request_id, prompt, params, priority, deadline, time.time(), lora_request)
         self.structured.submit(req, structured_validated)
+        self.loras.submit(req)
         self.book.record(req)
         self.scheduler.add(req.seqs[0])
         return req
@@ -154,8 +166,36 @@ class LLMEngine:
         return bool(self.requests)
 
     def wake(self) -> None:
-        """Ends a step's sleep while it waits for grammars (another thread has work for the engine)."""
+        """Ends a step's sleep while it waits for grammars or adapters (another thread has work
+        for the engine)."""
         self.structured.wake()
+        self.loras.wake()
+
+    # -- LoRA adapters (vLLM's names) ------------------------------------------------------------
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Raises ``InvalidRequestError`` ("invalid_lora") for a ``lora_request`` this engine can
+        never serve (LoRA off, not a LoRARequest, its id taken by another folder)."""
+        self.loras.check(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads and validates an adapter into the CPU cache now (blocking); raises
+        ``InvalidRequestError`` ("invalid_lora") with the loader's reason."""
+        return self.loras.add(lora_request)
+
+    def add_lora_loaded(self, lora_request: LoRARequest, adapter) -> bool:
+        """``add_lora`` with the adapter already read by ``loras.load`` (on another thread)."""
+        return self.loras.add(lora_request, adapter)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drops an adapter that no request in flight uses; False if none was dropped."""
+        return self.loras.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.loras.list()
+
+    def lora_stats(self) -> dict:
+        """``{"running": {name: requests}, "waiting": {name: requests}, "max_lora": max_loras}``."""
+        return self.loras.request_counts()
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -164,6 +204,7 @@ class LLMEngine:
         ``step_recovery.recover``."""
         expired = self.book.expire(time.time()) if self.book.deadlines else []
         expired += self.structured.poll(self.book, time.time())
+        expired += self.loras.poll(self.book, time.time())
         t0 = time.perf_counter()
         try:
             drafts = self.speculator.propose(self.scheduler.running)
@@ -177,6 +218,7 @@ class LLMEngine:
             self.kv.take_copies()
             raise
         self.structured.wait_if_idle(sched, self.book.seconds_to_deadline(time.time(), 0.5))
+        self.loras.wait_if_idle(sched, self.book.seconds_to_deadline(time.time(), 0.5))
         steps = self.counters["steps"]
         changed = self._run(sched)
         self.speculator.observe_step(sched, self.counters["steps"] > steps, time.perf_counter() - t0)
@@ -189,7 +231,7 @@ class LLMEngine:
                 if sched.copies:  # a step that runs nothing still owes its swap-outs
                     self.runner.kv.apply(sched.copies.swap_out, sched.copies.swap_in, sched.copies.copy)
                 return []
-            order, batch = prepare(sched, time.time())
+            order, batch = prepare(sched, time.time(), self.loras.activate(sched.scheduled, self.scheduler.running.loras))
             # everything that can fail runs before any request state moves
             sampling, rows, drafts, num_rows = sampling_rows(order, self._new_fork)
             masks = self.structured.start_masks(sampling)
@@ -280,6 +322,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = engine_stats(self.kv, self.scheduler, self.counters, self.structured, self.speculator)
+        stats.update(self.loras.stats())
         if hasattr(self.runner, "stats"):  # tensor parallel: rank 0's step and all-reduce time
             stats.update(self.runner.stats())
         return stats

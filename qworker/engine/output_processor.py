@@ -81,4 +81,5 @@ def _request_output(request: Request, outs: list[CompletionOutput]) -> RequestOu
         metrics=request.metrics,
         error=request.error,
         error_code=request.error_code,
+        lora_request=request.lora_request,
     )

@@ -102,3 +102,5 @@ class RequestOutput:
     error_code: str | None = None  # machine-readable reason next to ``error``: ERR_DEADLINE or ERR_ENGINE
     # vLLM's field; always None: ``SamplingParams.prompt_logprobs`` is refused at admission
     prompt_logprobs: list | None = None
+    # vLLM's field: the LoRARequest the request ran under (None: the base model)
+    lora_request: object | None = None

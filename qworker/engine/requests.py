@@ -20,6 +20,8 @@ import torch
 
 from qworker.engine.config import EngineConfig
 from qworker.engine.detokenizer import IncrementalDetokenizer
+from qworker.engine.lora_manager import prefix_root
+from qworker.engine.lora_request import LoRARequest
 from qworker.engine.outputs import ABORT, ERR_DEADLINE, LENGTH, STOP, RequestMetrics
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
 from qworker.engine.scheduler import Scheduler
@@ -109,9 +111,10 @@ class RequestBook:
             raise InvalidRequestError("invalid_sampling", f"min_tokens {params.min_tokens} exceeds the {room} tokens of context left after the prompt")
 
     def make(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int, deadline: float | None,
-             now: float) -> Request:
+             now: float, lora_request: LoRARequest | None = None) -> Request:
         """Validates and encodes a request and builds it with its first sequence; nothing is
-        recorded until ``record`` (a structured-output compile is submitted in between)."""
+        recorded until ``record`` (a structured-output compile and an adapter load are submitted
+        in between). ``lora_request``: checked by the caller (``LoRAManager.check``)."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams):
@@ -137,6 +140,8 @@ class RequestBook:
             metrics=RequestMetrics(arrival_time=now),
             sort_key=(priority if self.config.scheduling_policy == "priority" else 0, order),
             deadline=deadline,
+            lora_request=lora_request,
+            prefix_root=prefix_root(lora_request),
         )
         req.seqs.append(self.new_seq(req, 0))
         return req

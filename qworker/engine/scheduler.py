@@ -9,6 +9,15 @@ grammar is still compiling is skipped: it holds nothing and stops nobody). Prefi
 tokens share one forward pass. At most ``max_num_seqs`` sequences run: forks past that wait
 (``add_fork``).
 
+LoRA: the sequences in ``running`` use at most ``max_loras`` distinct adapters (the base model is
+no adapter), so every step's adapters fit the device slots. A swapped or waiting sequence whose
+adapter is not among the running ones while ``max_loras`` are is a sequence that does not fit:
+under the rule above it stops the queue behind it. Running sequences of the other adapters then
+drain, no newcomer can keep their adapters in, and once one adapter's last sequence leaves, the
+waiting one gets its slot: a rare adapter is never starved by a flood of others (the price is
+that requests of running adapters queued behind it wait too). A request whose adapter is still
+loading is skipped, like one whose grammar compiles. Forks share their parent's adapter.
+
 Under memory pressure the lowest-priority running sequence not yet scheduled this step is
 preempted: swapped to the CPU pool when it has room, recomputed otherwise. Nothing is aborted for
 lack of memory. A step that preempts does not swap anything in (that would thrash, and it keeps
@@ -89,13 +98,39 @@ class SortedQueue:
         return any(s is seq for _, s in self._items)
 
 
+class RunningQueue(SortedQueue):
+    """The running sequences, counting them per LoRA adapter (``loras``: id -> sequences; the
+    base model, id 0, is not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loras: dict[int, int] = {}
+
+    def add(self, seq: Sequence) -> None:
+        super().add(seq)
+        lora = seq.request.lora_int_id
+        if lora:
+            self.loras[lora] = self.loras.get(lora, 0) + 1
+
+    def remove(self, seq: Sequence) -> None:
+        super().remove(seq)
+        lora = seq.request.lora_int_id
+        if lora:
+            left = self.loras[lora] - 1
+            if left:
+                self.loras[lora] = left
+            else:
+                del self.loras[lora]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
         self.waiting = SortedQueue()
         self.swapped = SortedQueue()
-        self.running = SortedQueue()
+        self.running = RunningQueue()
+        self.max_loras = config.max_loras
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self.suspects: list[Request] = []  # see the module docstring; the first one runs alone
         # keep a little headroom when admitting so a new prefill does not force a preemption at once
@@ -222,6 +257,8 @@ class Scheduler:
                 continue
             if seq.request.grammar is not None and seq.structured is None:
                 continue  # its grammar is still compiling: skip it, not the rest of the queue
+            if seq.request.lora_loading:
+                continue  # its adapter is still loading: the same
             if budget == 0:
                 break
             if len(self.running) >= self.config.max_num_seqs:
@@ -243,6 +280,9 @@ class Scheduler:
 
     def _take(self, seq: Sequence, out: SchedulerOutput, budget: int, isolated: bool) -> int | None:
         """Resumes or admits ``seq``; the tokens scheduled for it, or None if it cannot run now."""
+        lora = seq.request.lora_int_id
+        if lora and lora not in self.running.loras and len(self.running.loras) >= self.max_loras:
+            return None  # every adapter slot is taken by running sequences (module docstring)
         if seq.status is SeqStatus.SWAPPED:
             # a step that preempts does not swap in (see the module docstring); isolation is
             # short and preempts only to make this room

@@ -4,6 +4,10 @@ A request holds ``n`` sequences (choices). It starts with one; ``n > 1`` forks i
 after the prompt is computed, the children sharing every KV block (copy-on-write).
 ``num_computed_tokens`` trails ``len(token_ids)``; each step the scheduler lets it catch up, which
 covers prefill, chunked prefill, decode, prefix hits and resumption after preemption alike.
+
+A request may run under a LoRA adapter (``lora_request``): every choice runs under it, and its
+block hashes chain from the adapter's own root (``prefix_root``), so a block computed under one
+adapter is never a prefix hit for another adapter or the base model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from qworker.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+    from qworker.engine.lora_request import LoRARequest
 
     from qworker.engine.detokenizer import IncrementalDetokenizer
     from qworker.engine.spec_decode.ngram import NgramIndex
@@ -87,7 +93,7 @@ class Sequence:
         hashes = self.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else NONE_HASH
+            parent = hashes[-1] if hashes else self.request.prefix_root
             hashes.append(hash_block(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
         return hashes[:num_blocks]
 
@@ -110,6 +116,17 @@ class Request:
     error: str | None = None
     error_code: str | None = None
     grammar: CompileHandle | None = None  # structured output: the compile this request waits for
+    # LoRA: the adapter every choice runs under (None: the base model), and whether it is still
+    # loading (the scheduler skips the request until it is loaded)
+    lora_request: LoRARequest | None = None
+    lora_loading: bool = False
+    # the parent hash of the first block: per adapter, so prefix hits never cross adapters
+    prefix_root: bytes = NONE_HASH
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def finished(self) -> bool:

@@ -11,22 +11,26 @@ from qworker.engine.sequence import Request, Sequence
 from qworker.model.batch import Batch, SeqChunk
 
 
-def prepare(sched: SchedulerOutput, now: float) -> tuple[list[ScheduledSeq], Batch]:
+def prepare(sched: SchedulerOutput, now: float, lora_slots: dict[int, int] | None = None) -> tuple[list[ScheduledSeq], Batch]:
     """The scheduled chunks in batch order, and the batch (with the step's block copies); ``now``
-    is the first scheduled time of those that start."""
+    is the first scheduled time of those that start. ``lora_slots``: adapter id -> the device
+    slot it sits in this step (``LoRAManager.activate``); a chunk runs under its request's
+    adapter's slot, the base model's chunks under -1."""
     # decodes first, then verifications: attention runs them as one batched decode call
     order = sorted(sched.scheduled, key=lambda s: 0 if s.num_new_tokens == 1 else 1 if s.draft else 2)
     for s in order:
         m = s.seq.request.metrics
         if m.first_scheduled_time is None:
             m.first_scheduled_time = now
-    batch = Batch(chunks=[_chunk(s) for s in order], swap_out=sched.copies.swap_out,
+    slots = lora_slots or {}
+    batch = Batch(chunks=[_chunk(s, slots) for s in order], swap_out=sched.copies.swap_out,
                   swap_in=sched.copies.swap_in, copy=sched.copies.copy)
     return order, batch
 
 
-def _chunk(s: ScheduledSeq) -> SeqChunk:
+def _chunk(s: ScheduledSeq, lora_slots: dict[int, int]) -> SeqChunk:
     seq = s.seq
+    lora = seq.request.lora_int_id
     start = seq.num_computed_tokens
     num_plain = s.num_new_tokens - len(s.draft)
     return SeqChunk(
@@ -35,6 +39,7 @@ def _chunk(s: ScheduledSeq) -> SeqChunk:
         block_ids=[b.block_id for b in seq.block_table],
         needs_logits=s.samples,
         num_draft=len(s.draft),
+        lora_slot=lora_slots[lora] if lora else -1,
     )
 
 
