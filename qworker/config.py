@@ -211,6 +211,14 @@ class WorkerSettings(BaseModel):
             SpeculativeConfig.parse(v)  # checked at start-up, before the model loads
         return v
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_modules_mapping(cls, v: Any) -> Any:
+        # from Python (Worker(WorkerSettings(...)), -o) a mapping is the JSON spelling
+        if isinstance(v, Mapping):
+            return json.dumps(dict(v))
+        return v
+
     @field_validator("lora_modules")
     @classmethod
     def _lora_modules(cls, v: str | None) -> str | None:

@@ -268,3 +268,10 @@ def test_modules_file_unreadable_from_the_start_is_counted(tmp_path: Path) -> No
     (tmp_path / "not-yet.json").write_text(f"a={tmp_path / 'a'}")
     asyncio.run(t.refresh())
     assert list(t.served) == ["a"]
+
+
+def test_modules_as_a_mapping_from_python() -> None:
+    s = WorkerSettings(lora_modules={"a": "/x", "b": "/y"})
+    assert s.lora_enabled and parse_modules(s.lora_modules) == {"a": "/x", "b": "/y"}
+    with pytest.raises(ValidationError, match="adapter name 'bad name'"):
+        WorkerSettings(lora_modules={"bad name": "/x"})
