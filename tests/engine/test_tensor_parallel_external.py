@@ -2,8 +2,7 @@
 qworker.model.parallel.follower`` with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) and the leader told not to spawn (``QWORKER_TP_EXTERNAL_FOLLOWERS``). The follower
 takes the model settings from the leader's first broadcast, serves greedy steps identical to one
-rank, and exits 0 on the leader's "stop". Its own module: the process group is per process, so
-it must not overlap the spawned-follower engines of test_tensor_parallel.py."""
+rank, and exits 0 on the leader's "stop"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,19 @@
-"""The process group: rendezvous, the model's all-reduce, the leader's command broadcast.
+"""The process groups: rendezvous, the model's all-reduce, the leader's command broadcast.
 
-Two groups over the same ranks:
+Every rank meets at a TCP store on ``MASTER_ADDR:MASTER_PORT`` (torchrun's rendezvous; rank 0
+hosts it and waits there for the others). Over it, two groups of the same ranks:
 
-* the model group (NCCL on CUDA, gloo on CPU): the all-reduce after each row-parallel projection.
-  Its timeout bounds a collective with a dead or hung rank.
-* the control group (always gloo, on the host): the leader's broadcast of each step's command, a
-  pickled :class:`~qworker.model.batch.Batch` (``broadcast_object_list``: a size, then the
-  bytes). A pickled object over gloo, not shared memory: the same code serves ranks on one host
-  and across nodes, and a step's batch is a few KB that costs well under a millisecond to send
-  next to the forward. On CUDA it stays off the device stream (NCCL would need a device copy).
+* the model group: the all-reduce after each row-parallel projection. On CPU a private gloo
+  group; on CUDA NCCL through torch.distributed's default group (so one tensor-parallel engine
+  per process on CUDA). Its timeout bounds a collective with a dead or hung rank.
+* the control group (always a private gloo group, on the host): the leader's broadcast of each
+  step's command, a pickled :class:`~qworker.model.batch.Batch` (its size, then its bytes). A
+  pickled object over gloo, not shared memory: the same code serves ranks on one host and across
+  nodes, and a step's batch is a few hundred bytes that pickle in ~0.02 ms, well under the
+  forward. On CUDA it stays off the device stream (NCCL would need a device copy).
 
-Rendezvous is torchrun's: ``tcp://MASTER_ADDR:MASTER_PORT``, rank 0 hosts the store.
+Private groups (not torch.distributed's global default) let several CPU engines live in one
+process, one after another or at once, each with its own store and groups.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import socket
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +33,7 @@ log = logging.getLogger(__name__)
 
 # seconds; a collective (all-reduce, command broadcast) that takes longer means a rank is gone
 DEFAULT_TIMEOUT_S = 120.0
-# seconds a rank waits for the others to load the model and join
+# seconds a rank waits for the others to start, join and load the model
 DEFAULT_START_TIMEOUT_S = 900.0
 
 
@@ -43,45 +48,87 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Comm:
-    """This process's membership of the group; counts its all-reduce time (seconds, calls)."""
+    """This process's membership of one tensor-parallel group; counts its all-reduce time."""
 
-    def __init__(self, rank: int, world: int, addr: str, port: int, device: torch.device, collective_timeout_s: float | None = None):
+    def __init__(self, rank: int, world: int, addr: str, port: int, device: torch.device, collective_timeout_s: float | None = None,
+                 alive: Callable[[], bool] | None = None):
+        """``alive`` (rank 0): False once a rank it started has exited, which ends every wait
+        for the others at once instead of at the start timeout."""
         self.rank, self.world, self.device = rank, world, device
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.alive = alive
         self.timeout_s = collective_timeout_s or timeout_s()
-        start = datetime.timedelta(seconds=max(DEFAULT_START_TIMEOUT_S, self.timeout_s))
-        if device.type == "cuda":
+        self.start_timeout_s = max(DEFAULT_START_TIMEOUT_S, self.timeout_s)
+        start = datetime.timedelta(seconds=self.start_timeout_s)
+        short = datetime.timedelta(seconds=self.timeout_s)
+        # the rendezvous waits for ranks that start late (pods of a multi-node group come up one by one)
+        self.store = dist.TCPStore(addr, port, world, rank == 0, timeout=start, wait_for_workers=False)
+        if rank == 0:
+            self._wait_keys([f"joined/{r}" for r in range(1, world)], "joining the group")
+        else:
+            self.store.set(f"joined/{rank}", b"1")
+        self._default = device.type == "cuda"
+        if self._default:
             torch.cuda.set_device(device)
-        # the rendezvous waits for ranks that start late (pods of a multi-node group come up one
-        # by one); the model group's collectives get the short timeout
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=start)
-        self.model = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+            dist.init_process_group("nccl", store=dist.PrefixStore("default", self.store), rank=rank, world_size=world, timeout=start)
+            self._model_group = dist.new_group(backend="nccl", timeout=short)
+            self._model = None
+        else:
+            self._model = dist.ProcessGroupGloo(dist.PrefixStore("model", self.store), rank, world, short)
         # the control group waits out model loads (the first command comes after them); while
         # idle the leader pings, so a follower never waits this long on a live leader
-        self.control = dist.new_group(backend="gloo", timeout=start)
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), rank, world, start)
+        self._gathers = 0
         self.allreduce_seconds = 0.0
         self.allreduce_calls = 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sums ``t`` over the ranks, in place; every rank gets the same sum."""
         start = time.perf_counter()
-        dist.all_reduce(t, group=self.model)
-        # on CUDA the call returns once enqueued: this counts launch time, not the NCCL kernel
+        if self._model is not None:
+            self._model.allreduce([t]).wait()
+        else:  # NCCL: enqueued on the stream; this counts launch time, not the kernel
+            dist.all_reduce(t, group=self._model_group)
         self.allreduce_seconds += time.perf_counter() - start
         self.allreduce_calls += 1
         return t
 
     def broadcast(self, obj=None):
-        """Rank 0 sends ``obj``; every rank returns it."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        """Rank 0 sends ``obj`` (pickled); every rank returns it."""
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            size = torch.tensor([len(data)], dtype=torch.long)
+        else:
+            size = torch.zeros(1, dtype=torch.long)
+        self.control.broadcast([size], dist.BroadcastOptions()).wait()
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+        self.control.broadcast([buf], dist.BroadcastOptions()).wait()
+        return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
 
     def gather(self, obj) -> list | None:
-        """Every rank's ``obj`` on rank 0 (None elsewhere), over the control group."""
-        out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.control)
-        return out
+        """Every rank's ``obj`` on rank 0 (None elsewhere), through the store; rank 0 waits for
+        each up to the store's timeout, or until the store sees the rank gone."""
+        self._gathers += 1
+        key = f"gather/{self._gathers}/"
+        if self.rank != 0:
+            self.store.set(key + str(self.rank), pickle.dumps(obj))
+            return None
+        keys = [key + str(r) for r in range(1, self.world)]
+        self._wait_keys(keys, "answering")
+        return [obj] + [pickle.loads(self.store.get(k)) for k in keys]
+
+    def _wait_keys(self, keys: list[str], what: str) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.store.check(keys):
+            if self.alive is not None and not self.alive():
+                raise RuntimeError(f"a rank exited before {what}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks did not finish {what} within {self.start_timeout_s:.0f} s")
+            time.sleep(0.05)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Drops the groups (their connections close with them)."""
+        self._model = self.control = None
+        if self._default and dist.is_initialized():
             dist.destroy_process_group()
+            self._default = False
+        self.store = None

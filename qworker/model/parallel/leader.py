@@ -109,7 +109,7 @@ class ParallelRunner:
                 self._procs.append(p)
         self._finalizer = weakref.finalize(self, _kill, list(self._procs))
         try:
-            self.comm = cm.Comm(0, world, addr, port, dev, timeout_s)
+            self.comm = cm.Comm(0, world, addr, port, dev, timeout_s, alive=lambda: all(p.exitcode is None for p in self._procs))
             self.comm.broadcast({"model_dir": model_dir, "dtype": dtype, "max_model_len": max_model_len,
                                  "kv_cache_dtype": kv_cache_dtype, "kernel_backend": kernel_backend})
             error = None
