@@ -17,7 +17,8 @@ only the names in ``QWORKER_LORA_MODULES`` exist. Invariants:
   bytes change (a bad new version keeps the last good set), and every adapter's version is
   re-checked; only what changed is validated again. A refused adapter whose folder changes
   (e.g. appears) is tried again. A removed name stops taking new jobs at once; its running jobs
-  finish under the version they started with.
+  finish under the version they started with; a version no longer served is dropped from the
+  engine's adapter cache (``release``) once no request uses it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger("qworker.worker")
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 _UNREAD = b"\x00unread"  # no file bytes seen yet (a real modules file is UTF-8 text, never this)
 _LISTED = 20  # names quoted in a model_not_found message
+MAX_RETIRED = 1024  # retired versions remembered for release (beyond: the engine's LRU drops them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,8 @@ class Adapters:
         self._ids: dict[tuple[str, tuple | None], int] = {}
         self._next_id = 1
         self._file_bytes: bytes | None = _UNREAD  # the file's last bytes; None: unreadable last time
+        self.engine: Any = None  # set: versions no longer served are dropped from its adapter cache
+        self.retired: list[LoRARequest] = []  # no longer served, maybe still in the engine's cache
 
     # ------------------------------------------------------------------ lookups (event loop)
     def resolve(self, model: str | None, lora: str | None, enabled: bool) -> Resolution:
@@ -137,7 +141,7 @@ class Adapters:
                 except Exception as e:  # noqa: BLE001 - any failure refuses this adapter alone
                     reason = " ".join(str(e).split())[:1000] or type(e).__name__
             if reason is not None:
-                self.served.pop(name, None)
+                self._retire(self.served.pop(name, None))
                 self.refused[name] = reason
                 self.refusals[name] = self.refusals.get(name, 0) + 1
                 log.error("LoRA adapter %r (%s) refused: %s", name, path, reason)
@@ -145,6 +149,8 @@ class Adapters:
                 self.refused.pop(name, None)
                 req = LoRARequest(name, self._id_for(name, checks[name]), resolved or path)
                 old = self.served.get(name)
+                if old is not None and old.lora_int_id != req.lora_int_id:
+                    self._retire(old)
                 self.served[name] = req
                 log.info("LoRA adapter %r %s: %s (id %d)", name, "reloaded" if old is not None else "serving", req.lora_path, req.lora_int_id)
             changed = True
@@ -188,7 +194,27 @@ class Adapters:
             self._next_id += 1
         return self._ids[key]
 
+    def _retire(self, req: LoRARequest | None) -> None:
+        if req is not None:
+            self.retired = [*self.retired, req][-MAX_RETIRED:]
+
+    async def release(self) -> None:
+        """Drops retired versions from the engine's adapter cache once no request uses them
+        (the engine refuses while one does: tried again next round). Memory only: a retired id
+        is never handed out again, so nothing could hit it anyway."""
+        if not self.retired or self.engine is None or not hasattr(self.engine, "remove_lora"):
+            return
+        loaded = await self.engine.list_loras()
+        keep = []
+        for req in self.retired:
+            if req.lora_int_id in loaded and not await self.engine.remove_lora(req.lora_int_id):
+                keep.append(req)
+            elif req.lora_int_id in loaded:
+                log.info("LoRA adapter %r version %d dropped from the engine's cache", req.lora_name, req.lora_int_id)
+        self.retired = keep
+
     def _drop(self, name: str) -> None:
+        self._retire(self.served.get(name))
         self.served.pop(name, None)
         self.refused.pop(name, None)
         self._paths.pop(name, None)
@@ -201,6 +227,7 @@ class Adapters:
             try:
                 if await self.refresh() and on_change is not None:
                     on_change()
+                await self.release()
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad round
                 log.exception("LoRA reload round failed")
 
@@ -225,5 +252,6 @@ async def start_adapters(modules: str | None, root: str | None, engine: Any, bas
         return load_lora_adapter(path, base_config, max_rank, root=root).path
 
     table = Adapters(modules, validate, base_name, base_names)
+    table.engine = engine
     await table.refresh()
     return table

@@ -2,7 +2,8 @@
 adapter table (names -> LoRARequest, int ids per version, reload, refusals) and its metrics.
 
 The adapter check here is a stand-in (``validate`` is injected; the real one, the model layer's
-``load_lora_adapter``, runs in test_worker_lora.py): these tests are about the table's rules.
+``load_lora_adapter``, runs in test_worker_lora.py), and so is the engine's adapter cache in one
+test (``CacheStandIn``, its two calls only): these tests are about the table's rules.
 """
 
 from __future__ import annotations
@@ -275,3 +276,41 @@ def test_modules_as_a_mapping_from_python() -> None:
     assert s.lora_enabled and parse_modules(s.lora_modules) == {"a": "/x", "b": "/y"}
     with pytest.raises(ValidationError, match="adapter name 'bad name'"):
         WorkerSettings(lora_modules={"bad name": "/x"})
+
+
+class CacheStandIn:
+    """The engine's adapter-cache calls (vLLM's list_loras / remove_lora), recorded: ids in
+    ``busy`` are refused as the engine refuses an adapter a request in flight uses."""
+
+    def __init__(self, loaded: set[int]):
+        self.loaded, self.busy, self.removed = set(loaded), set(), []
+
+    async def list_loras(self) -> set[int]:
+        return set(self.loaded)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        if lora_id in self.busy or lora_id not in self.loaded:
+            return False
+        self.loaded.discard(lora_id)
+        self.removed.append(lora_id)
+        return True
+
+
+def test_versions_no_longer_served_leave_the_engine_cache(tmp_path: Path) -> None:
+    validate, _ = checker()
+    a, b = adapter_dir(tmp_path, "a"), adapter_dir(tmp_path, "b")
+    modules = tmp_path / "modules"
+    modules.write_text(f"x={a} y={b}")
+    t = Adapters(str(modules), validate, "base")
+    asyncio.run(t.refresh())
+    x_old, y_old = t.served["x"].lora_int_id, t.served["y"].lora_int_id
+    t.engine = CacheStandIn({x_old, y_old})
+    t.engine.busy = {y_old}
+    modules.write_text(f"x={b}")  # x moves (new id), y is removed
+    asyncio.run(t.refresh())
+    asyncio.run(t.release())
+    assert t.engine.removed == [x_old] and [r.lora_int_id for r in t.retired] == [y_old]  # y still in flight: kept
+    t.engine.busy = set()
+    asyncio.run(t.release())
+    assert t.engine.removed == [x_old, y_old] and t.retired == []
+    assert t.served["x"].lora_int_id not in (x_old, y_old)
