@@ -128,6 +128,9 @@ STEP_PLANS = {
     "decode": ([1] * 12, [0, 1, 2, 0, 1, -1, 2, 0, 1, 2, 0, -1]),
     "decode_full": ([1] * 6, [0, 1, 0, 1, 2, 2]),
     "decode_subset": ([1] * 6, [0, 2, 0, 2, -1, 0]),
+    # long segments alone beside a few short rows (read, added and written back by index)
+    "mixed": ([1, 20, 1, 17, 1, 3, 2], [0, 1, 2, 0, -1, 1, 1]),
+    "long": ([16, 30, 1], [0, 1, -1]),
 }
 
 
@@ -141,7 +144,7 @@ def test_stack_layout_agrees_with_grouped(plan):
     S, R, fin, outs = 3, 8, 24, (16, 8, 8)
     grouped = ProjectionSlots(fin, list(outs), S, R, torch.device("cpu"), torch.float32, "grouped")
     stack = ProjectionSlots(fin, list(outs), S, R, torch.device("cpu"), torch.float32, "stack")
-    empty = 2 if plan == "prefill" else None
+    empty = 2 if plan in ("prefill", "mixed") else None
     for slot, ranks in ((0, (3, None, 8)), (1, (None, 5, None)), (2, (None, None, None) if empty == 2 else (2, 2, 2))):
         pairs = [None if r is None else (torch.randn(r, fin, generator=gen), torch.randn(o, r, generator=gen)) for r, o in zip(ranks, outs)]
         grouped.set(slot, pairs)
@@ -152,7 +155,9 @@ def test_stack_layout_agrees_with_grouped(plan):
     x = torch.randn(T, fin, generator=gen)
     y0 = torch.randn(T, sum(outs), generator=gen)
     step = LoRAStep(segments, T, torch.device("cpu"), grouped=True, max_loras=S)
-    assert (step.padded is not None) == plan.startswith("decode")
+    assert (step.padded is not None) == (plan != "long")
+    assert (step.padded is not None and step.padded.where is not None) == (plan in ("prefill", "decode", "decode_full", "decode_subset"))
+    assert bool(step.long) == (plan in ("mixed", "long"))
     y = y0.clone()
     apply_grouped(grouped, x, y, step)
     expected = y0.clone()

@@ -8,14 +8,15 @@ step while the forward runs and ``None`` otherwise (then the wrapper costs one a
 
 Two paths, by the slots' layout (:mod:`.stack`):
 
-* grouped (CPU): per slot, its rows (a slice when its segments are one run, else an index
-  gather) go through the slot's shrink and expand GEMMs once, and the result is added into the
-  columns the adapter targets. When slots' rows are scattered and about as many (decode), all
-  slots run at once instead: their rows gathered into a ``[slots, M, in]`` block (short groups
-  padded, the padding's products zeroed), two batched GEMMs over the padded stacks, and every
-  row of ``y`` adds its row of the result (base rows a zero padding row): six ops per projection
-  whatever the number of slots. (A gather, not ``index_add_``: torch's CPU ``index_add_`` adds
-  one row at a time and was as slow as the two GEMMs together.)
+* grouped (CPU): a segment of at least :data:`LONG_SEGMENT` rows (prefill) runs alone: its
+  slot's shrink GEMM on the row slice, then one ``addmm_`` per targeted slice straight into
+  ``y``'s rows and columns. The shorter segments (decode) run together, every slot at once:
+  their rows gathered into a ``[slots, M, in]`` block (short groups padded, the padding's
+  products zeroed), a batched shrink over ``pad_a``, a batched expand per slice; then either
+  every row of ``y`` adds its row of the result (when the short rows are most of the step; base
+  rows read a zero padding row) or only the short rows are read, added and written back. Never
+  ``index_add_`` into column slices: torch's CPU kernel adds one row at a time there and was
+  5x slower than a gather and an add.
 * stack (Triton backend): ``kernels.lora_sgmv.lora_shrink`` once over all segments, then
   ``lora_expand`` per output slice, in place. Where that module is unavailable (no triton, or
   not built yet) the same stacks run through a torch loop over the segments.
@@ -27,11 +28,14 @@ import torch
 
 from qworker.model.lora.stack import ProjectionSlots
 
+# segments this long run alone (row slices, no gather); shorter ones run batched over all slots
+LONG_SEGMENT = 16
+
 
 class LoRAStep:
     """The adapter segments of one step over its ``T`` rows."""
 
-    __slots__ = ("slots", "segments", "num_tokens", "groups", "padded", "seg_start", "seg_len", "seg_slot", "tiles")
+    __slots__ = ("slots", "segments", "num_tokens", "long", "padded", "seg_start", "seg_len", "seg_slot", "tiles")
 
     def __init__(self, segments: list[tuple[int, int, int]], num_tokens: int, device: torch.device, grouped: bool,
                  dtype: torch.dtype = torch.float32, max_loras: int | None = None):
@@ -41,54 +45,21 @@ class LoRAStep:
         self.num_tokens = num_tokens
         self.tiles = None  # the kernels' tile map, built by the first projection that needs it
         self.slots = frozenset(s for _, _, s in segments)
-        self.groups: list[tuple[int, slice | torch.Tensor]] = []
-        # (slot ids or None for all slots in order, row index [S*M], pad mask [S, M, 1], S, M,
-        #  each of the T rows' position in the padded result [T])
-        self.padded = None
+        self.long: list[tuple[slice, int]] = []  # (rows, slot) of the segments that run alone
+        self.padded: Padded | None = None  # the short segments, batched
         self.seg_start = self.seg_len = self.seg_slot = None
         if grouped:
-            runs: dict[int, list[tuple[int, int]]] = {}
+            short: dict[int, list[tuple[int, int]]] = {}
             for start, length, slot in segments:
-                runs.setdefault(slot, []).append((start, length))
-            counts = {slot: sum(n for _, n in rs) for slot, rs in runs.items()}
-            M = max(counts.values())
-            # batched when some slot needs a gather anyway and padding at most doubles the rows
-            if any(len(rs) > 1 for rs in runs.values()) and len(runs) * M <= 2 * sum(counts.values()):
-                if sum(counts.values()) < num_tokens:
-                    M += 1  # base rows read a zero row: make sure one exists
-                self.padded = self._padded(runs, M, num_tokens, device, dtype, max_loras)
-                return
-            for slot, rs in runs.items():
-                if len(rs) == 1:
-                    rows = slice(rs[0][0], rs[0][0] + rs[0][1])
+                if length >= LONG_SEGMENT:
+                    self.long.append((slice(start, start + length), slot))
                 else:
-                    rows = torch.cat([torch.arange(s, s + n) for s, n in rs]).to(device)
-                self.groups.append((slot, rows))
+                    short.setdefault(slot, []).append((start, length))
+            if short:
+                self.padded = Padded(short, num_tokens, device, dtype, max_loras)
         else:
             cols = list(zip(*segments))
             self.seg_start, self.seg_len, self.seg_slot = (torch.tensor(c, dtype=torch.int32, device=device) for c in cols)
-
-    @staticmethod
-    def _padded(runs: dict[int, list[tuple[int, int]]], M: int, T: int, device, dtype, max_loras):
-        ids = sorted(runs)
-        index = torch.zeros(len(ids), M, dtype=torch.long)
-        mask = torch.zeros(len(ids), M, 1, dtype=dtype)
-        where = None
-        for i, slot in enumerate(ids):
-            rows = torch.cat([torch.arange(s, s + n) for s, n in runs[slot]])
-            n = len(rows)
-            index[i, :n] = rows
-            mask[i, :n] = 1
-            if n < M and where is None:
-                where = torch.full((T,), i * M + n, dtype=torch.long)  # a padding row: zero
-        if where is None:
-            where = torch.zeros(T, dtype=torch.long)  # every row runs under an adapter
-        for i, slot in enumerate(ids):
-            n = int(mask[i].sum())
-            where[index[i, :n]] = torch.arange(i * M, i * M + n)
-        every = max_loras is not None and ids == list(range(max_loras))
-        slot_ids = None if every else torch.tensor(ids, dtype=torch.long, device=device)
-        return slot_ids, index.flatten().to(device), mask.to(device), len(ids), M, where.to(device)
 
     @staticmethod
     def segments_of(chunk_lengths: list[int], chunk_slots: list[int]) -> list[tuple[int, int, int]]:
@@ -104,6 +75,45 @@ class LoRAStep:
                     segments.append((at, n, slot))
             at += n
         return segments
+
+
+class Padded:
+    """The short segments of a step as a ``[S, M]`` grid: row ``i`` holds slot ``slot_ids[i]``'s
+    rows (``index``), padded to ``M`` with row 0 (``mask`` zeroes their products). The result
+    goes back either through ``where`` (every one of the ``T`` rows' position in the grid; rows
+    not in it read a zero padding position) or, when the short rows are few, through ``rows``
+    and their positions ``pos``."""
+
+    __slots__ = ("slot_ids", "index", "mask", "S", "M", "where", "rows", "pos")
+
+    def __init__(self, short: dict[int, list[tuple[int, int]]], T: int, device, dtype, max_loras: int | None):
+        ids = sorted(short)
+        counts = [sum(n for _, n in short[s]) for s in ids]
+        n_short = sum(counts)
+        M = max(counts)
+        full = 2 * n_short >= T  # mostly short rows: a full-width gather beats indexing y
+        if full and n_short < T and min(counts) == M:
+            M += 1  # the other rows read a zero padding position: make sure one exists
+        index = torch.zeros(len(ids), M, dtype=torch.long)
+        mask = torch.zeros(len(ids), M, 1, dtype=dtype)
+        for i, slot in enumerate(ids):
+            index[i, :counts[i]] = torch.cat([torch.arange(s, s + n) for s, n in short[slot]])
+            mask[i, :counts[i]] = 1
+        positions = torch.cat([torch.arange(i * M, i * M + n) for i, n in enumerate(counts)])
+        rows = torch.cat([index[i, :n] for i, n in enumerate(counts)])
+        self.where = self.rows = self.pos = None
+        if full:
+            zero = next((i * M + n for i, n in enumerate(counts) if n < M), 0)
+            where = torch.full((T,), zero, dtype=torch.long)
+            where[rows] = positions
+            self.where = where.to(device)
+        else:
+            self.rows, self.pos = rows.to(device), positions.to(device)
+        every = max_loras is not None and ids == list(range(max_loras))
+        self.slot_ids = None if every else torch.tensor(ids, dtype=torch.long, device=device)
+        self.index = index.flatten().to(device)
+        self.mask = mask.to(device)
+        self.S, self.M = len(ids), M
 
 
 class LoRAState:
@@ -145,25 +155,29 @@ class LoRALinear:
 
 
 def apply_grouped(slots: ProjectionSlots, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> None:
-    """``y[rows, lo:hi] += (x[rows] @ a_t) @ b_t`` per slot of the step, in place."""
-    if step.padded is not None:
-        slot_ids, index, mask, S, M, where = step.padded
-        a, b = slots.pad_a, slots.pad_b
-        if slot_ids is not None:
-            a, b = a.index_select(0, slot_ids), b.index_select(0, slot_ids)
-        h = torch.bmm(x.index_select(0, index).view(S, M, -1), a)
-        h.mul_(mask)  # padding rows gathered row 0: their products must be zero
-        y.add_(torch.bmm(h, b).view(S * M, -1).index_select(0, where))
-        return
-    for slot, rows in step.groups:
+    """Adds every adapter row's ``(x @ A.T) @ B.T`` into ``y`` in place (see the module docstring)."""
+    for rows, slot in step.long:
         g = slots.grouped[slot]
         if g is None:
             continue
-        a_t, b_t, lo, hi = g
-        if isinstance(rows, slice):
-            y[rows, lo:hi].addmm_(x[rows] @ a_t, b_t)
+        a_t, parts = g
+        h = x[rows] @ a_t
+        for b_t, k0, k1, o0, o1 in parts:
+            y[rows, o0:o1].addmm_(h[:, k0:k1], b_t)
+    p = step.padded
+    if p is None or slots.pad_a is None:
+        return
+    S, M = p.S, p.M
+    a = slots.pad_a if p.slot_ids is None else slots.pad_a.index_select(0, p.slot_ids)
+    h = torch.bmm(x.index_select(0, p.index).view(S, M, -1), a)
+    h.mul_(p.mask)  # padding gathered row 0: its products must be zero
+    for pb, k0, k1, o0, o1 in slots.pad_b:
+        b = pb if p.slot_ids is None else pb.index_select(0, p.slot_ids)
+        d = torch.bmm(h[:, :, k0:k1], b).view(S * M, o1 - o0)
+        if p.where is not None:
+            y[:, o0:o1].add_(d.index_select(0, p.where))
         else:
-            y[:, lo:hi].index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)
+            y[p.rows, o0:o1] += d.index_select(0, p.pos)
 
 
 _kernels = None

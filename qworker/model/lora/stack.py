@@ -7,16 +7,18 @@ them, the scaling already in B. Two layouts, chosen by the model's kernel backen
 * ``"stack"`` (the Triton kernels of :mod:`kernels.lora_sgmv`): ``a_stack [S, n*R, in]`` with
   slice ``i``'s A in rows ``i*R : i*R + r`` and ``b_stacks[i] [S, out_i, R]`` with its B in
   columns ``:r``; ranks below ``R = max_rank`` and modules an adapter does not target are zeros.
-* ``"grouped"`` (CPU): per slot, two row-major GEMM operands, the ``x @ w`` layout of
-  :class:`~qworker.model.linear.Linear`'s ``"matmul"`` path: ``a_t [in, k]``, the targeted slices'
-  A rows concatenated (``k`` the sum of their ranks, no padding), and ``b_t [k, hi - lo]``, their
-  B's block-diagonal over the columns ``lo:hi`` that the targeted slices span. A step then costs
-  two GEMMs per (slot, projection). Not oneDNN's packed weights: with ``k`` in the tens its
-  primitives were 5-10x slower than MKL's ``x @ w`` on the development VM (16 rows: expand to
-  960 columns 730 us against 120 us).
-  The same matrices also sit in ``pad_a [S, in, K]`` and ``pad_b [S, K, out]`` (``K`` the largest
-  ``k`` of the slots, zero-padded, every column): a step whose slots' rows are scattered (decode)
-  runs all slots as two batched GEMMs instead of two GEMMs, a gather and a scatter per slot.
+* ``"grouped"`` (CPU): row-major GEMM operands, the ``x @ w`` layout of
+  :class:`~qworker.model.linear.Linear`'s ``"matmul"`` path (not oneDNN's packed weights: with
+  LoRA's ``k`` in the tens its primitives were 5-10x slower than MKL's ``x @ w`` on the development
+  VM, 16 rows expanded to 960 columns in 730 us against 120 us). Per slot, ``grouped[s] =
+  (a_t, parts)``: ``a_t [in, k]`` the targeted slices' A rows concatenated (``k`` the sum of their
+  ranks, no padding) and per targeted slice ``(b_t [r_i, out_i], k0, k1, o0, o1)``: its B, the
+  columns ``k0:k1`` of ``x @ a_t`` it reads and the output columns ``o0:o1`` it adds to (one
+  GEMM per slice: a block-diagonal B would multiply the zeros too, 2-3x the expand's work).
+  The same matrices also sit in ``pad_a [S, in, K]`` and per slice ``pad_b`` parts
+  ``([S, K_i, out_i], k0, k1, o0, o1)``, ranks zero-padded to the largest of the slots (``K_i``;
+  ``K`` their sum): a step whose slots' rows are short and scattered (decode) runs every slot at
+  once as batched GEMMs instead of GEMMs per segment.
 
 ``active[s]`` says whether slot ``s`` changes this projection at all: projections that no slot
 of a step targets are skipped.
@@ -29,7 +31,7 @@ import torch
 
 class ProjectionSlots:
     __slots__ = ("in_features", "out_slices", "offsets", "max_rank", "layout", "active", "a_stack", "b_stacks", "grouped",
-                 "pad_a", "pad_b", "dtype", "device", "max_loras")
+                 "pad_a", "pad_b", "ranks", "dtype", "device", "max_loras")
 
     def __init__(self, in_features: int, out_slices: list[int], max_loras: int, max_rank: int, device: torch.device,
                  dtype: torch.dtype, layout: str):
@@ -43,12 +45,14 @@ class ProjectionSlots:
         self.dtype = dtype
         self.max_loras = max_loras
         self.pad_a: torch.Tensor | None = None
-        self.pad_b: torch.Tensor | None = None
+        self.pad_b: list[tuple[torch.Tensor, int, int, int, int]] = []
+        # per slot, per slice: the rank (0 where the slot's adapter leaves the slice alone)
+        self.ranks = [[0] * len(out_slices) for _ in range(max_loras)]
         self.device = device
         self.active = [False] * max_loras
         self.a_stack: torch.Tensor | None = None
         self.b_stacks: list[torch.Tensor] = []
-        self.grouped: list[tuple[torch.Tensor, torch.Tensor, int, int] | None] = [None] * max_loras
+        self.grouped: list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, int, int, int]]] | None] = [None] * max_loras
         if layout == "stack":
             n = len(out_slices)
             self.a_stack = torch.zeros(max_loras, n * max_rank, in_features, device=device, dtype=dtype)
@@ -79,39 +83,40 @@ class ProjectionSlots:
                 self.b_stacks[i][slot, :, :r].copy_(b)
 
     def _set_grouped(self, slot: int, pairs) -> None:
+        self.ranks[slot] = [0 if p is None else p[0].shape[0] for p in pairs]
         targeted = [i for i, p in enumerate(pairs) if p is not None]
         if not targeted:
             self.grouped[slot] = None
-            self._repad()
-            return
-        lo = self.offsets[targeted[0]]
-        hi = self.offsets[targeted[-1]] + self.out_slices[targeted[-1]]
-        a_cat = torch.cat([pairs[i][0] for i in targeted]).to(self.device, self.dtype)
-        b_bd = torch.zeros(hi - lo, a_cat.shape[0], device=self.device, dtype=self.dtype)
-        col = 0
-        for i in targeted:
-            b = pairs[i][1]
-            row = self.offsets[i] - lo
-            b_bd[row:row + b.shape[0], col:col + b.shape[1]] = b
-            col += b.shape[1]
-        self.grouped[slot] = (a_cat.t().contiguous(), b_bd.t().contiguous(), lo, hi)
+        else:
+            a_t = torch.cat([pairs[i][0] for i in targeted]).to(self.device, self.dtype).t().contiguous()
+            parts, k0 = [], 0
+            for i in targeted:
+                b = pairs[i][1]
+                r = b.shape[1]
+                parts.append((b.to(self.device, self.dtype).t().contiguous(), k0, k0 + r, self.offsets[i], self.offsets[i] + self.out_slices[i]))
+                k0 += r
+            self.grouped[slot] = (a_t, parts)
         self._repad()
 
     def _repad(self) -> None:
         """Rebuilds ``pad_a`` / ``pad_b`` from every slot's grouped matrices."""
-        live = [g for g in self.grouped if g is not None]
-        if not live:
-            self.pad_a = self.pad_b = None
+        widths = [max(ranks[i] for ranks in self.ranks) for i in range(len(self.out_slices))]
+        if not any(widths):
+            self.pad_a, self.pad_b = None, []
             return
-        K = max(g[0].shape[1] for g in live)
-        pad_a = torch.zeros(self.max_loras, self.in_features, K, device=self.device, dtype=self.dtype)
-        pad_b = torch.zeros(self.max_loras, K, self.out_features, device=self.device, dtype=self.dtype)
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        pad_a = torch.zeros(self.max_loras, self.in_features, sum(widths), device=self.device, dtype=self.dtype)
+        pad_b = {i: torch.zeros(self.max_loras, w, self.out_slices[i], device=self.device, dtype=self.dtype) for i, w in enumerate(widths) if w}
         for s, g in enumerate(self.grouped):
-            if g is not None:
-                a_t, b_t, lo, hi = g
-                pad_a[s, :, :a_t.shape[1]] = a_t
-                pad_b[s, :b_t.shape[0], lo:hi] = b_t
-        self.pad_a, self.pad_b = pad_a, pad_b
+            if g is None:
+                continue
+            a_t, parts = g
+            slices = [i for i, r in enumerate(self.ranks[s]) if r]
+            for i, (b_t, k0, k1, _, _) in zip(slices, parts):
+                pad_a[s, :, starts[i]:starts[i] + k1 - k0] = a_t[:, k0:k1]
+                pad_b[i][s, :k1 - k0] = b_t
+        self.pad_a = pad_a
+        self.pad_b = [(pb, starts[i], starts[i] + widths[i], self.offsets[i], self.offsets[i] + self.out_slices[i]) for i, pb in pad_b.items()]
 
 
 __all__ = ["ProjectionSlots"]
