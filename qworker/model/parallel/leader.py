@@ -128,7 +128,7 @@ class ParallelRunner:
             self.close()
             raise
         self.kv = None
-        self._watcher = threading.Thread(target=self._watch, name="qworker-tp-watch", daemon=True)
+        self._watcher = threading.Thread(target=_watch, args=(weakref.ref(self),), name="qworker-tp-watch", daemon=True)
         self._watcher.start()
         log.info("tensor parallel: %d ranks (%s), followers %s", world, "gloo" if dev.type == "cpu" else "nccl",
                  "external" if external else [p.pid for p in self._procs])
@@ -226,30 +226,48 @@ class ParallelRunner:
             log.error("%s", self.failure)
         return self.failure
 
-    def _watch(self) -> None:
-        """Notices a follower death while idle, and pings the followers while nothing else talks."""
-        sentinels = [p.sentinel for p in self._procs]
-        while not self._closed and self.failure is None:
-            ready = multiprocessing.connection.wait(sentinels, timeout=1.0) if sentinels else []
-            if ready:
-                gone = [p for p in self._procs if p.sentinel in ready]
-                for p in gone:  # the sentinel fires as the process ends, a moment before it is reaped
-                    p.join(timeout=5)
-                with self._lock:
-                    if not self._closed and self.failure is None:
-                        self._fail(", ".join(f"rank {p.name.rsplit('rank', 1)[-1]} (pid {p.pid}) exited with status {p.exitcode}"
-                                             for p in gone))
-                return
-            if not sentinels:
-                time.sleep(1.0)
-            if time.monotonic() - self._last_command > PING_INTERVAL_S and self._lock.acquire(blocking=False):
-                try:
-                    if not self._closed and self.failure is None:
-                        self._send("ping", None)
-                except ExecutorFailed:
-                    return
-                finally:
-                    self._lock.release()
+    def _watch_once(self, ready: list) -> bool:
+        """One round of the watcher: a follower whose sentinel fired fails the runner; else a
+        ping if nothing was sent for a while. False when there is nothing more to watch."""
+        if self._closed or self.failure is not None:
+            return False
+        if ready:
+            gone = [p for p in self._procs if p.sentinel in ready]
+            for p in gone:  # the sentinel fires as the process ends, a moment before it is reaped
+                p.join(timeout=5)
+            with self._lock:
+                if not self._closed and self.failure is None:
+                    self._fail(", ".join(f"rank {p.name.rsplit('rank', 1)[-1]} (pid {p.pid}) exited with status {p.exitcode}"
+                                         for p in gone))
+            return False
+        if time.monotonic() - self._last_command > PING_INTERVAL_S and self._lock.acquire(blocking=False):
+            try:
+                if not self._closed and self.failure is None:
+                    self._send("ping", None)
+            except ExecutorFailed:
+                return False
+            finally:
+                self._lock.release()
+        return True
+
+
+def _watch(ref: weakref.ref) -> None:
+    """The watcher thread: notices a follower death while idle and pings the followers while
+    nothing else talks. It holds the runner only by a weak reference between rounds, so a runner
+    its engine dropped is collected (and its followers killed by the finalizer)."""
+    runner = ref()
+    sentinels = [p.sentinel for p in runner._procs] if runner is not None else []
+    del runner
+    while True:
+        if sentinels:
+            ready = multiprocessing.connection.wait(sentinels, timeout=1.0)
+        else:
+            time.sleep(1.0)
+            ready = []
+        runner = ref()
+        if runner is None or not runner._watch_once(ready):
+            return
+        del runner
 
 
 def _kill(procs) -> None:
