@@ -43,8 +43,8 @@ def lora_engine_available() -> bool:
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    """root/{a, b, big} (big: rank above the worker's limit), root/link -> a folder outside the
-    root, root/missing (no folder); returns (root, outside copy, paths by name)."""
+    """root/{a, b, big, nan} (big: rank above the worker's limit, nan: a NaN weight), root/link ->
+    a folder outside the root, root/missing (no folder); returns (root, paths by name)."""
     from tests.engine.lora_support import ALL_MODULES, edit_adapter_config, make_peft_adapter
 
     base = tmp_path_factory.mktemp("lora")
@@ -57,6 +57,14 @@ def adapters(tmp_path_factory):
     shutil.copytree(root / "a", root / "big")
     edit_adapter_config(root / "big", r=MAX_RANK * 2)  # refused on its config, before any tensor is read
     paths["big"] = root / "big"
+    shutil.copytree(root / "a", root / "nan")  # a's tensors with one NaN
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(root / "nan" / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    tensors[first].view(-1)[0] = float("nan")
+    save_file(tensors, str(root / "nan" / "adapter_model.safetensors"))
+    paths["nan"] = root / "nan"
     shutil.copytree(root / "a", outside / "a")  # a valid adapter, but outside the root
     os.symlink(outside / "a", root / "link")
     paths["link"] = root / "link"
@@ -135,7 +143,7 @@ async def test_jobs_pick_adapters_by_name(lora_engine, adapters, broker, tmp_pat
     eng = lora_engine
     root, paths = adapters
     modules = tmp_path / "modules.json"
-    modules.write_text(json.dumps({n: paths[n] for n in ("a", "b", "big", "link", "missing")}))
+    modules.write_text(json.dumps({n: paths[n] for n in ("a", "b", "big", "nan", "link", "missing")}))
     s = make_settings(broker.bootstrap, lora_modules=str(modules), lora_root=str(root), lora_reload_interval_s=0.2)
     await create_topics(s, partitions=4)
     exporter = InMemorySpanExporter()
@@ -148,7 +156,8 @@ async def test_jobs_pick_adapters_by_name(lora_engine, adapters, broker, tmp_pat
     try:
         # the hostile adapters are refused with their reasons; the worker is up and serves the rest
         assert sorted(w.adapters.served) == ["a", "b"]
-        assert sorted(w.adapters.refused) == ["big", "link", "missing"]
+        assert sorted(w.adapters.refused) == ["big", "link", "missing", "nan"]
+        assert "NaN" in w.adapters.refused["nan"]
         assert "rank" in w.adapters.refused["big"] and "outside" in w.adapters.refused["link"] and "does not exist" in w.adapters.refused["missing"]
         jobs = [
             native("n-base"), native("n-a", lora="a"), native("n-b", lora="b"), native("n-a-by-model", model="a"),
