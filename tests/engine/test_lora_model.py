@@ -168,3 +168,26 @@ def test_stack_layout_agrees_with_grouped(plan):
         assert moved == (slot >= 0 and slot != empty), f"row {row} (slot {slot})"
     if plan == "prefill":
         assert segments[-1] == (12, 6, 0)  # the last two chunks merged
+
+
+def test_slot_rewrites_keep_the_layouts_in_step():
+    """Adapters replaced, cleared and refilled in place (ranks growing past the padded width,
+    then smaller again): after every write both layouts still add the same products."""
+    gen = torch.Generator().manual_seed(1)
+    S, R, fin, outs = 3, 8, 24, (16, 8, 8)
+    grouped = ProjectionSlots(fin, list(outs), S, R, torch.device("cpu"), torch.float32, "grouped")
+    stack = ProjectionSlots(fin, list(outs), S, R, torch.device("cpu"), torch.float32, "stack")
+    lengths, chunk_slots = STEP_PLANS["decode"]
+    segments = LoRAStep.segments_of(lengths, chunk_slots)
+    T = sum(lengths)
+    x = torch.randn(T, fin, generator=gen)
+    writes = [(0, (2, None, 2)), (1, (3, 3, None)), (2, (None, None, 1)), (1, (8, None, 6)), (0, None), (2, (1, 1, 1)), (0, (4, 4, 4))]
+    for slot, ranks in writes:
+        pairs = [None] * 3 if ranks is None else [
+            None if r is None else (torch.randn(r, fin, generator=gen), torch.randn(o, r, generator=gen)) for r, o in zip(ranks, outs)]
+        grouped.set(slot, pairs)
+        stack.set(slot, pairs)
+        y, expected = torch.zeros(T, sum(outs)), torch.zeros(T, sum(outs))
+        apply_grouped(grouped, x, y, LoRAStep(segments, T, torch.device("cpu"), grouped=True, max_loras=S))
+        apply_stack_torch(stack, x, expected, LoRAStep(segments, T, torch.device("cpu"), grouped=False))
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4, msg=lambda m: f"after writing slot {slot} {ranks}: {m}")

@@ -17,8 +17,9 @@ them, the scaling already in B. Two layouts, chosen by the model's kernel backen
   GEMM per slice: a block-diagonal B would multiply the zeros too, 2-3x the expand's work).
   The same matrices also sit in ``pad_a [S, in, K]`` and per slice ``pad_b`` parts
   ``([S, K_i, out_i], k0, k1, o0, o1)``, ranks zero-padded to the largest of the slots (``K_i``;
-  ``K`` their sum): a step whose slots' rows are short and scattered (decode) runs every slot at
-  once as batched GEMMs instead of GEMMs per segment.
+  ``K`` their sum; they grow with the largest rank seen and never shrink): a step whose slots'
+  rows are short and scattered (decode) runs every slot at once as batched GEMMs instead of
+  GEMMs per segment.
 
 ``active[s]`` says whether slot ``s`` changes this projection at all: projections that no slot
 of a step targets are skipped.
@@ -96,27 +97,49 @@ class ProjectionSlots:
                 parts.append((b.to(self.device, self.dtype).t().contiguous(), k0, k0 + r, self.offsets[i], self.offsets[i] + self.out_slices[i]))
                 k0 += r
             self.grouped[slot] = (a_t, parts)
-        self._repad()
+        self._repad(slot)
 
-    def _repad(self) -> None:
-        """Rebuilds ``pad_a`` / ``pad_b`` from every slot's grouped matrices."""
-        widths = [max(ranks[i] for ranks in self.ranks) for i in range(len(self.out_slices))]
-        if not any(widths):
-            self.pad_a, self.pad_b = None, []
+    def _repad(self, slot: int) -> None:
+        """Writes ``slot`` into ``pad_a`` / ``pad_b``. The padded widths only grow (a slot's new
+        rank above them rebuilds both from every slot; anything else rewrites this slot alone),
+        so swapping adapters of one rank costs one slot's copy."""
+        widths = [max(w, self.ranks[slot][i]) for i, w in enumerate(self._widths())]
+        if widths != self._widths():
+            self._rebuild(widths)
             return
+        if self.pad_a is None:
+            return
+        self.pad_a[slot].zero_()
+        for pb, _, _, _, _ in self.pad_b:
+            pb[slot].zero_()
+        self._write_padded(slot)
+
+    def _widths(self) -> list[int]:
+        if self.pad_a is None:
+            return [0] * len(self.out_slices)
+        widths = [0] * len(self.out_slices)
+        for pb, k0, k1, o0, _ in self.pad_b:
+            widths[self.offsets.index(o0)] = k1 - k0
+        return widths
+
+    def _rebuild(self, widths: list[int]) -> None:
         starts = [sum(widths[:i]) for i in range(len(widths))]
-        pad_a = torch.zeros(self.max_loras, self.in_features, sum(widths), device=self.device, dtype=self.dtype)
-        pad_b = {i: torch.zeros(self.max_loras, w, self.out_slices[i], device=self.device, dtype=self.dtype) for i, w in enumerate(widths) if w}
-        for s, g in enumerate(self.grouped):
-            if g is None:
-                continue
-            a_t, parts = g
-            slices = [i for i, r in enumerate(self.ranks[s]) if r]
-            for i, (b_t, k0, k1, _, _) in zip(slices, parts):
-                pad_a[s, :, starts[i]:starts[i] + k1 - k0] = a_t[:, k0:k1]
-                pad_b[i][s, :k1 - k0] = b_t
-        self.pad_a = pad_a
-        self.pad_b = [(pb, starts[i], starts[i] + widths[i], self.offsets[i], self.offsets[i] + self.out_slices[i]) for i, pb in pad_b.items()]
+        self.pad_a = torch.zeros(self.max_loras, self.in_features, sum(widths), device=self.device, dtype=self.dtype)
+        self.pad_b = [(torch.zeros(self.max_loras, w, self.out_slices[i], device=self.device, dtype=self.dtype), starts[i], starts[i] + w,
+                       self.offsets[i], self.offsets[i] + self.out_slices[i]) for i, w in enumerate(widths) if w]
+        for s in range(self.max_loras):
+            self._write_padded(s)
+
+    def _write_padded(self, slot: int) -> None:
+        g = self.grouped[slot]
+        if g is None:
+            return
+        a_t, parts = g
+        pads = {o0: (pb, k0) for pb, k0, _, o0, _ in self.pad_b}
+        for b_t, k0, k1, o0, _ in parts:
+            pb, start = pads[o0]
+            self.pad_a[slot, :, start:start + k1 - k0] = a_t[:, k0:k1]
+            pb[slot, :k1 - k0] = b_t
 
 
 __all__ = ["ProjectionSlots"]
