@@ -46,6 +46,7 @@ def test_leader_worker_set_is_one_unit_of_ranks(render):
     assert r.config["QWORKER_TENSOR_PARALLEL_SIZE"] == "4"
     target = r.one("ScaledObject")["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("LeaderWorkerSet", lws["metadata"]["name"])
+    assert "LeaderWorkerSet group of 4 pods" in r.notes
 
 
 @pytest.mark.parametrize("values,needle", [
