@@ -20,7 +20,7 @@ from tests.engine.hf_reference import assert_greedy_matches
 from tests.engine.lora_support import ALL_MODULES, make_peft_adapter, peft_reference
 
 MAX_LORAS = 2
-KV_BLOCKS = 20  # 16-token blocks: five 60-token requests at once do not fit, so some preempt
+KV_BLOCKS = 14  # 16-token blocks: five 52-token requests at once do not fit, so some preempt
 PROMPTS = [
     [1, 504, 3458, 314, 2114, 282, 4649, 30, 378, 13],
     [1, 22, 333, 4444, 55, 6, 22, 333, 4444, 55],
@@ -128,14 +128,18 @@ def test_preemption_and_forks_keep_each_request_on_its_adapter(llm, adapters, mo
     a, b, c = adapters.values()
     engine = llm.engine
     before = engine.stats()
-    long_prompts = [[1] + [(7 * i + 13 * j) % 5000 + 100 for j in range(45)] for i in range(6)]
-    loras = [a, b, None, a, None, b]
-    outs = llm.generate(long_prompts, greedy(14), lora_request=loras, use_tqdm=False)
+    long_prompts = [[1] + [(7 * i + 13 * j) % 5000 + 100 for j in range(39)] for i in range(5)]
+    loras = [a, b, None, a, b]
+    outs = llm.generate(long_prompts, greedy(12), lora_request=loras, use_tqdm=False)
     after = engine.stats()
     assert after["preemptions_swap"] + after["preemptions_recompute"] > before["preemptions_swap"] + before["preemptions_recompute"]
-    # each alone (no pressure, no preemption) gives the same tokens: preemption kept the adapter
-    for i, (prompt, lora) in enumerate(zip(long_prompts, loras)):
-        (alone,) = llm.generate([prompt], greedy(14), lora_request=lora, use_tqdm=False)
+    preempted = [i for i, o in enumerate(outs) if o.metrics.num_preemptions]
+    assert preempted
+    # run alone (no pressure, no preemption) a preempted request gives the same tokens: it came
+    # back under its own adapter
+    for i in preempted[:2]:
+        (alone,) = llm.generate([long_prompts[i]], greedy(12), lora_request=loras[i], use_tqdm=False)
+        assert alone.metrics.num_preemptions == 0
         assert alone.outputs[0].token_ids == outs[i].outputs[0].token_ids, f"request {i}"
     # n > 1: every greedy choice of a forked request runs under the request's adapter
     (out,) = llm.generate([PROMPTS[0]], SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True), lora_request=c, use_tqdm=False)
