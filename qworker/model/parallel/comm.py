@@ -68,7 +68,8 @@ class Comm:
             self.store.set(f"joined/{rank}", b"1")
         self._default = device.type == "cuda"
         if self._default:
-            torch.cuda.set_device(device)
+            if device.index is not None:  # "cuda" alone: the current device (set_device wants an index)
+                torch.cuda.set_device(device)
             dist.init_process_group("nccl", store=dist.PrefixStore("default", self.store), rank=rank, world_size=world, timeout=start)
             self._model_group = dist.new_group(backend="nccl", timeout=short)
             self._model = None
