@@ -81,6 +81,7 @@ def pair(request, tmp_path_factory, model_dir):
         path = model_dir
     else:
         path = build_family_model(name, tmp_path_factory.mktemp(f"tp-{name}"), model_dir, **MODELS[name])
+    threads = torch.get_num_threads()
     one = make(path, 1)
     two = make(path, 2)
     try:
@@ -89,6 +90,9 @@ def pair(request, tmp_path_factory, model_dir):
         procs = followers(two)
         close(two)
         assert all(p.exitcode is not None for p in procs), "a follower outlived its engine"
+        # the leader took its share of the cores (cpu_count / tp threads); close() gives them back
+        # in the thread that calls it, which for the AsyncEngine test was not this one
+        torch.set_num_threads(threads)
 
 
 def greedy(n: int) -> SamplingParams:

@@ -82,6 +82,8 @@ class ParallelRunner:
         self._last_command = time.monotonic()
         self._procs: list[mp.process.BaseProcess] = []
         self._closed = False
+        self._threads_before: int | None = None
+        self._threads: int | None = None  # rank 0's torch threads on CPU
         self.comm: cm.Comm | None = None
         self.step_seconds = 0.0
         self.steps = 0
@@ -97,8 +99,9 @@ class ParallelRunner:
             addr, port = "127.0.0.1", cm.free_port()
             devices = follower_devices(dev, world)
             threads = None
-            if dev.type == "cpu":  # the ranks share the host's cores
+            if dev.type == "cpu":  # the ranks share the host's cores (restored by close())
                 threads = max(1, (os.cpu_count() or 1) // world)
+                self._threads_before, self._threads = torch.get_num_threads(), threads
                 torch.set_num_threads(threads)
             ctx = mp.get_context("spawn")
             for rank in range(1, world):
@@ -150,6 +153,8 @@ class ParallelRunner:
     def execute(self, batch: Batch) -> torch.Tensor:
         with self._lock:
             self._check()
+            if self._threads is not None and torch.get_num_threads() != self._threads:
+                torch.set_num_threads(self._threads)  # the count is per thread: the engine's may be new
             t0 = time.perf_counter()
             try:
                 self.comm.broadcast(("step", batch))
@@ -199,6 +204,8 @@ class ParallelRunner:
         _kill(self._procs)
         if self.comm is not None:  # with the peers gone, even a broken group closes at once
             self.comm.close()
+        if self._threads_before is not None:  # in the calling thread (and threads started after)
+            torch.set_num_threads(self._threads_before)
 
     # -- failure ------------------------------------------------------------------------------------
     def _command(self, cmd: str, arg) -> None:
