@@ -18,8 +18,9 @@ Two paths, by the slots' layout (:mod:`.stack`):
   ``index_add_`` into column slices: torch's CPU kernel adds one row at a time there and was
   5x slower than a gather and an add.
 * stack (Triton backend): ``kernels.lora_sgmv.lora_shrink`` once over all segments, then
-  ``lora_expand`` per output slice, in place. Where that module is unavailable (no triton, or
-  not built yet) the same stacks run through a torch loop over the segments.
+  ``lora_expand`` per output slice, in place. Where that module is unavailable (no triton) or
+  ``max_lora_rank`` exceeds what the expand kernel holds (128), the same stacks run through a
+  torch loop over the segments.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from qworker.model.lora.stack import ProjectionSlots
 
 # segments this long run alone (row slices, no gather); shorter ones run batched over all slots
 LONG_SEGMENT = 16
+# lora_expand holds a rank in one tile; larger max_lora_rank runs the stacks through torch
+KERNEL_MAX_RANK = 128
 
 
 class LoRAStep:
@@ -198,7 +201,7 @@ def _sgmv():
 def apply_stack(slots: ProjectionSlots, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> None:
     """Shrink over every segment, then expand each output slice into its columns of ``y``."""
     k = _sgmv()
-    if not k:
+    if not k or slots.max_rank > KERNEL_MAX_RANK:
         apply_stack_torch(slots, x, y, step)
         return
     R = slots.max_rank
