@@ -21,7 +21,8 @@ Three paths:
 :func:`cpu_linear_backend` chooses between the two CPU paths once per process and dtype: oneDNN
 needs the private ops, a dtype its build supports on this CPU, and a result that equals the
 reference on a small check; then both paths time a few of the model's own layers at decode- and
-prefill-sized inputs, and oneDNN is taken unless it is clearly slower. ``QWORKER_CPU_LINEAR=onednn``
+prefill-sized inputs (one thread, its CPU time: see :func:`measure_backends`), and oneDNN is taken
+unless it is clearly slower. ``QWORKER_CPU_LINEAR=onednn``
 or ``=matmul`` forces a path (an unavailable oneDNN then raises).
 """
 
@@ -159,11 +160,27 @@ def cpu_linear_backend(dtype: torch.dtype, sample: list[torch.Tensor]) -> str:
 
 def measure_backends(dtype: torch.dtype, sample: list[torch.Tensor], rows=_PROBE_ROWS, rounds: int = 3) -> dict[str, float]:
     """Median seconds, per path, of one pass of every weight in ``sample`` at each row count
-    (summed over the row counts); the two paths alternate round by round."""
+    (summed over the row counts); the two paths alternate round by round.
+
+    Timed on one thread with that thread's CPU time: on a shared machine a multi-threaded
+    wall-clock probe measures the other processes (a 2-thread oneDNN or MKL call whose partner
+    thread is preempted waits a scheduler slice at each barrier: probes of 2 ms took 2-300 ms at a
+    load average of 8 and picked either path at random), while one thread's CPU time gave the
+    same answer run after run (bf16 on AMX: oneDNN 2.4-2.7 ms, x @ w 3.3-3.5 ms)."""
     layers = {b: [Linear(w.to(dtype), None, b) for w in sample] for b in BACKENDS}
     gen = torch.Generator().manual_seed(0)
     inputs = {(r, n): torch.randn(r, n, generator=gen).to(dtype) for r in rows for n in {w.shape[1] for w in sample}}
     times: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _time_backends(layers, inputs, rows, rounds, times)
+    finally:
+        torch.set_num_threads(threads)
+    return {b: statistics.median(t) for b, t in times.items()}
+
+
+def _time_backends(layers: dict, inputs: dict, rows, rounds: int, times: dict[str, list[float]]) -> None:
     with torch.inference_mode():
         for b in BACKENDS:  # warm-up: first calls create oneDNN primitives
             for r in rows:
@@ -171,9 +188,8 @@ def measure_backends(dtype: torch.dtype, sample: list[torch.Tensor], rows=_PROBE
                     lin(inputs[r, lin.in_features])
         for _ in range(rounds):
             for b in BACKENDS:
-                start = time.perf_counter()
+                start = time.thread_time()
                 for r in rows:
                     for lin in layers[b]:
                         lin(inputs[r, lin.in_features])
-                times[b].append(time.perf_counter() - start)
-    return {b: statistics.median(t) for b, t in times.items()}
+                times[b].append(time.thread_time() - start)
