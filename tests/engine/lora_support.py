@@ -76,7 +76,8 @@ def _reference_model(base_model_dir, adapter_dir):
     key = str(Path(base_model_dir).resolve())
     ref = _references.get(key)
     if ref is None:
-        model = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+        # eager attention: what the family tests compare with (sdpa has no soft-capping)
+        model = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32, attn_implementation="eager").eval()
         # EOS neither stops nor is suppressed, like the engine's ignore_eos
         model.generation_config.eos_token_id = None
         ref = _references[key] = {"model": model, "peft": None, "names": {}}
