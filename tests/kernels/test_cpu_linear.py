@@ -71,3 +71,11 @@ def test_measure_backends_times_both():
         pytest.skip("no oneDNN")
     t = linear.measure_backends(torch.float32, [torch.randn(64, 32), torch.randn(32, 64)], rows=(4,), rounds=1)
     assert set(t) == {"onednn", "matmul"} and all(v > 0 for v in t.values())
+
+
+def test_measure_backends_leaves_the_thread_count_alone():
+    """The start-up probe times one thread; torch's thread count is what it was afterwards."""
+    before = torch.get_num_threads()
+    t = linear.measure_backends(torch.float32, [torch.randn(48, 40)], rows=(3,), rounds=1)
+    assert set(t) == set(linear.BACKENDS) and all(v >= 0 for v in t.values())
+    assert torch.get_num_threads() == before
