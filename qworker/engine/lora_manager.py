@@ -39,6 +39,7 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.errors import InvalidRequestError
 from qworker.engine.lora_request import LoRARequest
 from qworker.engine.sequence import SeqStatus
+from qworker.model.lora.adapter import LoRAAdapterError, load_lora_adapter
 
 if TYPE_CHECKING:
     from qworker.engine.requests import RequestBook
@@ -46,6 +47,14 @@ if TYPE_CHECKING:
     from qworker.engine.sequence import Request
 
 ERR_LORA = "invalid_lora"  # RequestOutput.error_code / InvalidRequestError.code of an adapter refused
+
+
+class LoRALoadError(InvalidRequestError, LoRAAdapterError):
+    """An adapter that could not be loaded (``add_lora``, ``LLM.generate``): the engine's refusal
+    (code "invalid_lora") and the loader's error type at once, with the loader's reason."""
+
+    def __init__(self, message: str):
+        InvalidRequestError.__init__(self, ERR_LORA, message)
 
 
 def prefix_root(lora: LoRARequest | None) -> bytes:
@@ -129,8 +138,6 @@ class LoRAManager:
         req.lora_loading = True
 
     def _load(self, lora: LoRARequest):
-        from qworker.model.lora.adapter import load_lora_adapter  # the model layer, loaded only with LoRA
-
         return load_lora_adapter(lora.lora_path, self.runner.config, self.max_rank)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -227,7 +234,15 @@ class LoRAManager:
                 break
             if int_id not in in_flight:
                 del self.loaded[int_id]
+                self._forget_slot(int_id)
                 self.counters["lora_evictions"] += 1
+
+    def _forget_slot(self, int_id: int) -> None:
+        """Marks the slot holding ``int_id`` (if any) free. Once the cache has dropped an id, the
+        engine no longer knows it: it may come back under another folder (or its files rewritten),
+        and must then be written to a slot again, never served from the old weights."""
+        if int_id in self.slot_ids:
+            self.slot_ids[self.slot_ids.index(int_id)] = None
 
     def ids_in_flight(self) -> set[int]:
         return {r.lora_request.lora_int_id for r in self.requests.values() if r.lora_request is not None}
@@ -241,7 +256,7 @@ class LoRAManager:
         try:
             return self._load(lora)
         except (ValueError, OSError) as e:  # LoRAAdapterError (a ValueError), or the folder unreadable
-            raise InvalidRequestError(ERR_LORA, f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}) could not be loaded: {e}") from e
+            raise LoRALoadError(f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}) could not be loaded: {e}") from e
 
     def add(self, lora: LoRARequest, adapter=None) -> bool:
         """vLLM's ``add_lora``: loads (blocking, unless ``adapter`` is what ``load`` returned for

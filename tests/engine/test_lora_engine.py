@@ -16,6 +16,7 @@ import pytest
 
 from qworker import LLM, InvalidRequestError, LoRARequest, SamplingParams
 from qworker.engine.structured.spec import StructuredOutputsParams
+from qworker.model.lora.adapter import LoRAAdapterError
 from qworker.engine.async_engine import AsyncEngine
 from tests.engine.lora_support import ALL_MODULES, assert_peft_greedy, make_peft_adapter
 
@@ -166,7 +167,7 @@ def test_bad_lora_requests_are_refused_before_anything_runs(llm, adapters, tmp_p
     a = adapters["all8"]
     with pytest.raises(InvalidRequestError, match="could not be loaded") as e:
         llm.generate(PROMPTS[:2], greedy(3), lora_request=[a, LoRARequest("gone", 77, str(tmp_path / "missing"))], use_tqdm=False)
-    assert e.value.code == "invalid_lora"
+    assert e.value.code == "invalid_lora" and isinstance(e.value, LoRAAdapterError)  # the loader's type too
     bad = tmp_path / "too-big"
     bad.mkdir()
     (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 64, "lora_alpha": 8, "target_modules": ["q_proj"]}))
