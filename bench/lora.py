@@ -10,8 +10,9 @@ up, down; rank 16, alpha 16; B drawn non-zero so the outputs really move), saved
 tokens of licence text, 24-40 output tokens each (EOS ignored, greedy); with ``k`` adapters
 request ``i`` runs under adapter ``i % k`` (evenly mixed: every step holds up to ``k`` of them).
 
-Modes, each one ``LLM.generate`` of the whole workload (prefill included), tokens/s = output
-tokens / wall seconds:
+Modes, each one ``LLM.generate`` of the whole workload (prefill included, prefix caching off in
+both engines: every run repeats the same prompts, which the base engine alone would otherwise serve
+from its cache), tokens/s = output tokens / wall seconds:
 
 * ``base``: an engine without LoRA (``enable_lora=False``): the reference every ratio divides by;
 * ``base, LoRA engine``: the LoRA engine with no adapter on any request (what enabling LoRA costs
@@ -19,12 +20,17 @@ tokens / wall seconds:
 * ``k adapters``: the LoRA engine (``max_loras = max_cpu_loras = --max-loras``, rank 16), every
   request under one of ``k`` adapters.
 
-Both engines are built once and warmed up (every adapter loaded once before timing: the figures
-are the steady state of a pod whose adapters are resident, not adapter loading). The modes take
+Both engines are built once and warmed up by one untimed run of the workload each (the LoRA
+engine's under every adapter, each loaded once: the figures are the steady state of a pod whose
+adapters are resident, not adapter loading). The modes take
 turns within each round in an order that rotates per round, so a drift in machine load hits all
 alike; the figures are the median over rounds, and each ratio is the median over rounds of the
 mode's tokens/s over the base run of the same round (this shared machine's load moves absolute
-figures more than it moves those ratios). Also recorded: the share of adapter requests whose
+figures more than it moves those ratios). Each run's CPU time (``time.process_time``, every
+thread of this process) is recorded too: output tokens per CPU-second and its ratio do not
+count the time other processes take from this one, the steadier figure on a loaded machine
+(with ``--threads 1`` above all: a 2-thread GEMM whose partner thread is preempted spins or waits
+at its barrier, and that time is counted). Also recorded: the share of adapter requests whose
 output differs from the same prompt's base output (zero would mean the adapters did nothing).
 """
 
@@ -91,12 +97,15 @@ def _label(k: int) -> str:
 
 def run_mode(llm, items, params, lora_requests) -> dict:
     prompts = [{"prompt_token_ids": it.prompt_ids} for it in items]
-    t0 = time.perf_counter()
+    steps0 = llm.engine.stats()["steps"]
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    steps = llm.engine.stats()["steps"] - steps0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     n = sum(len(t) for t in tokens)
-    return {"seconds": seconds, "output_tokens": n, "tokens_per_s": n / seconds, "outputs": tokens}
+    return {"seconds": seconds, "cpu_s": cpu, "output_tokens": n, "tokens_per_s": n / seconds,
+            "tokens_per_cpu_s": n / cpu, "steps": steps, "outputs": tokens}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,7 +117,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-loras", type=int, default=None, help="adapter slots (default: the largest count)")
     ap.add_argument("--max-tokens", default="24,40", help="output tokens per request: lo,hi")
     ap.add_argument("--kv-memory-mib", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     requests = args.requests or (32 if args.quick else 64)
     rounds = args.rounds or (2 if args.quick else 3)
     counts = [int(c) for c in args.adapters.split(",") if c]
@@ -124,7 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
     adapters = [LoRARequest(f"bench-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     print(f"{len(adapters)} adapters ready in {time.perf_counter() - t:.1f}s", flush=True)
 
-    common = dict(device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_memory_mib << 20, max_num_seqs=256)
+    # prefix caching off: every run repeats the same prompts, so the base engine would serve them
+    # all from its cache while the adapters' runs (keyed per adapter, evicting each other) would not
+    common = dict(device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_memory_mib << 20, max_num_seqs=256,
+                  enable_prefix_caching=False)
     base_llm = LLM(args.model, **common)
     lora_llm = LLM(args.model, enable_lora=True, max_loras=max_loras, max_lora_rank=args.rank,
                    max_cpu_loras=max(max_loras, len(adapters)), **common)
@@ -135,11 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
     modes = {BASE: (base_llm, None), BASE_LORA_ENGINE: (lora_llm, None)}
     for k in counts:
         modes[_label(k)] = (lora_llm, [adapters[i % k] for i in range(requests)])
-    # warm-up: every code path once, every adapter loaded once
-    warm = workloads.mixed(tok, num=max(2, len(adapters)), seed=args.seed + 1, prompt_range=(8, 16), output_range=(2, 2))
-    warm_params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)] * len(warm)
-    run_mode(base_llm, warm, warm_params, None)
-    run_mode(lora_llm, warm, warm_params, [adapters[i % len(adapters)] for i in range(len(warm))])
+    # warm-up, untimed: each engine runs the workload once (the first run of new batch shapes
+    # prepares oneDNN's kernels for them and took twice as long), the LoRA engine under every
+    # adapter (each loaded once)
+    run_mode(base_llm, items, params, None)
+    run_mode(lora_llm, items, params, [adapters[i % len(adapters)] for i in range(requests)])
 
     names = list(modes)
     runs: dict[str, list[dict]] = {m: [] for m in names}
@@ -151,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
             res = run_mode(llm, items, params, loras)
             first_outputs.setdefault(m, res.pop("outputs"))
             runs[m].append(res)
-            print(f"round {r + 1}/{rounds} {m}: {res['tokens_per_s']:.1f} tok/s ({res['seconds']:.1f}s)", flush=True)
+            print(f"round {r + 1}/{rounds} {m}: {res['tokens_per_s']:.1f} tok/s ({res['seconds']:.1f}s, "
+                  f"{res['tokens_per_cpu_s']:.1f} tok/CPU-s)", flush=True)
     base_outputs = first_outputs[BASE]
     differs = {m: sum(a != b for a, b in zip(o, base_outputs)) / len(o) for m, o in first_outputs.items()}
 
@@ -160,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     for m in names:
         tps = [x["tokens_per_s"] for x in runs[m]]
         ratios = [x["tokens_per_s"] / b["tokens_per_s"] for x, b in zip(runs[m], base_runs)]
+        cpu_ratios = [x["tokens_per_cpu_s"] / b["tokens_per_cpu_s"] for x, b in zip(runs[m], base_runs)]
         table_rows.append({
             "mode": m,
             "adapters": 0 if m in (BASE, BASE_LORA_ENGINE) else int(m.split()[0]),
@@ -167,8 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
             "tokens_per_s": tps,
             "ratio_vs_base": statistics.median(ratios),
             "ratios": ratios,
+            "median_tokens_per_cpu_s": statistics.median(x["tokens_per_cpu_s"] for x in runs[m]),
+            "cpu_ratio_vs_base": statistics.median(cpu_ratios),
             "outputs_differ_from_base": differs[m],
             "median_seconds": statistics.median(x["seconds"] for x in runs[m]),
+            "median_steps": statistics.median(x["steps"] for x in runs[m]),
         })
     result = {
         **report.meta(args.device, str(lora_llm.engine.runner.dtype)),
@@ -185,15 +207,17 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def markdown(r: dict) -> str:
-    rows = [[m["mode"], m["median_tokens_per_s"], f"{m['ratio_vs_base']:.2f}x",
-             " / ".join(f"{x:.2f}" for x in m["ratios"]), f"{100 * m['outputs_differ_from_base']:.0f}%"]
+    rows = [[m["mode"], m["median_steps"], m["median_tokens_per_s"], f"{m['ratio_vs_base']:.2f}x",
+             " / ".join(f"{x:.2f}" for x in m["ratios"]), m["median_tokens_per_cpu_s"], f"{m['cpu_ratio_vs_base']:.2f}x",
+             f"{100 * m['outputs_differ_from_base']:.0f}%"]
             for m in r["modes"]]
     w = r["workload"]
     lines = [report.header(r), "",
              f"{w['requests']} requests ({w['prompt_tokens']} prompt tokens, {w['output_tokens']} output tokens), "
              f"rank {r['lora']['rank']} on {', '.join(p.split('_')[0] for p in r['lora']['targets'])}, "
              f"max_loras {r['lora']['max_loras']}, median of {w['rounds']} rounds", "",
-             report.table(["mode", "output tokens/s", "vs base", "per-round ratios", "outputs differ from base"], rows)]
+             report.table(["mode", "steps", "output tokens/s", "vs base", "per-round ratios", "tokens per CPU-s", "vs base (CPU)",
+                           "outputs differ from base"], rows)]
     t = r.get("target_4_adapters_ratio")
     if t:
         lines += ["", f"4 adapters mixed: {t['measured']:.2f}x the base model (target >= {t['target']}x: "

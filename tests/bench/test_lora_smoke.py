@@ -45,6 +45,8 @@ def test_lora_bench_runs(tiny_model_dir, tmp_path, capsys):
     for m in r["modes"]:
         assert len(m["tokens_per_s"]) == 1 and m["median_tokens_per_s"] > 0
         assert m["ratio_vs_base"] == pytest.approx(m["median_tokens_per_s"] / r["modes"][0]["median_tokens_per_s"])
+        assert m["median_tokens_per_cpu_s"] > 0
+        assert m["cpu_ratio_vs_base"] == pytest.approx(m["median_tokens_per_cpu_s"] / r["modes"][0]["median_tokens_per_cpu_s"])
     by = {m["mode"]: m for m in r["modes"]}
     assert by["base, LoRA engine"]["outputs_differ_from_base"] == 0.0  # no adapter: the base model's tokens
     assert by["2 adapters"]["outputs_differ_from_base"] > 0  # the adapters really ran
