@@ -133,19 +133,28 @@ def _inside(p: Path, folder: Path) -> bool:
     return p == folder or folder in p.parents
 
 
+def _resolve(p: Path) -> Path:
+    """``p.resolve()``, a symlink loop refused as the adapter's fault (pathlib raises
+    RuntimeError or OSError for one, depending on the Python version)."""
+    try:
+        return p.resolve()
+    except (RuntimeError, OSError) as exc:
+        raise LoRAAdapterError(f"{p}: cannot be resolved ({exc})") from None
+
+
 def _checked_folder(path: Path, root: str | Path | None) -> Path:
     """The adapter folder, resolved, after the location and symlink checks."""
     if not path.exists():
         raise LoRAAdapterError(f"LoRA adapter folder {str(path)!r} does not exist")
     if not path.is_dir():
         raise LoRAAdapterError(f"LoRA adapter path {str(path)!r} is not a folder")
-    folder = path.resolve()
+    folder = _resolve(path)
     if root is not None:
         root_dir = Path(root).resolve()
         if not _inside(folder, root_dir):
             raise LoRAAdapterError(f"LoRA adapter folder {str(path)!r} resolves to {str(folder)!r}, outside the adapter root {str(root_dir)!r}")
     elif path.is_symlink():
-        parent = path.absolute().parent.resolve()
+        parent = _resolve(path.absolute().parent)
         if not _inside(folder, parent):
             raise LoRAAdapterError(f"LoRA adapter folder {str(path)!r} is a symlink to {str(folder)!r}, outside {str(parent)!r}")
     with os.scandir(folder) as entries:
@@ -153,7 +162,7 @@ def _checked_folder(path: Path, root: str | Path | None) -> Path:
             if count >= _MAX_FOLDER_ENTRIES:
                 raise LoRAAdapterError(f"LoRA adapter folder {str(path)!r} has more than {_MAX_FOLDER_ENTRIES} entries")
             if entry.is_symlink():
-                target = Path(entry.path).resolve()
+                target = _resolve(Path(entry.path))
                 if not _inside(target, folder):
                     raise LoRAAdapterError(f"{entry.path}: a symlink to {str(target)!r}, outside the adapter folder")
     for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -201,7 +210,7 @@ def _read_config(path: Path, max_rank: int) -> _Config:
         raise LoRAAdapterError(f"{path}: larger than {_MAX_CONFIG_BYTES} bytes")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: arrays nested past the stack
         raise LoRAAdapterError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise LoRAAdapterError(f"{path}: must be a JSON object, got {type(cfg).__name__}")
@@ -282,7 +291,7 @@ def _read_header(path: Path) -> dict:
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         if isinstance(exc, LoRAAdapterError):
             raise
         raise LoRAAdapterError(f"{path}: not a safetensors file (header is not JSON: {exc})") from None

@@ -1,0 +1,80 @@
+"""Attacks on LoRA serving, each a regression test of a defect found by reproducing it on the
+tiny model (2 layers, random weights; the PEFT reference is one HF forward of it).
+
+- An adapter id dropped from the CPU cache while its weights still sat in a device slot: the id
+  came back under another folder (vLLM's remove/add under one id) and the step ran the old
+  folder's weights from the slot.
+- Hostile adapter folders that made the loader raise something other than its own error (a
+  symlink loop, JSON nested past Python's recursion limit): ``add_lora`` / ``LLM.generate`` must
+  refuse them as ``invalid_lora`` like any other bad folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from qworker.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from qworker.engine.errors import InvalidRequestError
+from tests.engine.lora_support import ALL_MODULES, assert_peft_greedy, make_peft_adapter
+
+BLOCK_BYTES_TINY = 2 * 2 * 16 * 2 * 16 * 4  # layers * (k,v) * block * kv_heads * head_dim * fp32
+PROMPT = [1, 2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("attack-loras")
+    return [make_peft_adapter(tiny_model_dir, root / f"x{i}", rank=4, seed=70 + i, target_modules=ALL_MODULES, b_std=0.5)
+            for i in range(3)]
+
+
+def make_engine(tiny_model_dir, **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_memory", 128 * BLOCK_BYTES_TINY)
+    kw.setdefault("max_loras", 2)
+    kw.setdefault("max_cpu_loras", 2)
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", enable_lora=True,
+                                  max_lora_rank=8, scheduling_policy="fcfs", **kw))
+
+
+def generate(engine: LLMEngine, rid: str, lora: LoRARequest | None, n: int = 6) -> list[int]:
+    req = engine.add_request(rid, PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), lora_request=lora)
+    while engine.has_unfinished():
+        engine.step()
+    assert req.seqs[0].finish_reason == "length", req.error
+    return list(req.seqs[0].output_token_ids)
+
+
+def test_an_id_evicted_from_the_cache_never_serves_its_old_slot(tiny_model_dir, folders):
+    engine = make_engine(tiny_model_dir)
+    old = generate(engine, "old", LoRARequest("old", 1, str(folders[0])))  # id 1 -> a slot
+    generate(engine, "other", LoRARequest("other", 2, str(folders[1])))
+    engine.add_lora(LoRARequest("third", 3, str(folders[2])))  # the cache (2) drops id 1, its slot kept it
+    assert 1 not in engine.list_loras()
+    new = generate(engine, "new", LoRARequest("new", 1, str(folders[2])))  # id 1, another folder
+    assert new != old
+    assert_peft_greedy(tiny_model_dir, folders[2], PROMPT, new, "id 1 reused for another folder")
+
+
+def _clone(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_hostile_folders_are_refused_as_invalid_lora(tiny_model_dir, folders, tmp_path):
+    loop = _clone(folders[0], tmp_path / "loop")
+    os.symlink(loop / "b", loop / "a")
+    os.symlink(loop / "a", loop / "b")
+    deep_config = _clone(folders[0], tmp_path / "deep-config")
+    (deep_config / "adapter_config.json").write_text("[" * 200_000 + "]" * 200_000)
+    deep_header = _clone(folders[0], tmp_path / "deep-header")
+    header = b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (deep_header / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    engine = make_engine(tiny_model_dir)
+    for i, folder in enumerate((loop, deep_config, deep_header)):
+        with pytest.raises(InvalidRequestError) as err:
+            engine.add_lora(LoRARequest(folder.name, 10 + i, str(folder)))
+        assert err.value.code == "invalid_lora" and folder.name in str(err.value)
+    assert engine.list_loras() == set()
