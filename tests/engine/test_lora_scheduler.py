@@ -157,3 +157,31 @@ def test_a_failed_load_ends_its_requests_alone(tiny_model_dir, loras, tmp_path):
     drain(engine)
     assert engine.stats()["lora_load_failures"] == 1
     assert engine.counters["requests_finished"] == 2
+
+
+_outputs: dict = {}
+
+
+@pytest.mark.parametrize("swap_space", [1 << 20, 0], ids=["swap", "recompute"])
+def test_preempted_sequences_come_back_under_the_limit_and_their_adapter(tiny_model_dir, loras, swap_space):
+    """A pool too small for the load: sequences of three adapters and the base model are swapped
+    out (or recomputed) and come back; every step keeps the limit, and every output equals the
+    same request's on an engine with room for all (where nothing is preempted)."""
+    prompts = [[1] + [(11 * i + 7 * j) % 900 + 50 for j in range(20)] for i in range(8)]
+    which = [None if i % 2 else loras[(i // 2) % 3] for i in range(8)]
+
+    def run(engine):
+        for i, (p, lora) in enumerate(zip(prompts, which)):
+            engine.add_request(f"r{i}", p, greedy(16), lora_request=lora)
+        reqs = list(engine.requests.values())
+        wait_loaded(engine)
+        drain(engine)
+        return [r.seqs[0].output_token_ids for r in reqs]
+
+    if "roomy" not in _outputs:  # computed once for both parameters
+        _outputs["roomy"] = run(make_engine(tiny_model_dir))
+    roomy = _outputs["roomy"]
+    tight = make_engine(tiny_model_dir, kv_cache_memory=7 * BLOCK_BYTES_TINY, swap_space=swap_space)
+    assert run(tight) == roomy
+    kind = "swap" if swap_space else "recompute"
+    assert tight.scheduler.num_preemptions[kind] > 0
