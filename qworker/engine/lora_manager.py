@@ -202,6 +202,8 @@ class LoRAManager:
         for int_id in sorted(missing):
             slot = self._free_slot(step_ids, running_ids)
             entry = self.loaded[int_id]  # in flight, so never evicted
+            # a write that fails halfway leaves a slot of neither adapter: free until one succeeds
+            self.slot_ids[slot] = None
             self.runner.set_lora(slot, entry.adapter)
             self.slot_ids[slot] = int_id
             self.counters["lora_slot_writes"] += 1

@@ -18,6 +18,7 @@ import pytest
 
 from qworker.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from qworker.engine.errors import InvalidRequestError
+from qworker.model.lora.stack import ProjectionSlots
 from tests.engine.lora_support import ALL_MODULES, assert_peft_greedy, make_peft_adapter
 
 BLOCK_BYTES_TINY = 2 * 2 * 16 * 2 * 16 * 4  # layers * (k,v) * block * kv_heads * head_dim * fp32
@@ -78,3 +79,32 @@ def test_hostile_folders_are_refused_as_invalid_lora(tiny_model_dir, folders, tm
             engine.add_lora(LoRARequest(folder.name, 10 + i, str(folder)))
         assert err.value.code == "invalid_lora" and folder.name in str(err.value)
     assert engine.list_loras() == set()
+
+
+def test_a_slot_write_that_fails_halfway_is_never_served(tiny_model_dir, folders, monkeypatch):
+    """A slot write that raises after some layers were written (on a GPU: out of memory growing a
+    padded stack) left the slot mapped to its previous adapter, whose next request then ran on
+    half of the other adapter's weights. The failure is injected (one projection's write raises
+    once): an allocation failure cannot be provoked here."""
+    engine = make_engine(tiny_model_dir, max_loras=1, max_cpu_loras=2)
+    a, b = LoRARequest("a", 1, str(folders[0])), LoRARequest("b", 2, str(folders[1]))
+    before = generate(engine, "a1", a)
+    target = engine.runner.lora.slots[1]["qkv"]  # layer 1: layer 0 is written before it
+    write = ProjectionSlots.set
+    calls = []
+
+    def failing_set(self, slot, pairs):
+        if self is target:
+            calls.append(slot)
+            if len(calls) == 1:
+                raise RuntimeError("injected: out of memory writing a LoRA slot")
+        write(self, slot, pairs)
+
+    monkeypatch.setattr(ProjectionSlots, "set", failing_set)
+    req = engine.add_request("b1", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), lora_request=b)
+    while engine.has_unfinished():
+        engine.step()
+    assert calls and req.error_code == "engine_error"  # the step of b alone failed: b failed alone
+    assert generate(engine, "a2", a) == before
+    assert generate(engine, "b2", b) != before
+    assert_peft_greedy(tiny_model_dir, folders[1], PROMPT, generate(engine, "b3", b), "b after the failed write")
