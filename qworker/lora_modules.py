@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 
-NAME = re.compile(r"^[A-Za-z0-9._:/-]{1,256}$")
+NAME = re.compile(r"[A-Za-z0-9._:/-]{1,256}")  # used with fullmatch: "$" would let a final "\n" through
 MAX_MODULES = 1024
 MAX_FILE_BYTES = 1 << 20
 
@@ -43,7 +43,7 @@ def parse_modules(text: str) -> dict[str, str]:
     if s[0] in "{[":
         try:
             data = json.loads(s, object_pairs_hook=_no_duplicates)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: arrays nested past the stack
             raise LoRAModulesError(f"not a JSON object of name: path ({e})") from None
         if not isinstance(data, dict):
             raise LoRAModulesError(f"not a JSON object of name: path (a JSON {type(data).__name__})")
@@ -57,7 +57,7 @@ def parse_modules(text: str) -> dict[str, str]:
             pairs.append((name, path))
     out: dict[str, str] = {}
     for name, path in pairs:
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise LoRAModulesError(f"adapter name {name!r}: 1-256 characters of A-Z a-z 0-9 . _ - : /")
         if not isinstance(path, str) or not path.strip():
             raise LoRAModulesError(f"adapter {name!r}: the path must be a non-empty string")
