@@ -346,6 +346,9 @@ class LLM:
     def list_loras(self) -> set[int]:
         return self.engine.list_loras()
 
+    def lora_stats(self) -> dict:
+        return self.engine.lora_stats()
+
 
 def _chat_messages(conv: object, where: str) -> list[dict]:
     """A conversation with each message's content as a string (text parts joined)."""
