@@ -1,7 +1,8 @@
 """LoRA in the model runner, engine-free: a Batch whose chunks run under different adapter slots
 (and the base model) gives each chunk PEFT's logits for its adapter, and a greedy prefill+decode
-loop driven through ``ModelRunner.execute`` gives PEFT's greedy tokens (checked teacher-forced:
-one PEFT forward per sequence, see ``assert_peft_greedy``).
+loop driven through ``ModelRunner.execute`` gives PEFT's greedy tokens (checked teacher-forced,
+see ``assert_peft_greedy``). Each test's PEFT references come from one mixed-adapter PEFT forward
+over all its sequences (``peft_logits_many``).
 
 Adapters are random PEFT adapters (B non-zero) on the real test model: different ranks, target
 subsets, rsLoRA and a rank pattern. The CPU grouped path is checked against the stack layout
@@ -21,7 +22,7 @@ from qworker.model.lora.adapter import LoRAAdapter, load_lora_adapter
 from qworker.model.lora.apply import LoRAStep, apply_grouped, apply_stack_torch
 from qworker.model.lora.stack import ProjectionSlots
 from qworker.model.runner import ModelRunner
-from tests.engine.lora_support import ALL_MODULES, assert_peft_greedy, make_peft_adapter, peft_logits
+from tests.engine.lora_support import ALL_MODULES, assert_peft_greedy_many, make_peft_adapter, peft_logits_many
 
 PROMPTS = [
     [1, 504, 3458, 314, 2114, 282, 4649, 30, 378, 13],
@@ -68,9 +69,9 @@ def test_mixed_batch_logits_match_peft(runner, adapters, loaded, model_dir):
     plan = [(PROMPTS[0], 0, "all8"), (PROMPTS[1], -1, None), (PROMPTS[2], 1, "qv_down4_rs"), (PROMPTS[1], 0, "all8"), (PROMPTS[0], 1, "qv_down4_rs")]
     batch = Batch([SeqChunk(p, 0, blocks(i), True, lora_slot=slot) for i, (p, slot, _) in enumerate(plan)])
     logits = runner.execute(batch)
-    for row, (prompt, slot, name) in zip(logits, plan):
-        ref = peft_logits(model_dir, adapters[name] if name else None, prompt)[-1]
-        torch.testing.assert_close(row, ref, rtol=0, atol=2e-3, msg=lambda m: f"slot {slot} ({name}): {m}")
+    refs = peft_logits_many(model_dir, [(adapters[name] if name else None, prompt) for prompt, _, name in plan])
+    for row, ref, (prompt, slot, name) in zip(logits, refs, plan):
+        torch.testing.assert_close(row, ref[-1], rtol=0, atol=2e-3, msg=lambda m: f"slot {slot} ({name}): {m}")
     # the adapters really move the output: one prompt under base vs adapter, and under two adapters
     assert (logits[3] - logits[1]).abs().max() > 0.5 and (logits[0] - logits[4]).abs().max() > 0.5
 
@@ -96,8 +97,8 @@ def test_greedy_prefill_decode_matches_peft(runner, adapters, loaded, model_dir)
             break
         rng.shuffle(order)
         logits = runner.execute(Batch([SeqChunk([seqs[i][-1]], len(seqs[i]) - 1, blocks(i), True, lora_slot=plan[i][1]) for i in order]))
-    for i, (prompt, slot, name) in enumerate(plan):
-        assert_peft_greedy(model_dir, adapters[name] if name else None, prompt, out[i], what=f"sequence {i} ({name or 'base'})")
+    assert_peft_greedy_many(model_dir, [(adapters[name] if name else None, prompt, out[i], f"sequence {i} ({name or 'base'})")
+                                        for i, (prompt, slot, name) in enumerate(plan)])
     assert out[0] != out[3] and out[1] != out[2], "adapters that do not move greedy outputs prove nothing"
 
 
@@ -213,9 +214,9 @@ def test_general_forward_families_match_peft(family, family_models, tmp_path):
     chunks = [SeqChunk(s, 0, [2 * i, 2 * i + 1], True, lora_slot=slot) for i, (s, slot) in enumerate(zip(seqs, slots))]
     for _ in range(2):
         logits = r.execute(Batch(chunks))
-        for i, (s, slot) in enumerate(zip(seqs, slots)):
-            ref = peft_logits(model_dir, adapter if slot >= 0 else None, s)[-1]
-            torch.testing.assert_close(logits[i], ref, rtol=0, atol=1e-3, msg=lambda m: f"{family} slot {slot}: {m}")
-            s.append(int(ref.argmax()))
+        refs = peft_logits_many(model_dir, [(adapter if slot >= 0 else None, s) for s, slot in zip(seqs, slots)])
+        for i, (s, slot, ref) in enumerate(zip(seqs, slots, refs)):
+            torch.testing.assert_close(logits[i], ref[-1], rtol=0, atol=1e-3, msg=lambda m: f"{family} slot {slot}: {m}")
+            s.append(int(ref[-1].argmax()))
         chunks = [SeqChunk([s[-1]], len(s) - 1, [2 * i, 2 * i + 1], True, lora_slot=slot) for i, (s, slot) in enumerate(zip(seqs, slots))]
     assert (logits[0] - logits[1]).abs().max() > 0.05
