@@ -308,7 +308,13 @@ class LLM:
                 self.engine.check_lora(lora)
             except InvalidRequestError as e:
                 raise InvalidRequestError(e.code, f"lora_request[{i}]: {e}" if isinstance(lora_request, (list, tuple)) else str(e)) from e
-        for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
+        by_id: dict[int, LoRARequest] = {}
+        for i, lora in enumerate(loras):
+            if lora is not None and by_id.setdefault(lora.lora_int_id, lora).lora_path != lora.lora_path:
+                first = by_id[lora.lora_int_id]
+                raise InvalidRequestError("invalid_lora", f"lora_request[{i}]: lora_int_id {lora.lora_int_id} names {lora.lora_path!r} here and "
+                                          f"{first.lora_path!r} for {first.lora_name!r}; give each adapter folder its own id")
+        for lora in by_id.values():
             self.engine.add_lora(lora)  # loads and validates now: a bad adapter fails the call before anything runs
         added: list[Request] = []
         bar = None

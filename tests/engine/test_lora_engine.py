@@ -176,6 +176,8 @@ def test_bad_lora_requests_are_refused_before_anything_runs(llm, adapters, tmp_p
         llm.generate(PROMPTS[:1], greedy(3), lora_request=LoRARequest("big", 78, str(bad)), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="already names"):
         llm.generate(PROMPTS[:1], greedy(3), lora_request=LoRARequest("clash", a.lora_int_id, str(bad)), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="own id"):
+        llm.generate(PROMPTS[:2], greedy(3), lora_request=[LoRARequest("p", 60, a.lora_path), LoRARequest("q", 60, str(bad))], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="LoRARequest"):
         llm.generate(PROMPTS[:1], greedy(3), lora_request="all8", use_tqdm=False)
     assert engine.counters["requests_finished"] == finished and not engine.requests
