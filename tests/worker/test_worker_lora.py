@@ -1,5 +1,10 @@
-"""Per-job LoRA adapters through the worker, end to end: the real broker, SmolLM2 with LoRA on,
-two real random PEFT adapters (made with ``peft``), hostile ones beside them.
+"""Per-job LoRA adapters through the worker, end to end: the real broker, the real engine with
+LoRA on, two real random PEFT adapters (made with ``peft``), hostile ones beside them.
+
+The model is the tiny 2-layer random-weight Llama with the real tokenizer (``tiny_model_dir``):
+what is checked here is the worker's plumbing (names, refusals, reloads, errors, metrics, spans)
+and that each job ran under its adapter, which the engine's own output per adapter shows; the
+engine's parity with PEFT on the real model is tests/engine/test_lora_engine.py's.
 
 One worker start for the module (one test): native jobs naming each adapter and the base,
 OpenAI lines naming an adapter / the base / nothing served, jobs naming unknown and refused
@@ -42,7 +47,7 @@ def lora_engine_available() -> bool:
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
+def adapters(tmp_path_factory, tiny_model_dir):
     """root/{a, b, big, nan} (big: rank above the worker's limit, nan: a NaN weight), root/link ->
     a folder outside the root, root/missing (no folder); returns (root, paths by name)."""
     from tests.engine.lora_support import ALL_MODULES, edit_adapter_config, make_peft_adapter
@@ -51,8 +56,8 @@ def adapters(tmp_path_factory):
     root, outside = base / "root", base / "outside"
     root.mkdir()
     paths = {
-        "a": make_peft_adapter(model_dir(), root / "a", rank=4, target_modules=ALL_MODULES, seed=1),
-        "b": make_peft_adapter(model_dir(), root / "b", rank=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], seed=2),
+        "a": make_peft_adapter(tiny_model_dir, root / "a", rank=4, target_modules=ALL_MODULES, seed=1),
+        "b": make_peft_adapter(tiny_model_dir, root / "b", rank=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], seed=2),
     }
     shutil.copytree(root / "a", root / "big")
     edit_adapter_config(root / "big", r=MAX_RANK * 2)  # refused on its config, before any tensor is read
@@ -73,13 +78,13 @@ def adapters(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_engine():
+def lora_engine(tiny_model_dir):
     if not lora_engine_available():
         pytest.skip("the engine does not take lora_request yet")
     from qworker.engine import LLM, AsyncEngine
 
     # one slot for two adapters: the scheduler must take turns
-    llm = LLM(str(model_dir()), kv_cache_memory=KV_BYTES, enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=MAX_RANK)
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=KV_BYTES, enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=MAX_RANK)
     eng = AsyncEngine(llm.engine)
     asyncio.run(eng.start())
     yield eng
