@@ -55,13 +55,12 @@ _made_root: tempfile.TemporaryDirectory | None = None
 def _make_peft_adapter(base_model_dir, out_dir, *, rank, target_modules, seed, alpha, use_rslora, b_std, rank_pattern,
                        alpha_pattern) -> None:
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     key = str(Path(base_model_dir).resolve())
     model = _templates.get(key)
     if model is None:  # one base model per folder, restored after each adapter (unload)
-        model = _templates[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+        model = _templates[key] = _template(key)
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora,
                      lora_dropout=0.0, rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {})
     peft_model = get_peft_model(model, cfg)
@@ -79,6 +78,18 @@ def _make_peft_adapter(base_model_dir, out_dir, *, rank, target_modules, seed, a
 
 
 _templates: dict[str, object] = {}
+
+
+def _template(model_dir: str):
+    """The base model's modules, built from its config with uninitialised weights: an adapter only
+    needs their names and shapes (PEFT's A initialisation and our B never read the base weights),
+    so the checkpoint is not read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to_empty(device="cpu").eval()
 
 
 def edit_adapter_config(adapter_dir, **changes) -> None:
@@ -114,7 +125,8 @@ def _reference_model(base_model_dir, adapter_dir):
         if ref["peft"] is None:
             return ref["model"], contextlib.nullcontext
         return ref["peft"], ref["peft"].disable_adapter
-    ref["peft"].set_adapter(_adapter_name(ref, adapter_dir))
+    name = _adapter_name(ref, adapter_dir)  # first: it makes ref["peft"] on the first adapter
+    ref["peft"].set_adapter(name)
     return ref["peft"], contextlib.nullcontext
 
 
