@@ -108,3 +108,24 @@ def test_a_slot_write_that_fails_halfway_is_never_served(tiny_model_dir, folders
     assert generate(engine, "a2", a) == before
     assert generate(engine, "b2", b) != before
     assert_peft_greedy(tiny_model_dir, folders[1], PROMPT, generate(engine, "b3", b), "b after the failed write")
+
+
+def test_an_adapter_that_overflows_never_reaches_other_requests_rows(tiny_model_dir, folders, tmp_path):
+    """Finite weights (so the loader takes them) that overflow the activations to Inf/NaN: the
+    CPU path's batched decode padded every slot's rows with row 0 and zeroed the padding by
+    multiplying it by 0, and base rows read a padding position; 0 * Inf is NaN, so the base
+    request decoding beside the adapter's got NaN logits from its second token on."""
+    from safetensors.torch import load_file, save_file
+
+    huge = _clone(folders[0], tmp_path / "huge")
+    weights = load_file(str(huge / "adapter_model.safetensors"))
+    save_file({k: v * 1e30 if "lora_B" in k else v for k, v in weights.items()}, str(huge / "adapter_model.safetensors"))
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request("huge", PROMPT, params, lora_request=LoRARequest("huge", 1, str(huge)))
+    base = engine.add_request("base", PROMPT, params)
+    other = engine.add_request("other", PROMPT, params, lora_request=LoRARequest("other", 2, str(folders[1])))
+    while engine.has_unfinished():
+        engine.step()
+    assert_peft_greedy(tiny_model_dir, None, PROMPT, list(base.seqs[0].output_token_ids), "base beside the overflowing adapter")
+    assert_peft_greedy(tiny_model_dir, folders[1], PROMPT, list(other.seqs[0].output_token_ids), "adapter beside the overflowing one")

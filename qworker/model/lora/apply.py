@@ -82,12 +82,14 @@ class LoRAStep:
 
 class Padded:
     """The short segments of a step as a ``[S, M]`` grid: row ``i`` holds slot ``slot_ids[i]``'s
-    rows (``index``), padded to ``M`` with row 0 (``mask`` zeroes their products). The result
+    rows (``index``), padded to ``M`` with row 0 (``pad`` marks them; their products are set to
+    zero, not multiplied by it: row 0 may hold Inf or NaN, and base rows read a padding
+    position, so a product of 0 and Inf would reach rows of other requests). The result
     goes back either through ``where`` (every one of the ``T`` rows' position in the grid; rows
     not in it read a zero padding position) or, when the short rows are few, through ``rows``
     and their positions ``pos``."""
 
-    __slots__ = ("slot_ids", "index", "mask", "S", "M", "where", "rows", "pos")
+    __slots__ = ("slot_ids", "index", "pad", "S", "M", "where", "rows", "pos")
 
     def __init__(self, short: dict[int, list[tuple[int, int]]], T: int, device, dtype, max_loras: int | None):
         ids = sorted(short)
@@ -98,10 +100,10 @@ class Padded:
         if full and n_short < T and min(counts) == M:
             M += 1  # the other rows read a zero padding position: make sure one exists
         index = torch.zeros(len(ids), M, dtype=torch.long)
-        mask = torch.zeros(len(ids), M, 1, dtype=dtype)
+        pad = torch.ones(len(ids), M, 1, dtype=torch.bool)
         for i, slot in enumerate(ids):
             index[i, :counts[i]] = torch.cat([torch.arange(s, s + n) for s, n in short[slot]])
-            mask[i, :counts[i]] = 1
+            pad[i, :counts[i]] = False
         positions = torch.cat([torch.arange(i * M, i * M + n) for i, n in enumerate(counts)])
         rows = torch.cat([index[i, :n] for i, n in enumerate(counts)])
         self.where = self.rows = self.pos = None
@@ -115,7 +117,7 @@ class Padded:
         every = max_loras is not None and ids == list(range(max_loras))
         self.slot_ids = None if every else torch.tensor(ids, dtype=torch.long, device=device)
         self.index = index.flatten().to(device)
-        self.mask = mask.to(device)
+        self.pad = pad.to(device)
         self.S, self.M = len(ids), M
 
 
@@ -173,7 +175,7 @@ def apply_grouped(slots: ProjectionSlots, x: torch.Tensor, y: torch.Tensor, step
     S, M = p.S, p.M
     a = slots.pad_a if p.slot_ids is None else slots.pad_a.index_select(0, p.slot_ids)
     h = torch.bmm(x.index_select(0, p.index).view(S, M, -1), a)
-    h.mul_(p.mask)  # padding gathered row 0: its products must be zero
+    h.masked_fill_(p.pad, 0)  # padding gathered row 0: its products must be zero (even from Inf/NaN)
     for pb, k0, k1, o0, o1 in slots.pad_b:
         b = pb if p.slot_ids is None else pb.index_select(0, p.slot_ids)
         d = torch.bmm(h[:, :, k0:k1], b).view(S * M, o1 - o0)
