@@ -57,13 +57,16 @@ class LoRALoadError(InvalidRequestError, LoRAAdapterError):
         InvalidRequestError.__init__(self, ERR_LORA, message)
 
 
-def prefix_root(lora: LoRARequest | None) -> bytes:
+def prefix_root(lora: LoRARequest | None, load: int = 0) -> bytes:
     """The parent hash of a sequence's first block: the base model keeps the plain root; an
-    adapter's root is derived from its id and folder, so a block computed under one adapter is
-    never a prefix hit for another adapter or for the base model."""
+    adapter's root is derived from its id, folder and ``load`` (which load of it the cache holds:
+    the manager sets it once the adapter is loaded), so a block computed under one adapter is
+    never a prefix hit for another adapter, for the base model, or for the same id and folder
+    loaded again after ``remove_lora`` or an eviction (its files may have changed)."""
     if lora is None:
         return NONE_HASH
-    return hashlib.sha256(NONE_HASH + b"lora\0" + str(lora.lora_int_id).encode() + b"\0" + lora.lora_path.encode()).digest()
+    return hashlib.sha256(NONE_HASH + b"lora\0" + str(lora.lora_int_id).encode() + b"\0" + lora.lora_path.encode()
+                          + b"\0" + str(load).encode()).digest()
 
 
 @dataclass(slots=True)
@@ -72,6 +75,7 @@ class _Entry:
     adapter: object | None = None  # a qworker.model.lora.adapter.LoRAAdapter once loaded
     future: Future | None = None  # while loading
     waiters: list = field(default_factory=list)  # requests waiting for this load
+    root: bytes = b""  # prefix_root of this load (set when it enters the cache)
 
 
 class LoRAManager:
@@ -88,6 +92,7 @@ class LoRAManager:
         self._slot_used: list[float] = [0.0] * config.max_loras  # last step a slot served
         self._pool: ThreadPoolExecutor | None = None
         self._wake = threading.Event()  # a load finished: a step with nothing to run sleeps on it
+        self._loads = 0  # entries put in the cache so far: each gets its own prefix root
         self.counters = {"lora_loads": 0, "lora_load_failures": 0, "lora_slot_writes": 0, "lora_evictions": 0}
         if self.enabled:
             runner.enable_lora(config.max_loras, config.max_lora_rank)
@@ -126,6 +131,7 @@ class LoRAManager:
         entry = self.loaded.get(lora.lora_int_id)
         if entry is not None:
             self.loaded.move_to_end(lora.lora_int_id)
+            req.prefix_root = entry.root
             return
         entry = self.loading.get(lora.lora_int_id)
         if entry is None:
@@ -165,6 +171,7 @@ class LoRAManager:
                 if book.requests.get(req.request_id) is not req or req.finished:
                     continue  # aborted or expired while it loaded
                 if err is None:
+                    req.prefix_root = entry.root  # nothing was hashed yet: it never ran
                     req.lora_loading = False
                     continue
                 del book.requests[req.request_id]
@@ -223,6 +230,8 @@ class LoRAManager:
 
     # -- the CPU cache -------------------------------------------------------------------------------
     def _insert(self, entry: _Entry) -> None:
+        self._loads += 1
+        entry.root = prefix_root(entry.lora, self._loads)
         self.loaded[entry.lora.lora_int_id] = entry
         self.loaded.move_to_end(entry.lora.lora_int_id)
         self._evict()

@@ -129,3 +129,31 @@ def test_an_adapter_that_overflows_never_reaches_other_requests_rows(tiny_model_
         engine.step()
     assert_peft_greedy(tiny_model_dir, None, PROMPT, list(base.seqs[0].output_token_ids), "base beside the overflowing adapter")
     assert_peft_greedy(tiny_model_dir, folders[1], PROMPT, list(other.seqs[0].output_token_ids), "adapter beside the overflowing one")
+
+
+def test_an_adapter_loaded_again_never_hits_the_prefix_blocks_of_its_old_load(tiny_model_dir, folders, tmp_path):
+    """vLLM's remove_lora then a request under the same id and folder whose files were rewritten
+    in between: the prefix root was the id and folder only, so the new load's prompt hit the
+    blocks the old weights computed (a stale mixture of both versions). Each load now roots its
+    own blocks; requests of one load still share theirs."""
+    folder = _clone(folders[0], tmp_path / "v")
+    lora = LoRARequest("v", 1, str(folder))
+    prompt = list(range(3, 43))  # two full blocks: prefix-cacheable
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = make_engine(tiny_model_dir)
+
+    def run(rid):
+        req = engine.add_request(rid, prompt, params, lora_request=lora)
+        while engine.has_unfinished():
+            engine.step()
+        return req
+
+    run("old")
+    again = run("old-again")
+    assert again.num_cached_tokens == 32  # one load: its requests share blocks
+    assert engine.remove_lora(1)
+    shutil.rmtree(folder)
+    _clone(folders[1], folder)
+    new = run("new")
+    assert new.num_cached_tokens == 0
+    assert_peft_greedy(tiny_model_dir, folders[1], prompt, list(new.seqs[0].output_token_ids), "the rewritten adapter")
