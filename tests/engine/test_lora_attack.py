@@ -157,3 +157,26 @@ def test_an_adapter_loaded_again_never_hits_the_prefix_blocks_of_its_old_load(ti
     new = run("new")
     assert new.num_cached_tokens == 0
     assert_peft_greedy(tiny_model_dir, folders[1], prompt, list(new.seqs[0].output_token_ids), "the rewritten adapter")
+
+
+def test_safetensors_the_header_check_passes_but_safetensors_refuses(tiny_model_dir, folders, tmp_path):
+    """Two tensors over one byte range, or bytes past the last tensor: every range fits the file
+    (the loader's header check passes) but safetensors refuses the file; its SafetensorError
+    escaped ``add_lora`` instead of an ``invalid_lora`` refusal."""
+    import json
+
+    raw = (folders[0] / "adapter_model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    tensors = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    first = tensors[0]
+    twin = next(k for k in tensors[1:] if header[k]["shape"] == header[first]["shape"])
+    overlap = dict(header, **{twin: dict(header[twin], data_offsets=header[first]["data_offsets"])})
+    engine = make_engine(tiny_model_dir)
+    for i, (name, h, d) in enumerate((("overlap", overlap, data), ("trailing", header, data + bytes(64)))):
+        folder = _clone(folders[0], tmp_path / name)
+        body = json.dumps(h).encode()
+        (folder / "adapter_model.safetensors").write_bytes(len(body).to_bytes(8, "little") + body + d)
+        with pytest.raises(InvalidRequestError, match="not a valid safetensors file") as err:
+            engine.add_lora(LoRARequest(name, 20 + i, str(folder)))
+        assert err.value.code == "invalid_lora"

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig
 
 from qworker.model.families.spec import dims
@@ -101,6 +101,16 @@ def load_lora_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
     weights_path = folder / WEIGHTS_FILE
     header = _read_header(weights_path)
     expected = _expected_shapes(header, cfg, config, max_rank, weights_path)
+    try:
+        weights = _read_tensors(weights_path, expected)
+    except SafetensorError as exc:  # what the header check leaves to safetensors: overlapping or uncovered data
+        raise LoRAAdapterError(f"{weights_path}: not a valid safetensors file ({exc})") from None
+    rank = max(a.shape[0] for a, _ in weights.values())
+    return LoRAAdapter(rank=rank, weights=weights, path=str(folder), target_modules=frozenset(m for _, m in weights))
+
+
+def _read_tensors(weights_path: Path, expected: dict) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """The A/B pairs ``expected`` names, fp32, scaling folded into B, all finite."""
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     with safe_open(str(weights_path), framework="pt", device="cpu") as f:
         for (layer, module), (a_name, b_name, scaling) in sorted(expected.items()):
@@ -111,8 +121,7 @@ def load_lora_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
                     what = "NaN or Inf" if name == a_name or math.isfinite(scaling) else "non-finite scaling"
                     raise LoRAAdapterError(f"{weights_path}: tensor {name!r} has {what} values")
             weights[layer, module] = (a.contiguous(), b.contiguous())
-    rank = max(a.shape[0] for a, _ in weights.values())
-    return LoRAAdapter(rank=rank, weights=weights, path=str(folder), target_modules=frozenset(m for _, m in weights))
+    return weights
 
 
 def moe_layers(config: PretrainedConfig) -> set[int]:
