@@ -93,16 +93,22 @@ class Comm:
         self.allreduce_calls += 1
         return t
 
-    def broadcast(self, obj=None):
-        """Rank 0 sends ``obj`` (pickled); every rank returns it."""
+    def broadcast(self, obj=None, wait_s: float | None = None):
+        """Rank 0 sends ``obj`` (pickled); every rank returns it. ``wait_s``: how long this call
+        may wait for the others (default: the control group's start timeout). The root's send
+        waits for every receiver to post its receive, so a frozen rank blocks the sender: the
+        leader passes the short collective timeout for every command after start-up."""
+        opts = dist.BroadcastOptions()
+        if wait_s is not None:
+            opts.timeout = datetime.timedelta(seconds=wait_s)
         if self.rank == 0:
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             size = torch.tensor([len(data)], dtype=torch.long)
         else:
             size = torch.zeros(1, dtype=torch.long)
-        self.control.broadcast([size], dist.BroadcastOptions()).wait()
+        self.control.broadcast([size], opts).wait()
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
-        self.control.broadcast([buf], dist.BroadcastOptions()).wait()
+        self.control.broadcast([buf], opts).wait()
         return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
 
     def gather(self, obj) -> list | None:

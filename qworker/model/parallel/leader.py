@@ -157,13 +157,17 @@ class ParallelRunner:
                 torch.set_num_threads(self._threads)  # the count is per thread: the engine's may be new
             t0 = time.perf_counter()
             try:
-                self.comm.broadcast(("step", batch))
+                self.comm.broadcast(("step", batch), self.comm.timeout_s)
                 logits = self.local.execute(batch)
             except ExecutorFailed:
                 raise
             except Exception as e:  # noqa: BLE001 - a peer closed its connection, a timeout, or this
                 # rank's forward broke off mid-step: the ranks are out of step for good either way
                 raise self._fail(f"a step failed: {e!r}") from e
+            except BaseException as e:  # an interrupt mid-step: the followers may be inside an
+                # all-reduce this rank never joins, so the next step would hang or pair wrong sums
+                self._fail(f"a step was interrupted: {e!r}")
+                raise
             self.step_seconds += time.perf_counter() - t0
             self.steps += 1
             self._last_command = time.monotonic()
@@ -215,9 +219,12 @@ class ParallelRunner:
     def _send(self, cmd: str, arg) -> None:
         self._check()
         try:
-            self.comm.broadcast((cmd, arg))
+            self.comm.broadcast((cmd, arg), self.comm.timeout_s)
         except RuntimeError as e:
             raise self._fail(f"a collective failed: {e}") from e
+        except BaseException as e:  # interrupted between the size and the bytes: out of step
+            self._fail(f"a command was interrupted: {e!r}")
+            raise
         self._last_command = time.monotonic()
 
     def _check(self) -> None:

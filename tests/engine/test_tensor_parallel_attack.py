@@ -1,0 +1,114 @@
+"""Hostile tests of tensor parallelism on CPU (gloo, two ranks, the 2-layer tiny Llama): ways a
+group can break other than a follower dying, each of which must end in ExecutorFailed at once or
+within the collective timeout, never a hang and never ranks silently out of step; and no spawned
+rank may outlive its engine.
+
+- a follower frozen (SIGSTOP) while the leader is idle: the leader's ping waits for the frozen
+  receiver, so it must give up at the collective timeout (the control group's own timeout is the
+  long start-up one) and mark the group failed;
+- an interrupt (KeyboardInterrupt) raised inside the leader's forward, between two all-reduces:
+  the follower waits in an all-reduce the leader never joins, so the group is failed at once
+  instead of the next step pairing the wrong collectives or hanging.
+
+Cost: one tiny follower spawn per test (each test breaks its group).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from qworker.engine import EngineConfig, LLMEngine, SamplingParams
+from qworker.model.parallel import leader as leader_mod
+from qworker.model.parallel.errors import ExecutorFailed
+
+
+@pytest.fixture
+def two(tiny_model_dir, monkeypatch):
+    """A TP=2 engine on the tiny model; closed, and its follower checked gone, at teardown."""
+    import torch
+
+    monkeypatch.setenv("QWORKER_TP_TIMEOUT_S", "3")  # a frozen rank is given up on quickly
+    monkeypatch.setattr(leader_mod, "PING_INTERVAL_S", 0.5)
+    threads = torch.get_num_threads()
+    e = LLMEngine(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, kv_cache_memory=4 << 20, max_num_seqs=4))
+    pids = [p.pid for p in e.runner._procs]
+    try:
+        yield e
+    finally:
+        closer = threading.Thread(target=e.runner.close, daemon=True)
+        closer.start()
+        closer.join(60)
+        if closer.is_alive():  # a close stuck behind a wedged collective: free it, then fail
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            closer.join(30)
+        torch.set_num_threads(threads)
+        assert not closer.is_alive(), "close() hung"
+        assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")], "a follower outlived its engine"
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def wait_for(cond, limit_s: float) -> bool:
+    deadline = time.monotonic() + limit_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_frozen_idle_follower_fails_the_group(two):
+    """Before the fix the watcher's ping sat in the control broadcast for the start-up timeout
+    (900 s) holding the runner's lock, so the failure was never seen and the next step blocked."""
+    follower = two.runner._procs[0]
+    os.kill(follower.pid, signal.SIGSTOP)
+    assert wait_for(lambda: two.runner.failure is not None, 30), "a frozen follower went unnoticed"
+    assert isinstance(two.runner.failure, ExecutorFailed)
+    two.add_request("after", "hello", greedy(2))
+    raised: list[BaseException] = []
+
+    def step():
+        try:
+            two.step()
+        except BaseException as e:  # noqa: BLE001 - checked below
+            raised.append(e)
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the step hung on a frozen follower"
+    assert len(raised) == 1 and isinstance(raised[0], ExecutorFailed)
+    assert two.counters["requests_failed"] == 0 and not two.scheduler.suspects
+
+
+def test_interrupt_inside_the_leaders_forward_fails_the_group(two):
+    """A KeyboardInterrupt after the first all-reduce of a step: the follower is left inside the
+    second one. The group must be failed there and then (before the fix it was not: the next
+    step waited out the collective timeout, or, with a batch of the same shape, summed the
+    leader's new step with the follower's old one)."""
+    layer = two.runner.local.model.layers[0]
+    inner = layer.down.inner
+    armed = [True]
+
+    def interrupted(x):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return inner(x)
+
+    layer.down.inner = interrupted
+    two.add_request("x", "The capital of France is", greedy(4))
+    with pytest.raises(KeyboardInterrupt):
+        two.step()
+    assert isinstance(two.runner.failure, ExecutorFailed)
+    two.abort("x")
+    two.add_request("y", "The capital of France is", greedy(4))
+    with pytest.raises(ExecutorFailed):
+        two.step()
+    assert two.counters["requests_failed"] == 0
