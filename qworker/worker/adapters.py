@@ -10,7 +10,8 @@ only the names in ``QWORKER_LORA_MODULES`` exist. Invariants:
 - ``lora_path`` is the folder as it resolved when validated, so a symlink moved later cannot
   redirect the engine elsewhere.
 - Int ids are stable per (name, version) for the life of the process: a version is the resolved
-  folder plus the size, mtime and inode of its two files. A path that changes, or files
+  folder plus the size, mtime, ctime and inode of its two files (ctime: a write in place that
+  restores the mtime, as ``cp -p`` or ``rsync -t --inplace`` do, still changes it). A path that changes, or files
   rewritten in place, get a new id, so the engine's prefix cache and adapter cache (keyed by the
   id) never mix two versions. Ids are never reused.
 - Reload (``refresh``, every ``lora_reload_interval_s``): the modules file is re-read when its
@@ -58,7 +59,7 @@ def version(path: str) -> tuple | None:
         stats = [os.stat(os.path.join(folder, f)) for f in FILES]
     except OSError:
         return None
-    return (folder, *((s.st_size, s.st_mtime_ns, s.st_ino) for s in stats))
+    return (folder, *((s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino) for s in stats))
 
 
 Validate = Callable[[str], str]  # path -> resolved folder; raises ValueError with the reason

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,25 @@ def test_a_modules_file_turned_hostile_keeps_the_last_good_set(tmp_path: Path) -
         for r in (table.resolve(None, name, True), table.resolve(name, None, True)):
             assert r.code == "model_not_found" and r.lora is None
     assert table.resolve(None, "a", True).lora == served["a"]
+
+
+def test_files_rewritten_in_place_with_their_mtime_restored_are_a_new_version(tmp_path: Path) -> None:
+    """``cp -p`` / ``rsync -t --inplace`` write the same inode and size and put the old mtime
+    back: with only size, mtime and inode in the version the table kept the old id, and the
+    engine's cache kept serving the old weights under it."""
+    a = adapter_dir(tmp_path, "a")
+    table = Adapters(f"a={a}", validate, "base")
+    asyncio.run(table.refresh())
+    before = table.served["a"].lora_int_id
+    weights = a / "adapter_model.safetensors"
+    st = os.stat(weights)
+    for _ in range(200):  # the kernel's clock is coarse: write until the ctime has moved
+        with open(weights, "r+b") as f:
+            f.write(b"y")  # same size, same inode
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+        if os.stat(weights).st_ctime_ns != st.st_ctime_ns:
+            break
+        time.sleep(0.01)
+    assert os.stat(weights).st_mtime_ns == st.st_mtime_ns
+    asyncio.run(table.refresh())
+    assert table.served["a"].lora_int_id != before
