@@ -139,6 +139,8 @@ _SIGNATURES = {
     "qw_add_rms_norm_f32": ([_P, _P, _P, _P, _P, _I64, _I32, _F32, _I32], None),
     "qw_rope_f32": ([_P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], None),
     "qw_silu_mul_f32": ([_P, _P, _I64, _I32, _I32], None),
+    "qw_add_rms_norm_bf16out": ([_P, _I32, _P, _P, _P, _P, _I64, _I32, _F32, _I32], None),
+    "qw_silu_mul_bf16": ([_P, _P, _I64, _I32, _I32], None),
     "qw_argmax_rows_f32": ([_P, _I64, _I64, _I64, _P, _I32], None),
 }
 
@@ -353,6 +355,32 @@ def rms_norm_cpu(
     return out, new_residual
 
 
+def rms_norm_bf16_out_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm_cpu` for the CPU bf16 mode's GEMM inputs: ``x`` fp32 or bf16 (a bf16 GEMM's
+    output), ``residual`` and the returned ``x + residual`` fp32 (the residual stream keeps fp32),
+    ``out`` bf16: the fp32 norm of ``x``'s fp32 values rounded once to bf16, as
+    ``rms_norm_cpu(x.float(), ...)[0].to(torch.bfloat16)`` gives. Inputs untouched."""
+    lib = _library()
+    H = x.shape[-1]
+    ok = (lib is not None and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and x.is_contiguous()
+          and weight.shape == (H,) and _dense_fp32(weight)
+          and (residual is None or (residual.shape == x.shape and _dense_fp32(residual))))
+    if not ok:
+        out, new_residual = rms_norm_ref(x.float(), weight.float(), eps, None if residual is None else residual.float())
+        return out.to(torch.bfloat16), new_residual
+    new_residual = torch.empty(x.shape, dtype=torch.float32)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    lib.qw_add_rms_norm_bf16out(x.data_ptr(), int(x.dtype == torch.bfloat16), residual.data_ptr() if residual is not None else None,
+                                weight.data_ptr(), new_residual.data_ptr(), out.data_ptr(), x.numel() // H, H, float(eps),
+                                torch.get_num_threads())
+    return out, new_residual
+
+
 def rotary_embedding_cpu_(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> None:
@@ -409,13 +437,25 @@ def store_kv_cpu(
 
 
 def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`kernels.reference.silu_and_mul_ref`."""
+    """Same contract as :func:`kernels.reference.silu_and_mul_ref`; a bf16 ``gate_up`` (the CPU bf16
+    mode's GEMM output) is computed in fp32 and rounded once to a bf16 result."""
     lib = _library()
+    if gate_up.dtype == torch.bfloat16:
+        return _silu_and_mul_bf16(lib, gate_up)
     if lib is None or not _dense_fp32(gate_up) or gate_up.dim() != 2:
         return silu_and_mul_ref(gate_up)
     T, two_i = gate_up.shape
     out = torch.empty((T, two_i // 2), dtype=gate_up.dtype)
     lib.qw_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def _silu_and_mul_bf16(lib, gate_up: torch.Tensor) -> torch.Tensor:
+    if lib is None or gate_up.device.type != "cpu" or not gate_up.is_contiguous() or gate_up.dim() != 2:
+        return silu_and_mul_ref(gate_up.float()).to(torch.bfloat16)
+    T, two_i = gate_up.shape
+    out = torch.empty((T, two_i // 2), dtype=torch.bfloat16)
+    lib.qw_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2, torch.get_num_threads())
     return out
 
 

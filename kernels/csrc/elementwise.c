@@ -111,6 +111,70 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* bf16 -> fp32 is exact: the bf16 bits are the fp32's upper half */
+static inline float bf16_to_f32(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* qw_add_rms_norm_f32 for the CPU bf16 mode: x is a bf16 GEMM's output (x_bf16 != 0) or fp32, out
+ * is bf16 (the next bf16 GEMM's input, rounded as torch's .to(torch.bfloat16) would); the residual
+ * stream (residual, new_residual) and all the arithmetic stay fp32, so out equals
+ * qw_add_rms_norm_f32 on x's fp32 values followed by that rounding. */
+void qw_add_rms_norm_bf16out(const void *x, int x_bf16, const float *residual, const float *weight,
+                             float *new_residual, uint16_t *out, int64_t T, int H, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T >= 256)
+    for (int64_t t = 0; t < T; t++) {
+        float *restrict hr = new_residual + t * H;
+        uint16_t *restrict o = out + t * H;
+        if (x_bf16) {
+            const uint16_t *restrict xr = (const uint16_t *)x + t * H;
+            if (residual) {
+                const float *restrict rr = residual + t * H;
+#pragma omp simd
+                for (int i = 0; i < H; i++) hr[i] = bf16_to_f32(xr[i]) + rr[i];
+            } else {
+#pragma omp simd
+                for (int i = 0; i < H; i++) hr[i] = bf16_to_f32(xr[i]);
+            }
+        } else {
+            const float *restrict xr = (const float *)x + t * H;
+            if (residual) {
+                const float *restrict rr = residual + t * H;
+#pragma omp simd
+                for (int i = 0; i < H; i++) hr[i] = xr[i] + rr[i];
+            } else {
+                memcpy(hr, xr, sizeof(float) * (size_t)H);
+            }
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < H; i++) ss += hr[i] * hr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+#pragma omp simd
+        for (int i = 0; i < H; i++) o[i] = f32_to_bf16(weight[i] * (hr[i] * inv));
+    }
+}
+
+/* qw_silu_mul_f32 on a bf16 gate_up [T, 2I] (a bf16 GEMM's output) into a bf16 out [T, I] (the
+ * down projection's input): fp32 arithmetic, one rounding at the end. */
+void qw_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int I, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= (1 << 16))
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *restrict g = gate_up + t * 2 * I, *restrict u = g + I;
+        uint16_t *restrict o = out + t * I;
+#pragma omp simd
+        for (int i = 0; i < I; i++) {
+            const float x = bf16_to_f32(g[i]);
+            const float e = exp_nonpositive(-fabsf(x));
+            const float r = 1.0f / (1.0f + e);
+            o[i] = f32_to_bf16(x * (x < 0.0f ? e * r : r) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
 /* qw_store_kv_f32 for a bf16 cache (the CPU engine's kv_cache_dtype="bfloat16"). */
 int qw_store_kv_bf16(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
                      uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T, int HD, int64_t num_slots) {

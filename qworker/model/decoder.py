@@ -5,7 +5,9 @@ names, q/k norms, MLP kind, the norms' form, extra norms, attention options per 
 scale, logit soft-capping. Two forwards: :meth:`DecoderModel.forward` is the Llama loop, used
 whenever the spec adds nothing but one window for all layers (Llama, Mistral, Qwen2 without
 per-layer windows, Phi-3), so that path does no per-layer work beyond what it always did;
-:meth:`DecoderModel._forward_general` carries every hook.
+:meth:`DecoderModel._forward_general` carries every hook. On CPU in bf16 mode the Llama loop
+is :meth:`DecoderModel._forward_cpu_bf16`: the same values, without the fp32 copies of the bf16
+GEMMs' inputs and outputs.
 
 Weights are plain tensors; q/k/v and gate/up projections are fused into one matmul each, because
 on every device a few large matmuls beat many small ones. Only the rows that need logits go
@@ -180,6 +182,9 @@ class DecoderModel:
         self.attn = self.layers[0].attn
         if not spec.is_plain() or len(self.ropes) != 1 or any(layer.gate_up is None for layer in self.layers):
             self.forward = self._forward_general
+        elif backend == "cpu" and self.act_dtype != dtype:
+            self.norm_bf16 = kernels.rms_norm_bf16_out_cpu
+            self.forward = self._forward_cpu_bf16
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         if w is None:
@@ -225,6 +230,47 @@ class DecoderModel:
             h = layer.down(self.swiglu(layer.gate_up(x)))
         x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
         return self.lm_head(x).float()
+
+    @torch.inference_mode()
+    def _forward_cpu_bf16(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` for the CPU bf16 mode without the fp32 copies of the GEMMs' bf16 inputs
+        and outputs: the norms write the qkv, gate_up and LM-head inputs in bf16, and o's, gate_up's
+        and down's bf16 outputs go as they are to the C kernels that read them (the next norm, the
+        SwiGLU). Same values as :meth:`forward` (a GEMM rounds its output to bf16 anyway, and the
+        kernels round their outputs once, as the conversion did); the residual stream, rope and
+        attention stay fp32. Projections wrapped by LoRA or tensor parallelism take :meth:`forward`."""
+        if not self._plain_projections():
+            return DecoderModel.forward(self, input_ids, positions, kv_caches, meta, logits_indices)
+        norm = self.norm_bf16
+        h = F.embedding(input_ids, self.embed)
+        T = h.shape[0]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x, residual = norm(h, layer.input_norm, self.eps, residual)
+            qkv = layer.qkv(x)  # fp32: rope and attention read it
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.reshape(T, self.num_kv_heads, self.head_dim)
+            self.rope(positions, q, k)
+            attn = self.attn(q, k, v, k_cache, v_cache, meta)
+            h = layer.o.lowp(attn.reshape(T, self.q_size))
+            x, residual = norm(h, layer.post_norm, self.eps, residual)
+            h = layer.down.lowp(self.swiglu(layer.gate_up.lowp(x)))
+        x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
+        return self.lm_head(x).float()
+
+    def _plain_projections(self) -> bool:
+        if type(self.lm_head) is not Linear:
+            return False
+        return all(type(p) is Linear for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     @torch.inference_mode()
     def _forward_general(

@@ -74,6 +74,13 @@ class Linear:
             return self._gemm(x.to(self.weight.dtype)).to(self.act_dtype)
         return self._gemm(x)
 
+    def lowp(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` without the conversion back: the output in the weight's dtype, for a consumer
+        that reads it (the CPU bf16 mode's C kernels). The GEMM rounds its output to that dtype
+        either way, so the values are exactly ``self(x)``'s; an ``x`` already in the weight's dtype
+        is not converted."""
+        return self._gemm(x if x.dtype == self.weight.dtype else x.to(self.weight.dtype))
+
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
