@@ -8,9 +8,12 @@ rank may outlive its engine.
   long start-up one) and mark the group failed;
 - an interrupt (KeyboardInterrupt) raised inside the leader's forward, between two all-reduces:
   the follower waits in an all-reduce the leader never joins, so the group is failed at once
-  instead of the next step pairing the wrong collectives or hanging.
+  instead of the next step pairing the wrong collectives or hanging;
+- a RuntimeError (an OOM, a poison request) inside the leader's forward: a request's failure,
+  not the group's: the leader joins the all-reduces it owes, the step recovery isolates the
+  culprit, the others give one rank's tokens.
 
-Cost: one tiny follower spawn per test (each test breaks its group).
+Cost: one tiny follower spawn per test (each test breaks or poisons its group).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import pytest
 from qworker.engine import EngineConfig, LLMEngine, SamplingParams
 from qworker.model.parallel import leader as leader_mod
 from qworker.model.parallel.errors import ExecutorFailed
+from tests.engine.engine_support import outputs, run
 
 
 @pytest.fixture
@@ -112,3 +116,54 @@ def test_interrupt_inside_the_leaders_forward_fails_the_group(two):
     with pytest.raises(ExecutorFailed):
         two.step()
     assert two.counters["requests_failed"] == 0
+
+
+POISON = 777  # a prompt token whose prefill fails inside the leader's forward
+
+
+def test_a_failure_inside_the_leaders_forward_fails_its_request_alone(two, tiny_model_dir):
+    """A request whose forward raises on the leader after some of the step's all-reduces (as a
+    CUDA OOM in one layer would). Before the fix any such failure was fatal for the group: the
+    worker exited, and the job, redelivered, took down every pod in turn. Now the leader joins
+    the all-reduces it owes with zeros, the follower ends the step, and the engine's step
+    recovery runs as with one rank: the poison request fails alone (its prefill fails with
+    everyone, then alone), every other request gives one rank's greedy tokens."""
+    one = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=4 << 20, max_num_seqs=4))
+    prompts = {"a": [5, 6, 7, 8, 9, 10], "b": [11, 12, 13], "c": [20, 21, 22, 23, 24, 25, 26, 27, 28]}
+    for rid, p in prompts.items():
+        one.add_request(rid, p, greedy(6))
+    want = {k: outputs(r) for k, r in run(one, max_s=60).items()}
+
+    poisoned = [False]
+    raised = [0]
+    real_execute = two.runner.local.execute
+
+    def execute(batch):
+        poisoned[0] = any(POISON in c.token_ids for c in batch.chunks)
+        return real_execute(batch)
+
+    layer = two.runner.local.model.layers[1]  # its o projection: the step's third all-reduce
+    inner = layer.o.inner
+
+    def o(x):
+        if poisoned[0]:
+            raised[0] += 1
+            raise RuntimeError("out of memory (injected)")
+        return inner(x)
+
+    two.runner.local.execute = execute
+    layer.o.inner = o
+    two.add_request("warm", [3, 4], greedy(1))  # a first clean step: the all-reduce width is known
+    run(two, max_s=60)
+    for rid, p in prompts.items():
+        two.add_request(rid, p, greedy(6))
+    two.add_request("poison", [30, 31, POISON, 32], greedy(6))
+    done = run(two, max_s=60)
+    assert raised[0] == 2, "once with everyone, once alone"
+    assert two.runner.failure is None
+    assert done["poison"].error_code == "engine_error"
+    assert {k: outputs(done[k]) for k in prompts} == want
+    # the group is still in step: a new request gives one rank's tokens
+    two.add_request("again", prompts["c"], greedy(6))
+    assert outputs(run(two, max_s=60)["again"]) == want["c"]
+    assert two.counters["requests_failed"] == 1 and two.counters["steps_failed"] == 2

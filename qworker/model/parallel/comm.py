@@ -79,16 +79,23 @@ class Comm:
         # idle the leader pings, so a follower never waits this long on a live leader
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), rank, world, start)
         self._gathers = 0
+        self.broken = False  # an all-reduce raised
+        self.last_reduce: tuple[int, torch.dtype] | None = None  # (width, dtype) of the last one
         self.allreduce_seconds = 0.0
         self.allreduce_calls = 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sums ``t`` over the ranks, in place; every rank gets the same sum."""
         start = time.perf_counter()
-        if self._model is not None:
-            self._model.allreduce([t]).wait()
-        else:  # NCCL: enqueued on the stream; this counts launch time, not the kernel
-            dist.all_reduce(t, group=self._model_group)
+        try:
+            if self._model is not None:
+                self._model.allreduce([t]).wait()
+            else:  # NCCL: enqueued on the stream; this counts launch time, not the kernel
+                dist.all_reduce(t, group=self._model_group)
+        except BaseException:
+            self.broken = True  # the group itself failed: no step can be finished over it
+            raise
+        self.last_reduce = (t.shape[-1], t.dtype)
         self.allreduce_seconds += time.perf_counter() - start
         self.allreduce_calls += 1
         return t

@@ -158,12 +158,17 @@ class ParallelRunner:
             t0 = time.perf_counter()
             try:
                 self.comm.broadcast(("step", batch), self.comm.timeout_s)
+            except Exception as e:  # noqa: BLE001 - a peer closed its connection, or a timeout
+                raise self._fail(f"a step failed: {e!r}") from e
+            calls = self.comm.allreduce_calls
+            try:
                 logits = self.local.execute(batch)
             except ExecutorFailed:
                 raise
-            except Exception as e:  # noqa: BLE001 - a peer closed its connection, a timeout, or this
-                # rank's forward broke off mid-step: the ranks are out of step for good either way
-                raise self._fail(f"a step failed: {e!r}") from e
+            except Exception as e:  # noqa: BLE001 - a collective failed, or this rank's forward broke off
+                if not self._finish_failed_step(batch, self.comm.allreduce_calls - calls):
+                    raise self._fail(f"a step failed: {e!r}") from e
+                raise  # the ranks are in step again: the engine recovers as with one rank
             except BaseException as e:  # an interrupt mid-step: the followers may be inside an
                 # all-reduce this rank never joins, so the next step would hang or pair wrong sums
                 self._fail(f"a step was interrupted: {e!r}")
@@ -172,6 +177,26 @@ class ParallelRunner:
             self.steps += 1
             self._last_command = time.monotonic()
             return logits
+
+    def _finish_failed_step(self, batch: Batch, done: int) -> bool:
+        """This rank's forward raised after ``done`` of the step's all-reduces, the group itself
+        sound: the followers wait inside the next one. Joins every one left with zeros (each
+        layer all-reduces twice: ``o``, then ``down`` or the MoE block), so the followers end the
+        step (their writes to its blocks are garbage, but the engine recomputes every sequence
+        the step touched) and wait for the next command. False where the ranks cannot be brought
+        back in step (a collective failed; no all-reduce seen yet, so its width is unknown)."""
+        c = self.comm
+        if c.broken or c.last_reduce is None:
+            return False
+        width, dtype = c.last_reduce
+        tokens = sum(len(ch.token_ids) for ch in batch.chunks)
+        try:
+            for _ in range(2 * self.local.model.num_layers - done):
+                c.all_reduce(torch.zeros(tokens, width, dtype=dtype, device=self.local.device))
+        except Exception:  # noqa: BLE001 - reported by the caller as the step's failure
+            return False
+        log.warning("tensor parallel: this rank's forward failed after %d all-reduces; the followers were stepped past it", done)
+        return True
 
     def rank_stats(self) -> list[dict]:
         """Each rank's cumulative step and all-reduce time (rank 0 first); a collective."""
