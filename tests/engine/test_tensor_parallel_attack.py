@@ -167,3 +167,25 @@ def test_a_failure_inside_the_leaders_forward_fails_its_request_alone(two, tiny_
     two.add_request("again", prompts["c"], greedy(6))
     assert outputs(run(two, max_s=60)["again"]) == want["c"]
     assert two.counters["requests_failed"] == 1 and two.counters["steps_failed"] == 2
+
+
+def test_a_dropped_engine_gives_back_its_cores_and_followers(tiny_model_dir):
+    """An engine dropped without close() (``del llm``): its finalizer killed the followers but
+    left the process at rank 0's share of the cores (cpu_count / tp torch threads), so a later
+    engine in the same process ran on half the machine."""
+    import gc
+
+    import torch
+
+    before = torch.get_num_threads()
+    e = LLMEngine(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, kv_cache_memory=4 << 20, max_num_seqs=2))
+    pids = [p.pid for p in e.runner._procs]
+    e.add_request("a", [5, 6, 7], greedy(2))
+    run(e, max_s=60)
+    del e
+    gc.collect()
+    try:
+        assert wait_for(lambda: not [pid for pid in pids if os.path.exists(f"/proc/{pid}")], 20), "a follower outlived its engine"
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)

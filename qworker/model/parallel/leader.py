@@ -110,7 +110,8 @@ class ParallelRunner:
                                 name=f"qworker-tp-rank{rank}", daemon=True)
                 p.start()
                 self._procs.append(p)
-        self._finalizer = weakref.finalize(self, _kill, list(self._procs))
+        # a runner dropped unclosed (LLM deleted) still kills its followers and gives the cores back
+        self._finalizer = weakref.finalize(self, _release, list(self._procs), self._threads_before)
         try:
             self.comm = cm.Comm(0, world, addr, port, dev, timeout_s, alive=lambda: all(p.exitcode is None for p in self._procs))
             self.comm.broadcast({"model_dir": model_dir, "dtype": dtype, "max_model_len": max_model_len,
@@ -307,6 +308,15 @@ def _watch(ref: weakref.ref) -> None:
         if runner is None or not runner._watch_once(ready):
             return
         del runner
+
+
+def _release(procs, threads_before: int | None) -> None:
+    """The finalizer of a runner dropped without close(): its followers killed, and the torch
+    thread count it lowered for rank 0 restored (in the collecting thread, usually the one that
+    made it; a live engine resets its own count before each step)."""
+    _kill(procs)
+    if threads_before is not None:
+        torch.set_num_threads(threads_before)
 
 
 def _kill(procs) -> None:
