@@ -127,7 +127,8 @@ def test_a_failure_inside_the_leaders_forward_fails_its_request_alone(two, tiny_
     worker exited, and the job, redelivered, took down every pod in turn. Now the leader joins
     the all-reduces it owes with zeros, the follower ends the step, and the engine's step
     recovery runs as with one rank: the poison request fails alone (its prefill fails with
-    everyone, then alone), every other request gives one rank's greedy tokens."""
+    everyone, on the engine's very first step, then alone), every other request gives one
+    rank's greedy tokens."""
     one = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=4 << 20, max_num_seqs=4))
     prompts = {"a": [5, 6, 7, 8, 9, 10], "b": [11, 12, 13], "c": [20, 21, 22, 23, 24, 25, 26, 27, 28]}
     for rid, p in prompts.items():
@@ -142,19 +143,22 @@ def test_a_failure_inside_the_leaders_forward_fails_its_request_alone(two, tiny_
         poisoned[0] = any(POISON in c.token_ids for c in batch.chunks)
         return real_execute(batch)
 
-    layer = two.runner.local.model.layers[1]  # its o projection: the step's third all-reduce
-    inner = layer.o.inner
+    def failing(index: int, inner):
+        """Layer ``index``'s o projection, raising before its all-reduce on a poisoned step: the
+        first time in layer 0 (the engine's first step: no all-reduce seen yet, all owed), the
+        second time in layer 1 (two done, two owed)."""
 
-    def o(x):
-        if poisoned[0]:
-            raised[0] += 1
-            raise RuntimeError("out of memory (injected)")
-        return inner(x)
+        def o(x):
+            if poisoned[0] and raised[0] % 2 == index:
+                raised[0] += 1
+                raise RuntimeError("out of memory (injected)")
+            return inner(x)
+
+        return o
 
     two.runner.local.execute = execute
-    layer.o.inner = o
-    two.add_request("warm", [3, 4], greedy(1))  # a first clean step: the all-reduce width is known
-    run(two, max_s=60)
+    for i, layer in enumerate(two.runner.local.model.layers[:2]):
+        layer.o.inner = failing(i, layer.o.inner)
     for rid, p in prompts.items():
         two.add_request(rid, p, greedy(6))
     two.add_request("poison", [30, 31, POISON, 32], greedy(6))

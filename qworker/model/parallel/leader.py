@@ -185,11 +185,13 @@ class ParallelRunner:
         layer all-reduces twice: ``o``, then ``down`` or the MoE block), so the followers end the
         step (their writes to its blocks are garbage, but the engine recomputes every sequence
         the step touched) and wait for the next command. False where the ranks cannot be brought
-        back in step (a collective failed; no all-reduce seen yet, so its width is unknown)."""
+        back in step (a collective failed). Every all-reduce is of the hidden width in the
+        activation dtype (the last one seen says so; before any, the model does)."""
         c = self.comm
-        if c.broken or c.last_reduce is None:
+        if c.broken:
             return False
-        width, dtype = c.last_reduce
+        m = self.local.model
+        width, dtype = c.last_reduce or (m.embed.shape[1], m.act_dtype)
         tokens = sum(len(ch.token_ids) for ch in batch.chunks)
         try:
             for _ in range(2 * self.local.model.num_layers - done):
