@@ -159,8 +159,11 @@ class ParallelRunner:
             t0 = time.perf_counter()
             try:
                 self.comm.broadcast(("step", batch), self.comm.timeout_s)
-            except Exception as e:  # noqa: BLE001 - a peer closed its connection, or a timeout
-                raise self._fail(f"a step failed: {e!r}") from e
+            except BaseException as e:  # a peer closed its connection, a timeout, or an interrupt
+                failure = self._fail(f"a step's command failed: {e!r}")  # between the size and the bytes
+                if isinstance(e, Exception):
+                    raise failure from e
+                raise
             calls = self.comm.allreduce_calls
             try:
                 logits = self.local.execute(batch)
