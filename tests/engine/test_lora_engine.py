@@ -155,6 +155,7 @@ def test_preemption_keeps_each_request_on_its_adapter(llm, adapters, tiny_model_
 
 def test_forks_and_one_lora_request_for_every_prompt_and_chat(llm, adapters, tiny_model_dir):
     a, c = adapters["all8"], adapters["mlp16"]
+    verify_chunks = llm.lora_verify_chunks
     # n > 1 with one LoRARequest for both prompts: every greedy choice runs under the adapter
     outs = llm.generate([PROMPTS[0], PROMPTS[1]], SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True),
                         lora_request=c, use_tqdm=False)
@@ -165,6 +166,9 @@ def test_forks_and_one_lora_request_for_every_prompt_and_chat(llm, adapters, tin
     assert chat[0].lora_request == a
     check_parity(tiny_model_dir, outs + chat, [c, c, a], "fork/chat")
     assert_steps_kept_the_limit(llm)
+    # speculation ran under the adapter (PROMPTS[1] repeats itself, so n-grams propose): the
+    # parity check above covers the verify chunks' outputs
+    assert llm.lora_verify_chunks > verify_chunks
 
 
 def test_prefix_cache_never_crosses_adapters(llm, adapters):
@@ -189,13 +193,6 @@ def test_structured_output_under_an_adapter(llm, adapters):
     assert [o.outputs[0].text in ("alpha", "beta", "gamma") for o in outs] == [True, True]
 
 
-def test_every_slot_served_the_adapter_of_its_step(llm, adapters):
-    assert_steps_kept_the_limit(llm)
-    assert llm.list_loras() <= {lr.lora_int_id for lr in adapters.values()}
-    # speculation ran under adapters on this engine too (the parity checks above cover the outputs)
-    assert llm.lora_verify_chunks > 0
-
-
 def test_bad_lora_requests_are_refused_before_anything_runs(llm, adapters, tmp_path):
     engine = llm.engine
     finished = engine.counters["requests_finished"]
@@ -216,6 +213,7 @@ def test_bad_lora_requests_are_refused_before_anything_runs(llm, adapters, tmp_p
     with pytest.raises(InvalidRequestError, match="LoRARequest"):
         llm.generate(PROMPTS[:1], greedy(3), lora_request="all8", use_tqdm=False)
     assert engine.counters["requests_finished"] == finished and not engine.requests
+    assert llm.list_loras() <= {lr.lora_int_id for lr in adapters.values()}  # nothing refused stayed loaded
 
 
 def test_lora_request_without_enable_lora_is_refused(tiny_model_dir):
