@@ -56,8 +56,8 @@ def adapters(tmp_path_factory, tiny_model_dir):
     root, outside = base / "root", base / "outside"
     root.mkdir()
     paths = {
-        "a": make_peft_adapter(tiny_model_dir, root / "a", rank=4, target_modules=ALL_MODULES, seed=1),
-        "b": make_peft_adapter(tiny_model_dir, root / "b", rank=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], seed=2),
+        "a": make_peft_adapter(tiny_model_dir, root / "a", rank=4, target_modules=ALL_MODULES, seed=1, b_std=1.0),
+        "b": make_peft_adapter(tiny_model_dir, root / "b", rank=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], seed=2, b_std=1.0),
     }
     shutil.copytree(root / "a", root / "big")
     edit_adapter_config(root / "big", r=MAX_RANK * 2)  # refused on its config, before any tensor is read
