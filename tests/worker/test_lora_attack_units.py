@@ -20,16 +20,10 @@ from pydantic import ValidationError
 from qworker.config import WorkerSettings
 from qworker.lora_modules import LoRAModulesError, parse_file_bytes, parse_modules
 from qworker.worker.adapters import Adapters
+from tests.worker.test_lora_units import adapter_dir
 
 DEEP = "[" * 200_000 + "]" * 200_000
 
-
-def adapter_dir(root: Path, name: str) -> Path:
-    d = root / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "adapter_config.json").write_text("{}")
-    (d / "adapter_model.safetensors").write_bytes(b"x")
-    return d
 
 
 def validate(path: str) -> str:
