@@ -1,0 +1,313 @@
+/*
+ * fp32 GEMM for the CPU engine's projections: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), with W
+ * packed once at load into panels of 16 output columns:
+ *
+ *   wp [P = ceil(N / 16)][K][16]     panel p, row k holds W[p * 16 + c, k] for c = 0..15
+ *                                     (columns past N are zero)
+ *
+ * so a micro-kernel reads each panel as one contiguous stream, 64 bytes per k (kernels/gemm_cpu.py
+ * packs it; the layout is the same for every ISA build). x rows are ldx floats apart, y rows ldy.
+ *
+ * Micro-kernels: an MR x (16 * NP) register tile over the full K (NP adjacent panels, x elements
+ * broadcast, weight vectors loaded once per k and reused over the MR rows):
+ *   AVX-512  main tile 12 x 32 (24 zmm accumulators)
+ *   AVX2+FMA main tile  6 x 16 (12 ymm accumulators, BLIS-Haswell-like)
+ *   generic  main tile  4 x 16, plain C the compiler vectorises
+ * The rows of one call are cut into row tiles of balanced size (13 rows: 5 + 4 + 4, never 6 + 6 + 1,
+ * whose 1-row tile would be FMA-latency bound); with fewer rows than the main tile, the tile
+ * widens over more panels instead (AVX2: 1 x 64, 2 x 32, 3 x 32) so that enough independent
+ * accumulators hide the FMA latency.
+ *
+ * Threads (OpenMP, the count torch uses: libgomp is shared with torch) each take a contiguous
+ * range of panels (and, when there are too few panels for every thread, a range of rows too),
+ * without barriers. Within its range a thread walks groups of panels (their weights stay in L2)
+ * and, per group, blocks of MC rows of x (kept in L2): every weight is read from memory once
+ * at any M, and x once per group from L3.
+ *
+ * kernels/cpu.py builds this file once per vector ISA ("avx512", "avx2" = -mno-avx512f,
+ * "generic" = -mno-avx); the best path the flags allow is compiled.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define QW_GEMM_ISA 2
+#define VW 16   /* floats per vector */
+#define MR_MAIN 12
+#define NP_MAIN 2
+#define NP_MAX 8
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QW_GEMM_ISA 1
+#define VW 8
+#define MR_MAIN 6
+#define NP_MAIN 1
+#define NP_MAX 4
+#else
+#define QW_GEMM_ISA 0
+#define MR_MAIN 4
+#define NP_MAIN 1
+#define NP_MAX 2
+#endif
+
+#define NR 16 /* panel width in floats */
+#if defined(QW_GEMM_NO_PREFETCH) /* A/B experiments */
+#define PREFETCH(p) ((void)(p))
+#elif QW_GEMM_ISA > 0
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#else
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#endif
+#define VPP (NR / VW) /* vectors per panel row */
+
+/* The panel count per kernel call for a tile of `rows` rows (rows < MR_MAIN: wider tiles). */
+static inline int panels_for_rows(int64_t rows) {
+    if (rows >= MR_MAIN) return NP_MAIN;
+#if QW_GEMM_ISA == 2
+    if (rows == 1) return 8;
+    if (rows <= 3) return 4;
+    return 2;
+#elif QW_GEMM_ISA == 1
+    if (rows == 1) return 4;
+    if (rows <= 3) return 2;
+    return 1;
+#else
+    return rows == 1 ? 2 : 1;
+#endif
+}
+
+#if QW_GEMM_ISA == 2
+typedef __m512 vec;
+#define V_ZERO() _mm512_setzero_ps()
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_STORE(p, v) _mm512_storeu_ps(p, v)
+#define V_BCAST(p) _mm512_set1_ps(*(p))
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#elif QW_GEMM_ISA == 1
+typedef __m256 vec;
+#define V_ZERO() _mm256_setzero_ps()
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_STORE(p, v) _mm256_storeu_ps(p, v)
+#define V_BCAST(p) _mm256_broadcast_ss(p)
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#endif
+
+/*
+ * One tile (TILE_BODY): rows MR (1..MR_MAIN) of x from x (ldx apart), panels NP (adjacent, pstride floats
+ * apart) from w, k = 0..K-1. Writes ncols (<= 16 * NP) columns of y (ldy apart); bias: 16 * NP
+ * floats (zero-padded past N) or NULL. MR and NP are constants in every instantiation below, so
+ * the loops unroll and the accumulators live in registers.
+ */
+#if QW_GEMM_ISA > 0
+#define TILE_BODY(MR, NP)                                                                                           \
+    vec acc[MR][NP * VPP];                                                                                          \
+    const float *xr[MR];                                                                                            \
+    _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) xr[i] = x + i * ldx;                                      \
+    _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) {                                                   \
+        const vec b0 = bias ? V_LOAD(bias + j * VW) : V_ZERO();                                                     \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) acc[i][j] = b0;                                       \
+    }                                                                                                               \
+    const float *wk = w;                                                                                            \
+    int64_t pfpos = 0;                                                                                              \
+    const int64_t pfstep = pfrate / NP;                                                                             \
+    for (int64_t k = 0; k < K; k++, wk += NR, pfpos += pfrate) {                                                    \
+        _Pragma("GCC unroll 16") for (int j = 0; j < NP; j++)                                                       \
+            PREFETCH(pf + ((pfpos + j * pfstep) >> 16) * NR);                                                       \
+        vec b[NP * VPP];                                                                                            \
+        _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++)                                                 \
+            b[j] = V_LOAD(wk + (j / VPP) * pstride + (j % VPP) * VW);                                               \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                     \
+            const vec a = V_BCAST(xr[i] + k);                                                                       \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) acc[i][j] = V_FMA(a, b[j], acc[i][j]);      \
+        }                                                                                                           \
+    }                                                                                                               \
+    if (ncols == NP * NR) {                                                                                         \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                                                       \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) V_STORE(y + i * ldy + j * VW, acc[i][j]);   \
+    } else {                                                                                                        \
+        float tmp[NP * NR];                                                                                         \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                     \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) V_STORE(tmp + j * VW, acc[i][j]);           \
+            memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));                                                \
+        }                                                                                                           \
+    }
+#else
+#define TILE_BODY(MR, NP)                                                                                           \
+    float acc[MR][NP * NR];                                                                                         \
+    for (int i = 0; i < MR; i++)                                                                                    \
+        for (int c = 0; c < NP * NR; c++) acc[i][c] = bias ? bias[c] : 0.0f;                                        \
+    (void)pstride;                                                                                                  \
+    for (int64_t k = 0, pfpos = 0; k < K; k++, pfpos += pfrate) {                                                   \
+        PREFETCH(pf + (pfpos >> 16) * NR);                                                                          \
+        for (int p = 0; p < NP; p++) {                                                                              \
+            const float *restrict wk = w + p * pstride + k * NR;                                                    \
+            for (int i = 0; i < MR; i++) {                                                                          \
+                const float a = x[i * ldx + k];                                                                     \
+                for (int c = 0; c < NR; c++) acc[i][p * NR + c] += a * wk[c];                                       \
+            }                                                                                                       \
+        }                                                                                                           \
+    }                                                                                                               \
+    for (int i = 0; i < MR; i++) memcpy(y + i * ldy, acc[i], (size_t)ncols * sizeof(float));
+#endif
+
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, const float *, float *, int64_t, int,
+                        const float *, int64_t);
+
+#define DEF_TILE(MR, NP)                                                                                            \
+    static void tile_##MR##_##NP(const float *restrict x, int64_t ldx, const float *restrict w, int64_t pstride,   \
+                                 int64_t K, const float *restrict bias, float *restrict y, int64_t ldy, int ncols,  \
+                                 const float *pf, int64_t pfrate) {                                                 \
+        TILE_BODY(MR, NP)                                                                                           \
+    }
+
+/* The instantiations each ISA's dispatch uses: (rows, panels) with rows <= MR_MAIN and panels
+ * <= panels_for_rows(rows) (tail steps take fewer panels). */
+#if QW_GEMM_ISA == 2
+DEF_TILE(1, 1) DEF_TILE(1, 2) DEF_TILE(1, 3) DEF_TILE(1, 4) DEF_TILE(1, 5) DEF_TILE(1, 6) DEF_TILE(1, 7) DEF_TILE(1, 8)
+DEF_TILE(2, 1) DEF_TILE(2, 2) DEF_TILE(2, 3) DEF_TILE(2, 4)
+DEF_TILE(3, 1) DEF_TILE(3, 2) DEF_TILE(3, 3) DEF_TILE(3, 4)
+DEF_TILE(4, 1) DEF_TILE(4, 2) DEF_TILE(5, 1) DEF_TILE(5, 2) DEF_TILE(6, 1) DEF_TILE(6, 2)
+DEF_TILE(7, 1) DEF_TILE(7, 2) DEF_TILE(8, 1) DEF_TILE(8, 2) DEF_TILE(9, 1) DEF_TILE(9, 2)
+DEF_TILE(10, 1) DEF_TILE(10, 2) DEF_TILE(11, 1) DEF_TILE(11, 2) DEF_TILE(12, 1) DEF_TILE(12, 2)
+static const tile_fn TILES[MR_MAIN + 1][NP_MAX + 1] = {
+    [1] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4, tile_1_5, tile_1_6, tile_1_7, tile_1_8},
+    [2] = {0, tile_2_1, tile_2_2, tile_2_3, tile_2_4}, [3] = {0, tile_3_1, tile_3_2, tile_3_3, tile_3_4},
+    [4] = {0, tile_4_1, tile_4_2}, [5] = {0, tile_5_1, tile_5_2}, [6] = {0, tile_6_1, tile_6_2},
+    [7] = {0, tile_7_1, tile_7_2}, [8] = {0, tile_8_1, tile_8_2}, [9] = {0, tile_9_1, tile_9_2},
+    [10] = {0, tile_10_1, tile_10_2}, [11] = {0, tile_11_1, tile_11_2}, [12] = {0, tile_12_1, tile_12_2},
+};
+#elif QW_GEMM_ISA == 1
+DEF_TILE(1, 1) DEF_TILE(1, 2) DEF_TILE(1, 3) DEF_TILE(1, 4)
+DEF_TILE(2, 1) DEF_TILE(2, 2) DEF_TILE(3, 1) DEF_TILE(3, 2)
+DEF_TILE(4, 1) DEF_TILE(5, 1) DEF_TILE(6, 1)
+static const tile_fn TILES[MR_MAIN + 1][NP_MAX + 1] = {
+    [1] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4}, [2] = {0, tile_2_1, tile_2_2}, [3] = {0, tile_3_1, tile_3_2},
+    [4] = {0, tile_4_1}, [5] = {0, tile_5_1}, [6] = {0, tile_6_1},
+};
+#else
+DEF_TILE(1, 1) DEF_TILE(1, 2) DEF_TILE(2, 1) DEF_TILE(3, 1) DEF_TILE(4, 1)
+static const tile_fn TILES[MR_MAIN + 1][NP_MAX + 1] = {
+    [1] = {0, tile_1_1, tile_1_2}, [2] = {0, tile_2_1}, [3] = {0, tile_3_1}, [4] = {0, tile_4_1},
+};
+#endif
+
+/* Rows m0..m1 x panels p0..p1 of y (one thread's share). */
+static void gemm_range(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy,
+                       int64_t N, int64_t K, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t mc, int64_t group) {
+    const int64_t M = m1 - m0;
+    if (M <= 0 || p1 <= p0) return;
+    const int64_t pstride = K * NR;
+    const int np = panels_for_rows(M < MR_MAIN ? M : MR_MAIN);
+    { /* balanced x blocks (1024 rows at mc 108: 10 blocks of 108 - 6 = 102.4, not 9 of 108 and one of 52) */
+        const int64_t nblocks = (M + mc - 1) / mc;
+        mc = (M + nblocks - 1) / nblocks;
+        mc = (mc + MR_MAIN - 1) / MR_MAIN * MR_MAIN;
+    }
+    for (int64_t g0 = p0; g0 < p1; g0 += group) {
+        const int64_t g1 = g0 + group < p1 ? g0 + group : p1;
+        for (int64_t b0 = m0; b0 < m1; b0 += mc) {
+            const int64_t b1 = b0 + mc < m1 ? b0 + mc : m1;
+            const int64_t rows = b1 - b0;
+            const int64_t tiles = (rows + MR_MAIN - 1) / MR_MAIN;
+            for (int64_t p = g0; p < g1; p += np) {
+                const int npp = (int)(g1 - p < np ? g1 - p : np);
+                const int64_t c0 = p * NR;
+                const int ncols = (int)(N - c0 < npp * NR ? N - c0 : npp * NR);
+                const float *bp = bias ? bias + c0 : NULL;
+                float bpad[NP_MAX * NR];
+                if (bias && ncols < npp * NR) { /* the last panel: bias zero-padded to the panel width */
+                    memset(bpad, 0, sizeof(bpad));
+                    memcpy(bpad, bp, (size_t)ncols * sizeof(float));
+                    bp = bpad;
+                }
+                const float *wpp = wp + p * pstride;
+                /* the weights of this thread's next kernel step, prefetched while this step runs
+                 * (spread over its row tiles: tile t takes the t-th 1/tiles of them), so the
+                 * memory stream overlaps the arithmetic instead of stalling each step's first tile */
+                int64_t next = p;
+                if (p + np < g1) next = p + np;
+                else if (b1 < m1) next = g0;
+                else if (g1 < p1) next = g1;
+#ifndef QW_PF_SINGLE
+#define QW_PF_SINGLE 1 /* single-tile steps of up to this many panels */
+#endif
+#ifndef QW_PF_ALLBLOCKS
+#define QW_PF_ALLBLOCKS 0
+#endif
+                const int pf_on = (tiles > 1 || np <= QW_PF_SINGLE) && (b0 == m0 || QW_PF_ALLBLOCKS || next == g1);
+                const int64_t lines = pf_on ? (int64_t)npp * K : 0; /* 64-byte lines per step */
+                /* balanced row tiles: `tiles` tiles of rows / tiles (+1 for the first rows % tiles) */
+                int64_t r = b0;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int mr = (int)(rows / tiles + (t < rows % tiles));
+                    const int64_t lo = lines * t / tiles, hi = lines * (t + 1) / tiles;
+                    const int64_t rate = K > 0 ? ((hi - lo) << 16) / K : 0; /* lines per k, 16.16 */
+                    TILES[mr][npp](x + r * ldx, ldx, wpp, pstride, K, bp, y + r * ldy + c0, ldy, ncols,
+                                   wp + next * pstride + lo * NR, rate);
+                    r += mr;
+                }
+            }
+        }
+    }
+}
+
+/* Cache-blocking defaults (0 = default in qw_gemm_f32's arguments). */
+#define QW_X_BLOCK_BYTES (128 * 1024)  /* x rows per block: MC * K * 4 bytes <= this */
+#define QW_W_GROUP_BYTES (256 * 1024)  /* panels per group: group * K * 64 bytes <= this */
+
+/*
+ * y[M, N] (rows ldy apart) = x[M, K] (rows ldx apart) @ W^T (+ bias[N] when not NULL), W packed
+ * as wp above. mc (rows per x block) and group (panels per weight group) are cache-blocking
+ * knobs for benchmarks: 0 takes the defaults. Returns 0, or -1 for invalid sizes.
+ */
+int qw_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy, int64_t M,
+                int64_t N, int64_t K, int num_threads, int64_t mc, int64_t group) {
+    if (M < 0 || N < 0 || K < 0 || (M > 0 && (ldx < K || ldy < N))) return -1;
+    if (M == 0 || N == 0) return 0;
+    const int64_t npanels = (N + NR - 1) / NR;
+    if (mc <= 0) {
+        mc = QW_X_BLOCK_BYTES / (K > 0 ? K * 4 : 4);
+        mc = mc < MR_MAIN ? MR_MAIN : mc / MR_MAIN * MR_MAIN;
+    }
+    if (group <= 0) {
+        group = QW_W_GROUP_BYTES / (K > 0 ? K * NR * 4 : 4);
+        if (group < 1) group = 1;
+    }
+    const int np = panels_for_rows(M < MR_MAIN ? M : MR_MAIN);
+    if (group % np) group += np - group % np; /* whole kernel steps per group */
+    const int64_t units = (npanels + np - 1) / np;
+    int nt = num_threads < 1 ? 1 : num_threads;
+    /* below ~64k FLOP the fork/join costs more than it saves */
+    if ((double)M * (double)N * (double)K < 32768.0) nt = 1;
+    /* threads over panel units; when there are fewer units than threads, over rows as well */
+    int tn = nt, tm = 1;
+    if (units < nt) {
+        tn = (int)units;
+        tm = nt / tn;
+        const int64_t row_tiles = (M + MR_MAIN - 1) / MR_MAIN;
+        if (tm > row_tiles) tm = (int)row_tiles;
+    }
+    nt = tn * tm;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int t = omp_get_thread_num();
+        const int it = t % tn, jt = t / tn;
+        const int64_t p0 = units * it / tn * np, p1e = units * (it + 1) / tn * np;
+        const int64_t p1 = p1e < npanels ? p1e : npanels;
+        int64_t m0 = 0, m1 = M;
+        if (tm > 1) { /* row ranges in whole main tiles */
+            const int64_t row_tiles = (M + MR_MAIN - 1) / MR_MAIN;
+            m0 = row_tiles * jt / tm * MR_MAIN;
+            m1 = row_tiles * (jt + 1) / tm * MR_MAIN;
+            if (m1 > M) m1 = M;
+        }
+        gemm_range(x, ldx, wp, bias, y, ldy, N, K, m0, m1, p0, p1, mc, group);
+    }
+    return 0;
+}
+
+/* The build's vector ISA: 2 = AVX-512, 1 = AVX2+FMA, 0 = generic C (tests check the dispatch). */
+int qw_gemm_f32_isa(void) { return QW_GEMM_ISA; }

@@ -1,0 +1,150 @@
+"""The packed fp32 GEMM (kernels/gemm_cpu.py, csrc/gemm_f32.c): y = x @ W^T (+ bias) against a
+float64 reference, under each ISA build this CPU runs, over odd shapes (row tails of every tile
+size, N not a multiple of the 16-column panel, odd K), with and without bias; the torch fallback;
+bad inputs; and the AVX-512 path compiled (not run) where this CPU lacks it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from cpu_isa import isa  # noqa: F401  (fixture)
+
+from kernels import cpu as kcpu
+from kernels import gemm_cpu
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
+SOURCE = Path(kcpu.__file__).with_name("csrc") / "gemm_f32.c"
+
+
+def _reference(x, w, b):
+    y = x.double() @ w.double().T
+    return y + b.double() if b is not None else y
+
+
+def _check(y, x, w, b):
+    ref = _reference(x, w, b)
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    # fp32 accumulation over K terms of unit-scale products
+    tol = 1e-5 * (x.shape[-1] ** 0.5 + 1) * max(1.0, ref.abs().max().item())
+    err = (y.double() - ref).abs().max().item() if y.numel() else 0.0
+    assert err <= tol, f"max abs error {err} > {tol}"
+
+
+# (M, N, K): every row count 1..14 (each tile height and the balanced splits), panel tails, odd K,
+# a few larger M (row blocks, threads over rows), N of one column and of several panels
+SHAPES = [(m, 37, 33) for m in range(1, 15)] + [
+    (15, 16, 1), (17, 1, 7), (23, 100, 577), (31, 33, 64), (48, 160, 96), (64, 129, 31), (70, 47, 129), (300, 50, 75),
+    (301, 17, 40), (5, 200, 1536), (1, 49, 576), (200, 16, 300), (9, 20, 900),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_matches_float64_under_each_isa(isa, bias):
+    g = torch.Generator().manual_seed(1)
+    expected = {"avx512": 2, "avx2": 1, "generic": 0}[isa]
+    assert gemm_cpu.kernel_isa() == expected
+    for M, N, K in SHAPES:
+        x = torch.randn(M, K, generator=g)
+        w = torch.randn(N, K, generator=g)
+        b = torch.randn(N, generator=g) if bias else None
+        packed = gemm_cpu.pack_weight(w)
+        assert packed.shape == (-(-N // 16), K, 16)
+        for threads in (1, 2):
+            _check(gemm_cpu.gemm(x, packed, b, N, threads=threads), x, w, b)
+
+
+def test_cache_blocking_knobs_and_strided_rows(isa):
+    """Small x blocks and weight groups (several of each per thread), x rows with a wider stride,
+    a leading batch dimension, and a preallocated out with a wider row stride."""
+    g = torch.Generator().manual_seed(2)
+    M, N, K = 77, 150, 45
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    packed = gemm_cpu.pack_weight(w)
+    wide = torch.randn(M, K + 11, generator=g)
+    x = wide[:, 3:3 + K]  # row stride K + 11, unit column stride: passed uncopied
+    for mc, group in [(1, 1), (7, 2), (13, 3), (0, 0)]:
+        _check(gemm_cpu.gemm(x, packed, b, N, mc=mc, group=group, threads=2), x, w, b)
+    x3 = torch.randn(3, 5, K, generator=g)
+    y3 = gemm_cpu.gemm(x3, packed, b, N)
+    assert y3.shape == (3, 5, N)
+    _check(y3.reshape(15, N), x3.reshape(15, K), w, b)
+    buf = torch.full((M, N + 9), float("nan"))
+    out = buf[:, :N]
+    assert gemm_cpu.gemm(x, packed, b, N, out=out) is out
+    _check(out, x, w, b)
+    assert torch.isnan(buf[:, N:]).all()  # nothing written past the N columns
+
+
+def test_non_contiguous_and_empty_inputs(isa):
+    g = torch.Generator().manual_seed(3)
+    N, K = 40, 24
+    w = torch.randn(N, K, generator=g)
+    packed = gemm_cpu.pack_weight(w)
+    xt = torch.randn(K, 9, generator=g).T  # column stride != 1: copied once, still right
+    _check(gemm_cpu.gemm(xt, packed, None, N), xt, w, None)
+    assert gemm_cpu.gemm(torch.empty(0, K), packed, None, N).shape == (0, N)
+    # K = 0: the bias alone
+    b = torch.randn(N, generator=g)
+    y = gemm_cpu.gemm(torch.empty(4, 0), gemm_cpu.pack_weight(torch.empty(N, 0)), b, N)
+    assert torch.equal(y, b.expand(4, N))
+
+
+def test_torch_fallback(monkeypatch):
+    """Without the compiled kernels, or for another dtype, the same product from the packed weight."""
+    g = torch.Generator().manual_seed(4)
+    N, K = 35, 19
+    x, w, b = torch.randn(6, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    packed = gemm_cpu.pack_weight(w)
+    assert torch.equal(gemm_cpu.unpack_weight(packed, N), w)
+    monkeypatch.setenv("QWORKER_CPU_KERNELS", "0")
+    assert gemm_cpu.kernel_isa() is None
+    _check(gemm_cpu.gemm(x, packed, b, N), x, w, b)
+    monkeypatch.delenv("QWORKER_CPU_KERNELS")
+    y64 = gemm_cpu.gemm(x.double(), packed.double(), b.double(), N)  # not fp32: torch, in float64
+    assert y64.dtype == torch.float64
+    _check(y64.float(), x, w, b)
+
+
+def test_bad_shapes_raise():
+    packed = gemm_cpu.pack_weight(torch.randn(20, 8))
+    with pytest.raises(ValueError, match="last dimension"):
+        gemm_cpu.gemm(torch.randn(3, 9), packed, None, 20)
+    with pytest.raises(ValueError, match="n_out"):
+        gemm_cpu.gemm(torch.randn(3, 8), packed, None, 33)
+    with pytest.raises(ValueError, match="bias"):
+        gemm_cpu.gemm(torch.randn(3, 8), packed, torch.randn(19), 20)
+    with pytest.raises(ValueError, match="packed weight"):
+        gemm_cpu.gemm(torch.randn(3, 8), torch.randn(20, 8), None, 20)
+    with pytest.raises(ValueError, match="out"):
+        gemm_cpu.gemm(torch.randn(3, 8), packed, None, 20, out=torch.empty(3, 21))
+    with pytest.raises(ValueError, match="2-D"):
+        gemm_cpu.pack_weight(torch.randn(4))
+
+
+@pytest.mark.parametrize("flags", [["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"], ["-mno-avx512f"], ["-mno-avx"]],
+                         ids=["avx512", "avx2", "generic"])
+def test_every_isa_path_compiles(tmp_path, flags):
+    """The AVX-512 build only runs on AVX-512 CPUs: compile it (and the others) here regardless,
+    warnings as errors, and check which path the preprocessor picked."""
+    cc = os.environ.get("CC", "cc")
+    probe = subprocess.run([cc, *flags, "-x", "c", "-c", "-o", os.devnull, "-"], input=b"int x;", capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"{cc} does not take {' '.join(flags)}")
+    cmd = [cc, "-O2", "-march=x86-64-v2", "-mavx2", "-mfma", "-mf16c", *flags, "-fopenmp", "-fPIC", "-std=gnu11",
+           "-Wall", "-Wextra", "-Werror", "-S", "-o", str(tmp_path / "gemm.s"), str(SOURCE)]
+    if flags == ["-mno-avx"]:
+        cmd = [c for c in cmd if c not in ("-mavx2", "-mfma", "-mf16c")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    asm = (tmp_path / "gemm.s").read_text()
+    if "-mavx512f" in flags:
+        assert "zmm" in asm and "vfmadd" in asm
+    elif flags == ["-mno-avx512f"]:
+        assert "ymm" in asm and "vfmadd" in asm and "zmm" not in asm
+    else:
+        assert "ymm" not in asm and "zmm" not in asm
