@@ -54,6 +54,16 @@
 #endif
 
 #define NR 16 /* panel width in floats */
+/* The tile's output lines, requested for writing when the tile starts (a K-step tile later
+ * stores them): y of the LM head at 1024 rows is 200 MB, 4x its weights, and each store would
+ * otherwise miss to memory at the end of the tile. */
+#ifndef QW_GEMM_NO_PREFETCH_Y
+#define PREFETCH_Y(MR, NP)                                                                                          \
+    for (int i = 0; i < MR; i++)                                                                                    \
+        for (int c = 0; c < NP * NR; c += 16) __builtin_prefetch(y + i * ldy + c, 1, 3);
+#else
+#define PREFETCH_Y(MR, NP)
+#endif
 #if defined(QW_GEMM_NO_PREFETCH) /* A/B experiments */
 #define PREFETCH(p) ((void)(p))
 #elif QW_GEMM_ISA > 0
@@ -110,6 +120,7 @@ typedef __m256 vec;
         const vec b0 = bias ? V_LOAD(bias + j * VW) : V_ZERO();                                                     \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) acc[i][j] = b0;                                       \
     }                                                                                                               \
+    PREFETCH_Y(MR, NP);                                                                                             \
     const float *wk = w;                                                                                            \
     int64_t pfpos = 0;                                                                                              \
     const int64_t pfstep = pfrate / NP;                                                                             \
@@ -137,6 +148,7 @@ typedef __m256 vec;
 #else
 #define TILE_BODY(MR, NP)                                                                                           \
     float acc[MR][NP * NR];                                                                                         \
+    PREFETCH_Y(MR, NP);                                                                                             \
     for (int i = 0; i < MR; i++)                                                                                    \
         for (int c = 0; c < NP * NR; c++) acc[i][c] = bias ? bias[c] : 0.0f;                                        \
     (void)pstride;                                                                                                  \
@@ -234,10 +246,10 @@ static void gemm_range(const float *x, int64_t ldx, const float *wp, const float
 #ifndef QW_PF_SINGLE
 #define QW_PF_SINGLE 1 /* single-tile steps of up to this many panels */
 #endif
-#ifndef QW_PF_ALLBLOCKS
-#define QW_PF_ALLBLOCKS 0
-#endif
-                const int pf_on = (tiles > 1 || np <= QW_PF_SINGLE) && (b0 == m0 || QW_PF_ALLBLOCKS || next == g1);
+                /* later x blocks find the group in L2, but the prefetch still moves it into L1
+                 * ahead of use; one-tile steps of several panels (1-3 rows) are left to the
+                 * hardware prefetcher (measured: the extra prefetches cost more there) */
+                const int pf_on = tiles > 1 || np <= QW_PF_SINGLE;
                 const int64_t lines = pf_on ? (int64_t)npp * K : 0; /* 64-byte lines per step */
                 /* balanced row tiles: `tiles` tiles of rows / tiles (+1 for the first rows % tiles) */
                 int64_t r = b0;
@@ -256,7 +268,7 @@ static void gemm_range(const float *x, int64_t ldx, const float *wp, const float
 
 /* Cache-blocking defaults (0 = default in qw_gemm_f32's arguments). */
 #define QW_X_BLOCK_BYTES (128 * 1024)  /* x rows per block: MC * K * 4 bytes <= this */
-#define QW_W_GROUP_BYTES (256 * 1024)  /* panels per group: group * K * 64 bytes <= this */
+#define QW_W_GROUP_BYTES (1024 * 1024) /* panels per group (L3-resident): group * K * 64 bytes <= this */
 
 /*
  * y[M, N] (rows ldy apart) = x[M, K] (rows ldx apart) @ W^T (+ bias[N] when not NULL), W packed
