@@ -68,12 +68,14 @@ def gemm(
     threads: int | None = None,
     mc: int = 0,
     group: int = 0,
+    kc: int = 0,
 ) -> torch.Tensor:
     """``x [..., K] @ W^T (+ bias)`` -> ``[..., n_out]`` fp32, ``W`` given packed by
     :func:`pack_weight`. ``n_out`` defaults to the padded width (``panels * 16``); pass the real
     N. ``out``: an optional fp32 CPU ``[rows, n_out]`` destination with unit column stride.
-    ``threads`` defaults to ``torch.get_num_threads()``; ``mc``/``group`` are the kernel's cache
-    blocking knobs (0 = defaults; for benchmarks)."""
+    ``threads`` defaults to ``torch.get_num_threads()``; ``mc``/``group``/``kc`` are the kernel's
+    cache-blocking knobs (rows per x block, panels per weight group, K per block; 0 = defaults;
+    for benchmarks and tests)."""
     if n_out is None:
         n_out = packed.shape[0] * NR if packed.dim() == 3 else -1
     K = _check(x, packed, bias, n_out)
@@ -108,7 +110,7 @@ def gemm(
     if M and n_out:
         rc = fn(x2.data_ptr(), x2.stride(0) if M > 1 else K, packed.data_ptr(), None if b is None else b.data_ptr(),
                 y.data_ptr(), y.stride(0) if M > 1 else n_out, M, n_out, K,
-                torch.get_num_threads() if threads is None else int(threads), int(mc), int(group))
+                torch.get_num_threads() if threads is None else int(threads), int(mc), int(group), int(kc))
         if rc != 0:
             raise ValueError(f"qw_gemm_f32 rejected M={M} N={n_out} K={K}")
     return y if out is not None else y.reshape(*lead, n_out)

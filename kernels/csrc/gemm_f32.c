@@ -20,9 +20,11 @@
  *
  * Threads (OpenMP, the count torch uses: libgomp is shared with torch) each take a contiguous
  * range of panels (and, when there are too few panels for every thread, a range of rows too),
- * without barriers. Within its range a thread walks groups of panels (their weights stay in L2)
- * and, per group, blocks of MC rows of x (kept in L2): every weight is read from memory once
- * at any M, and x once per group from L3.
+ * without barriers. Within its range a thread walks groups of panels (~1 MB of weights, kept in
+ * L3), per group blocks of MC rows of x (kept in L2), per x block K blocks of <= 320 (a panel's
+ * K block and a tile's x rows stay in L1 over the block's row tiles; later K blocks continue
+ * from y): every weight is read from memory once at any M, x once per group from L3. The next
+ * step's weights are prefetched while a step runs, and each tile's output lines at its start.
  *
  * kernels/cpu.py builds this file once per vector ISA ("avx512", "avx2" = -mno-avx512f,
  * "generic" = -mno-avx); the best path the flags allow is compiled.
@@ -116,17 +118,27 @@ typedef __m256 vec;
     vec acc[MR][NP * VPP];                                                                                          \
     const float *xr[MR];                                                                                            \
     _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) xr[i] = x + i * ldx;                                      \
-    _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) {                                                   \
-        const vec b0 = bias ? V_LOAD(bias + j * VW) : V_ZERO();                                                     \
-        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) acc[i][j] = b0;                                       \
+    if (accum && ncols == NP * NR) { /* a later K block: continue from y */                                        \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                                                       \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) acc[i][j] = V_LOAD(y + i * ldy + j * VW);   \
+    } else if (accum) {                                                                                             \
+        float tmp[NP * NR] = {0};                                                                                   \
+        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                     \
+            memcpy(tmp, y + i * ldy, (size_t)ncols * sizeof(float));                                                \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) acc[i][j] = V_LOAD(tmp + j * VW);           \
+        }                                                                                                           \
+    } else {                                                                                                        \
+        _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) {                                               \
+            const vec b0 = bias ? V_LOAD(bias + j * VW) : V_ZERO();                                                 \
+            _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) acc[i][j] = b0;                                   \
+        }                                                                                                           \
+        PREFETCH_Y(MR, NP);                                                                                         \
     }                                                                                                               \
-    PREFETCH_Y(MR, NP);                                                                                             \
     const float *wk = w;                                                                                            \
     int64_t pfpos = 0;                                                                                              \
-    const int64_t pfstep = pfrate / NP;                                                                             \
     for (int64_t k = 0; k < K; k++, wk += NR, pfpos += pfrate) {                                                    \
         _Pragma("GCC unroll 16") for (int j = 0; j < NP; j++)                                                       \
-            PREFETCH(pf + ((pfpos + j * pfstep) >> 16) * NR);                                                       \
+            PREFETCH(pf + j * pstride + (pfpos >> 16) * NR);                                                        \
         vec b[NP * VPP];                                                                                            \
         _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++)                                                 \
             b[j] = V_LOAD(wk + (j / VPP) * pstride + (j % VPP) * VW);                                               \
@@ -150,8 +162,8 @@ typedef __m256 vec;
     float acc[MR][NP * NR];                                                                                         \
     PREFETCH_Y(MR, NP);                                                                                             \
     for (int i = 0; i < MR; i++)                                                                                    \
-        for (int c = 0; c < NP * NR; c++) acc[i][c] = bias ? bias[c] : 0.0f;                                        \
-    (void)pstride;                                                                                                  \
+        for (int c = 0; c < NP * NR; c++)                                                                           \
+            acc[i][c] = accum ? (c < ncols ? y[i * ldy + c] : 0.0f) : bias ? bias[c] : 0.0f;                        \
     for (int64_t k = 0, pfpos = 0; k < K; k++, pfpos += pfrate) {                                                   \
         PREFETCH(pf + (pfpos >> 16) * NR);                                                                          \
         for (int p = 0; p < NP; p++) {                                                                              \
@@ -166,12 +178,12 @@ typedef __m256 vec;
 #endif
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, const float *, float *, int64_t, int,
-                        const float *, int64_t);
+                        int, const float *, int64_t);
 
 #define DEF_TILE(MR, NP)                                                                                            \
     static void tile_##MR##_##NP(const float *restrict x, int64_t ldx, const float *restrict w, int64_t pstride,   \
                                  int64_t K, const float *restrict bias, float *restrict y, int64_t ldy, int ncols,  \
-                                 const float *pf, int64_t pfrate) {                                                 \
+                                 int accum, const float *pf, int64_t pfrate) {                                      \
         TILE_BODY(MR, NP)                                                                                           \
     }
 
@@ -208,7 +220,8 @@ static const tile_fn TILES[MR_MAIN + 1][NP_MAX + 1] = {
 
 /* Rows m0..m1 x panels p0..p1 of y (one thread's share). */
 static void gemm_range(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy,
-                       int64_t N, int64_t K, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t mc, int64_t group) {
+                       int64_t N, int64_t K, int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t mc, int64_t group,
+                       int64_t kc) {
     const int64_t M = m1 - m0;
     if (M <= 0 || p1 <= p0) return;
     const int64_t pstride = K * NR;
@@ -218,48 +231,55 @@ static void gemm_range(const float *x, int64_t ldx, const float *wp, const float
         mc = (M + nblocks - 1) / nblocks;
         mc = (mc + MR_MAIN - 1) / MR_MAIN * MR_MAIN;
     }
+    const int64_t nk = K > 0 ? (K + kc - 1) / kc : 1; /* K blocks (K = 0: one empty block, the bias) */
     for (int64_t g0 = p0; g0 < p1; g0 += group) {
         const int64_t g1 = g0 + group < p1 ? g0 + group : p1;
         for (int64_t b0 = m0; b0 < m1; b0 += mc) {
             const int64_t b1 = b0 + mc < m1 ? b0 + mc : m1;
             const int64_t rows = b1 - b0;
             const int64_t tiles = (rows + MR_MAIN - 1) / MR_MAIN;
-            for (int64_t p = g0; p < g1; p += np) {
-                const int npp = (int)(g1 - p < np ? g1 - p : np);
-                const int64_t c0 = p * NR;
-                const int ncols = (int)(N - c0 < npp * NR ? N - c0 : npp * NR);
-                const float *bp = bias ? bias + c0 : NULL;
-                float bpad[NP_MAX * NR];
-                if (bias && ncols < npp * NR) { /* the last panel: bias zero-padded to the panel width */
-                    memset(bpad, 0, sizeof(bpad));
-                    memcpy(bpad, bp, (size_t)ncols * sizeof(float));
-                    bp = bpad;
-                }
-                const float *wpp = wp + p * pstride;
-                /* the weights of this thread's next kernel step, prefetched while this step runs
-                 * (spread over its row tiles: tile t takes the t-th 1/tiles of them), so the
-                 * memory stream overlaps the arithmetic instead of stalling each step's first tile */
-                int64_t next = p;
-                if (p + np < g1) next = p + np;
-                else if (b1 < m1) next = g0;
-                else if (g1 < p1) next = g1;
+            for (int64_t kb = 0; kb < nk; kb++) {
+                const int64_t k0 = K * kb / nk, k1 = K * (kb + 1) / nk, kcur = k1 - k0;
+                for (int64_t p = g0; p < g1; p += np) {
+                    const int npp = (int)(g1 - p < np ? g1 - p : np);
+                    const int64_t c0 = p * NR;
+                    const int ncols = (int)(N - c0 < npp * NR ? N - c0 : npp * NR);
+                    const float *bp = bias ? bias + c0 : NULL;
+                    float bpad[NP_MAX * NR];
+                    if (bias && ncols < npp * NR) { /* the last panel: bias zero-padded to the panel width */
+                        memset(bpad, 0, sizeof(bpad));
+                        memcpy(bpad, bp, (size_t)ncols * sizeof(float));
+                        bp = bpad;
+                    }
+                    const float *wpp = wp + p * pstride + k0 * NR;
+                    /* the weights of this thread's next kernel step (next panels of this K block,
+                     * else the group's first panels in the next K block, the next x block, the next
+                     * group), prefetched while this step runs, spread over its row tiles (tile t
+                     * takes the t-th 1/tiles of them): the memory stream overlaps the arithmetic
+                     * instead of stalling each step's first tile, and later x blocks find them in L1 */
+                    int64_t next_p = p, next_k0 = k0, next_k1 = k1;
+                    if (p + np < g1) next_p = p + np;
+                    else if (kb + 1 < nk) next_p = g0, next_k0 = k1, next_k1 = K * (kb + 2) / nk;
+                    else if (b1 < m1) next_p = g0, next_k0 = 0, next_k1 = K / nk;
+                    else if (g1 < p1) next_p = g1, next_k0 = 0, next_k1 = K / nk;
 #ifndef QW_PF_SINGLE
 #define QW_PF_SINGLE 1 /* single-tile steps of up to this many panels */
 #endif
-                /* later x blocks find the group in L2, but the prefetch still moves it into L1
-                 * ahead of use; one-tile steps of several panels (1-3 rows) are left to the
-                 * hardware prefetcher (measured: the extra prefetches cost more there) */
-                const int pf_on = tiles > 1 || np <= QW_PF_SINGLE;
-                const int64_t lines = pf_on ? (int64_t)npp * K : 0; /* 64-byte lines per step */
-                /* balanced row tiles: `tiles` tiles of rows / tiles (+1 for the first rows % tiles) */
-                int64_t r = b0;
-                for (int64_t t = 0; t < tiles; t++) {
-                    const int mr = (int)(rows / tiles + (t < rows % tiles));
-                    const int64_t lo = lines * t / tiles, hi = lines * (t + 1) / tiles;
-                    const int64_t rate = K > 0 ? ((hi - lo) << 16) / K : 0; /* lines per k, 16.16 */
-                    TILES[mr][npp](x + r * ldx, ldx, wpp, pstride, K, bp, y + r * ldy + c0, ldy, ncols,
-                                   wp + next * pstride + lo * NR, rate);
-                    r += mr;
+                    /* one-tile steps of several panels (1-3 rows) are left to the hardware
+                     * prefetcher (measured: the extra prefetches cost more there) */
+                    const int pf_on = tiles > 1 || np <= QW_PF_SINGLE;
+                    const int64_t lines = pf_on ? next_k1 - next_k0 : 0; /* 64-byte lines per panel */
+                    const float *pf = wp + next_p * pstride + next_k0 * NR;
+                    /* balanced row tiles: `tiles` tiles of rows / tiles (+1 for the first rows % tiles) */
+                    int64_t r = b0;
+                    for (int64_t t = 0; t < tiles; t++) {
+                        const int mr = (int)(rows / tiles + (t < rows % tiles));
+                        const int64_t lo = lines * t / tiles, hi = lines * (t + 1) / tiles;
+                        const int64_t rate = kcur > 0 ? ((hi - lo) << 16) / kcur : 0; /* lines per k, 16.16 */
+                        TILES[mr][npp](x + r * ldx + k0, ldx, wpp, pstride, kcur, bp, y + r * ldy + c0, ldy, ncols,
+                                       kb > 0, pf + lo * NR, rate);
+                        r += mr;
+                    }
                 }
             }
         }
@@ -267,21 +287,28 @@ static void gemm_range(const float *x, int64_t ldx, const float *wp, const float
 }
 
 /* Cache-blocking defaults (0 = default in qw_gemm_f32's arguments). */
-#define QW_X_BLOCK_BYTES (128 * 1024)  /* x rows per block: MC * K * 4 bytes <= this */
+#define QW_K_BLOCK 2048                /* K per block at most: a panel's K block (KC * 64 bytes) and a tile's
+                                          x rows (MR * KC * 4) stay in L1 across the x block's tiles */
+#define QW_X_BLOCK_BYTES (128 * 1024)  /* x rows per block: MC * KC * 4 bytes <= this */
 #define QW_W_GROUP_BYTES (1024 * 1024) /* panels per group (L3-resident): group * K * 64 bytes <= this */
 
 /*
  * y[M, N] (rows ldy apart) = x[M, K] (rows ldx apart) @ W^T (+ bias[N] when not NULL), W packed
- * as wp above. mc (rows per x block) and group (panels per weight group) are cache-blocking
- * knobs for benchmarks: 0 takes the defaults. Returns 0, or -1 for invalid sizes.
+ * as wp above. mc (rows per x block), group (panels per weight group) and kc (K per block) are
+ * cache-blocking knobs for benchmarks: 0 takes the defaults. Returns 0, or -1 for invalid sizes.
  */
 int qw_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy, int64_t M,
-                int64_t N, int64_t K, int num_threads, int64_t mc, int64_t group) {
+                int64_t N, int64_t K, int num_threads, int64_t mc, int64_t group, int64_t kc) {
     if (M < 0 || N < 0 || K < 0 || (M > 0 && (ldx < K || ldy < N))) return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t npanels = (N + NR - 1) / NR;
+    if (kc <= 0) { /* balanced K blocks of at most QW_K_BLOCK */
+        const int64_t nk = (K + QW_K_BLOCK - 1) / QW_K_BLOCK;
+        kc = nk > 0 ? (K + nk - 1) / nk : 1;
+    }
+    if (kc > K) kc = K > 0 ? K : 1;
     if (mc <= 0) {
-        mc = QW_X_BLOCK_BYTES / (K > 0 ? K * 4 : 4);
+        mc = QW_X_BLOCK_BYTES / (kc * 4);
         mc = mc < MR_MAIN ? MR_MAIN : mc / MR_MAIN * MR_MAIN;
     }
     if (group <= 0) {
@@ -316,7 +343,7 @@ int qw_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias,
             m1 = row_tiles * (jt + 1) / tm * MR_MAIN;
             if (m1 > M) m1 = M;
         }
-        gemm_range(x, ldx, wp, bias, y, ldy, N, K, m0, m1, p0, p1, mc, group);
+        gemm_range(x, ldx, wp, bias, y, ldy, N, K, m0, m1, p0, p1, mc, group, kc);
     }
     return 0;
 }

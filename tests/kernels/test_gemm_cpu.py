@@ -59,7 +59,8 @@ def test_matches_float64_under_each_isa(isa, bias):
 
 
 def test_cache_blocking_knobs_and_strided_rows(isa):
-    """Small x blocks and weight groups (several of each per thread), x rows with a wider stride,
+    """Small x blocks, weight groups and K blocks (several of each per thread; later K blocks
+    accumulate into y, the tail panel too), x rows with a wider stride,
     a leading batch dimension, and a preallocated out with a wider row stride."""
     g = torch.Generator().manual_seed(2)
     M, N, K = 77, 150, 45
@@ -67,8 +68,8 @@ def test_cache_blocking_knobs_and_strided_rows(isa):
     packed = gemm_cpu.pack_weight(w)
     wide = torch.randn(M, K + 11, generator=g)
     x = wide[:, 3:3 + K]  # row stride K + 11, unit column stride: passed uncopied
-    for mc, group in [(1, 1), (7, 2), (13, 3), (0, 0)]:
-        _check(gemm_cpu.gemm(x, packed, b, N, mc=mc, group=group, threads=2), x, w, b)
+    for mc, group, kc in [(1, 1, 0), (7, 2, 5), (13, 3, 1), (0, 0, 0), (0, 0, 44), (100, 9, 1000)]:
+        _check(gemm_cpu.gemm(x, packed, b, N, mc=mc, group=group, kc=kc, threads=2), x, w, b)
     x3 = torch.randn(3, 5, K, generator=g)
     y3 = gemm_cpu.gemm(x3, packed, b, N)
     assert y3.shape == (3, 5, N)
