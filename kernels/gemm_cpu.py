@@ -85,8 +85,8 @@ def gemm(
     covered = (
         fn is not None
         and x.dtype == torch.float32 and packed.dtype == torch.float32
-        and x.device.type == "cpu" and packed.device.type == "cpu" and packed.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"))
+        and x.is_cpu and packed.is_cpu and packed.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_cpu))
     )
     if not covered:
         y = torch.nn.functional.linear(x, unpack_weight(packed, n_out).to(x.dtype),
@@ -113,7 +113,7 @@ def gemm(
                 torch.get_num_threads() if threads is None else int(threads), int(mc), int(group), int(kc))
         if rc != 0:
             raise ValueError(f"qw_gemm_f32 rejected M={M} N={n_out} K={K}")
-    return y if out is not None else y.reshape(*lead, n_out)
+    return y if out is not None or x.dim() == 2 else y.reshape(*lead, n_out)
 
 
 def kernel_isa() -> int | None:
