@@ -6,6 +6,7 @@ bad inputs; and the AVX-512 path compiled (not run) where this CPU lacks it."""
 from __future__ import annotations
 
 import os
+import sys
 import shutil
 import subprocess
 from pathlib import Path
@@ -149,3 +150,14 @@ def test_every_isa_path_compiles(tmp_path, flags):
         assert "ymm" in asm and "vfmadd" in asm and "zmm" not in asm
     else:
         assert "ymm" not in asm and "zmm" not in asm
+
+
+def test_bench_runs_small():
+    """bench/small_gemm.py end to end on one layer, two row counts, one round (a smoke test: no timings checked)."""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "bench.small_gemm", "--layers", "1", "--no-lm-head", "--rows", "1,7",
+                        "--rounds", "1"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line and line.split()[0].isdigit()]
+    assert [row[0] for row in rows] == ["1", "7"]
+    assert all(float(row[-1]) < 1e-4 for row in rows)  # max rel difference from oneDNN
