@@ -116,8 +116,6 @@ typedef __m256 vec;
 #if QW_GEMM_ISA > 0
 #define TILE_BODY(MR, NP)                                                                                           \
     vec acc[MR][NP * VPP];                                                                                          \
-    const float *xr[MR];                                                                                            \
-    _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) xr[i] = x + i * ldx;                                      \
     if (accum && ncols == NP * NR) { /* a later K block: continue from y */                                        \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++)                                                       \
             _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) acc[i][j] = V_LOAD(y + i * ldy + j * VW);   \
@@ -136,14 +134,14 @@ typedef __m256 vec;
     }                                                                                                               \
     const float *wk = w;                                                                                            \
     int64_t pfpos = 0;                                                                                              \
-    for (int64_t k = 0; k < K; k++, wk += NR, pfpos += pfrate) {                                                    \
+    _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++, wk += NR, pfpos += pfrate) {                            \
         _Pragma("GCC unroll 16") for (int j = 0; j < NP; j++)                                                       \
             PREFETCH(pf + j * pstride + (pfpos >> 16) * NR);                                                        \
         vec b[NP * VPP];                                                                                            \
         _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++)                                                 \
             b[j] = V_LOAD(wk + (j / VPP) * pstride + (j % VPP) * VW);                                               \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                     \
-            const vec a = V_BCAST(xr[i] + k);                                                                       \
+            const vec a = V_BCAST(x + i * ldx + k);                                                                 \
             _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) acc[i][j] = V_FMA(a, b[j], acc[i][j]);      \
         }                                                                                                           \
     }                                                                                                               \
