@@ -8,9 +8,10 @@
  * so a micro-kernel reads each panel as one contiguous stream, 64 bytes per k (kernels/gemm_cpu.py
  * packs it; the layout is the same for every ISA build). x rows are ldx floats apart, y rows ldy.
  *
- * Micro-kernels: an MR x (16 * NP) register tile over the full K (NP adjacent panels, x elements
+ * Micro-kernels: an MR x (16 * NP) register tile over a K block (NP adjacent panels, x elements
  * broadcast, weight vectors loaded once per k and reused over the MR rows):
- *   AVX-512  main tile 12 x 32 (24 zmm accumulators)
+ *   AVX-512  main tile 12 x 32 (24 zmm accumulators; compiled by the tests, not yet run on an
+ *            AVX-512 machine: its index arithmetic is the AVX2 path's with one vector per panel)
  *   AVX2+FMA main tile  6 x 16 (12 ymm accumulators, BLIS-Haswell-like)
  *   generic  main tile  4 x 16, plain C the compiler vectorises
  * The rows of one call are cut into row tiles of balanced size (13 rows: 5 + 4 + 4, never 6 + 6 + 1,
@@ -21,9 +22,10 @@
  * Threads (OpenMP, the count torch uses: libgomp is shared with torch) each take a contiguous
  * range of panels (and, when there are too few panels for every thread, a range of rows too),
  * without barriers. Within its range a thread walks groups of panels (~1 MB of weights, kept in
- * L3), per group blocks of MC rows of x (kept in L2), per x block K blocks of <= 320 (a panel's
- * K block and a tile's x rows stay in L1 over the block's row tiles; later K blocks continue
- * from y): every weight is read from memory once at any M, x once per group from L3. The next
+ * L3), per group blocks of MC rows of x (kept in L2), per x block K blocks of <= QW_K_BLOCK
+ * (later K blocks continue from y; by default one block up to K = 2048, A/B runs at 288/308
+ * showed no gain on this machine): every weight is read from memory once at any M, x once per
+ * group from L3. The next
  * step's weights are prefetched while a step runs, and each tile's output lines at its start.
  *
  * kernels/cpu.py builds this file once per vector ISA ("avx512", "avx2" = -mno-avx512f,
