@@ -1,6 +1,6 @@
 """The model's projections (``y = x @ W.T + b``) and the GEMM path each one runs on.
 
-Three paths:
+Four paths:
 
 * ``"transposed"`` (CUDA): ``x @ w`` with ``w`` the free transposed view of the checkpoint's
   ``[out, in]`` weight, which cuBLAS takes as is. The CUDA path is exactly what it always was.
@@ -14,16 +14,23 @@ Three paths:
   One packing (``batch_size_hint=None``) serves every row count: hints of 16, 64, 256 or 512
   moved 1-16 rows by less than the noise and larger batches by under 10% (either way); a hint of 1
   was 1.4-1.5x slower at 8-32 rows.
+* ``"panels"`` (CPU, fp32): qworker's own GEMM (:mod:`kernels.gemm_cpu`, ``csrc/gemm_f32.c``):
+  the weight packed once into 16-column panels, AVX-512 / AVX2+FMA micro-kernels chosen with the
+  other C kernels' build at start-up. It exists for decode batches (1-64 rows), where oneDNN's
+  small-M GEMMs run well below both the weight-streaming floor and the FMA peak, and for its
+  per-call cost (one ctypes call, no primitive lookup). fp32 results match the other paths up to
+  rounding (a different summation order).
 * ``"matmul"`` (the CPU fallback): ``x @ w`` with ``w`` a materialised row-major ``[in, out]``
   copy (for 8-64 rows MKL's sgemm is 2-4x faster with it than with ``F.linear``'s transposed
   operand).
 
-:func:`cpu_linear_backend` chooses between the two CPU paths once per process and dtype: oneDNN
-needs the private ops, a dtype its build supports on this CPU, and a result that equals the
-reference on a small check; then both paths time a few of the model's own layers at decode- and
-prefill-sized inputs (one thread, its CPU time: see :func:`measure_backends`), and oneDNN is taken
-unless it is clearly slower. ``QWORKER_CPU_LINEAR=onednn``
-or ``=matmul`` forces a path (an unavailable oneDNN then raises).
+:func:`cpu_linear_backend` chooses among the CPU paths once per process and dtype: panels needs
+fp32 and the compiled C kernels; oneDNN needs the private ops, a dtype its build supports on this
+CPU, and a result that equals the reference on a small check; then the usable paths time a few of
+the model's own layers at decode- and prefill-sized inputs (one thread, its CPU time: see
+:func:`measure_backends`), and the first of panels, oneDNN, x @ w that is not clearly slower than
+the fastest is taken. ``QWORKER_CPU_LINEAR=panels``, ``=onednn`` or ``=matmul`` forces a path (an
+unavailable one then raises).
 """
 
 from __future__ import annotations
@@ -35,14 +42,17 @@ import time
 
 import torch
 
+from kernels import gemm_cpu
+
 log = logging.getLogger(__name__)
 
-BACKENDS = ("onednn", "matmul")
+BACKENDS = ("panels", "onednn", "matmul")  # also the order of preference, see _prefer
 # rows timed by the start-up comparison: a decode batch and a prefill chunk
 _PROBE_ROWS = (16, 128)
-# oneDNN is kept unless it is this much slower than x @ w: measurement noise on a shared machine
-# must not flip the choice (and the float rounding that comes with it) from run to run
-_KEEP_ONEDNN_UNLESS_SLOWER = 1.15
+# a path is kept over the ones after it in BACKENDS unless it is this much slower than the fastest:
+# measurement noise on a shared machine must not flip the choice (and the float rounding that
+# comes with it) from run to run
+_KEEP_PREFERRED_UNLESS_SLOWER = 1.15
 _choices: dict[tuple, str] = {}
 
 
@@ -62,6 +72,10 @@ class Linear:
         self.act_dtype = act_dtype if act_dtype is not None and act_dtype != weight.dtype else None
         if backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        elif backend == "panels":
+            if weight.dtype != torch.float32:
+                raise ValueError(f"the panels linear backend is fp32 only, not {weight.dtype}")
+            self.weight = gemm_cpu.pack_weight(weight)
         elif backend == "matmul":
             self.weight = weight.t().contiguous()
         elif backend == "transposed":
@@ -84,6 +98,8 @@ class Linear:
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.backend == "panels":
+            return gemm_cpu.gemm(x, self.weight, self.bias, self.out_features)
         y = x @ self.weight
         if self.bias is not None:
             y += self.bias
@@ -93,6 +109,8 @@ class Linear:
         """The weight as a plain ``[out, in]`` tensor (a copy for the CPU paths)."""
         if self.backend == "onednn":
             return self.weight.to_dense()
+        if self.backend == "panels":
+            return gemm_cpu.unpack_weight(self.weight, self.out_features)
         return self.weight.t()
 
 
@@ -140,44 +158,64 @@ def check_cpu_bf16() -> None:
                      "Use dtype='float32' (the CPU default); kv_cache_dtype='bfloat16' or 'float16' still halves the KV cache.")
 
 
+def panels_supported(dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether qworker's own GEMM runs here for ``dtype``, and why not."""
+    if dtype != torch.float32:
+        return False, f"the panels GEMM is fp32 only, not {dtype}"
+    if gemm_cpu.kernel_isa() is None:
+        return False, "the CPU C kernels are unavailable (no compiler, or QWORKER_CPU_KERNELS=0)"
+    return True, ""
+
+
+def available_backends(dtype: torch.dtype) -> dict[str, str]:
+    """Each CPU path for ``dtype`` -> "" where it runs here, else why it does not."""
+    return {"panels": panels_supported(dtype)[1], "onednn": onednn_supported(dtype)[1], "matmul": ""}
+
+
 def cpu_linear_backend(dtype: torch.dtype, sample: list[torch.Tensor]) -> str:
     """The CPU GEMM path for this dtype: forced by ``QWORKER_CPU_LINEAR``, else measured once per
     process on ``sample`` (some of the model's ``[out, in]`` weights) and remembered."""
     forced = os.environ.get("QWORKER_CPU_LINEAR", "auto")
     if forced not in ("auto", *BACKENDS):
-        raise ValueError(f"QWORKER_CPU_LINEAR must be auto, onednn or matmul; got {forced!r}")
-    ok, why = onednn_supported(dtype)
-    if forced == "matmul":
-        return "matmul"
-    if forced == "onednn":
-        if not ok:
-            raise RuntimeError(f"QWORKER_CPU_LINEAR=onednn, but oneDNN linear is unavailable: {why}")
-        return "onednn"
-    if not ok:
-        log.info("CPU linear layers: x @ w (oneDNN unavailable: %s)", why)
-        return "matmul"
-    key = (dtype, tuple(tuple(w.shape) for w in sample))
+        raise ValueError(f"QWORKER_CPU_LINEAR must be auto, {', '.join(BACKENDS)}; got {forced!r}")
+    why_not = available_backends(dtype)
+    if forced != "auto":
+        if why_not[forced]:
+            raise RuntimeError(f"QWORKER_CPU_LINEAR={forced}, but that path is unavailable: {why_not[forced]}")
+        return forced
+    usable = tuple(b for b in BACKENDS if not why_not[b])
+    if len(usable) == 1:
+        log.info("CPU linear layers: x @ w (%s)", "; ".join(f"{b}: {w}" for b, w in why_not.items() if w))
+        return usable[0]
+    key = (dtype, tuple(tuple(w.shape) for w in sample), usable)
     if key not in _choices:
-        times = measure_backends(dtype, sample)
-        choice = "onednn" if times["onednn"] <= _KEEP_ONEDNN_UNLESS_SLOWER * times["matmul"] else "matmul"
-        log.info("CPU linear layers: %s (start-up check: oneDNN %.2f ms, x @ w %.2f ms)", choice, times["onednn"] * 1e3, times["matmul"] * 1e3)
+        times = measure_backends(dtype, sample, backends=usable)
+        choice = _prefer(times)
+        log.info("CPU linear layers: %s (start-up check: %s)", choice, ", ".join(f"{b} {t * 1e3:.2f} ms" for b, t in times.items()))
         _choices[key] = choice
     return _choices[key]
 
 
-def measure_backends(dtype: torch.dtype, sample: list[torch.Tensor], rows=_PROBE_ROWS, rounds: int = 3) -> dict[str, float]:
-    """Median seconds, per path, of one pass of every weight in ``sample`` at each row count
-    (summed over the row counts); the two paths alternate round by round.
+def _prefer(times: dict[str, float]) -> str:
+    """The first path, in BACKENDS order, within _KEEP_PREFERRED_UNLESS_SLOWER of the fastest."""
+    fastest = min(times.values())
+    return next(b for b in BACKENDS if b in times and times[b] <= _KEEP_PREFERRED_UNLESS_SLOWER * fastest)
+
+
+def measure_backends(dtype: torch.dtype, sample: list[torch.Tensor], rows=_PROBE_ROWS, rounds: int = 3,
+                     backends: tuple[str, ...] = ("onednn", "matmul")) -> dict[str, float]:
+    """Median seconds, per path in ``backends``, of one pass of every weight in ``sample`` at each
+    row count (summed over the row counts); the paths alternate round by round.
 
     Timed on one thread with that thread's CPU time: on a shared machine a multi-threaded
     wall-clock probe measures the other processes (a 2-thread oneDNN or MKL call whose partner
     thread is preempted waits a scheduler slice at each barrier: probes of 2 ms took 2-300 ms at a
     load average of 8 and picked either path at random), while one thread's CPU time gave the
     same answer run after run (bf16 on AMX: oneDNN 2.4-2.7 ms, x @ w 3.3-3.5 ms)."""
-    layers = {b: [Linear(w.to(dtype), None, b) for w in sample] for b in BACKENDS}
+    layers = {b: [Linear(w.to(dtype), None, b) for w in sample] for b in backends}
     gen = torch.Generator().manual_seed(0)
     inputs = {(r, n): torch.randn(r, n, generator=gen).to(dtype) for r in rows for n in {w.shape[1] for w in sample}}
-    times: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    times: dict[str, list[float]] = {b: [] for b in backends}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -189,12 +227,12 @@ def measure_backends(dtype: torch.dtype, sample: list[torch.Tensor], rows=_PROBE
 
 def _time_backends(layers: dict, inputs: dict, rows, rounds: int, times: dict[str, list[float]]) -> None:
     with torch.inference_mode():
-        for b in BACKENDS:  # warm-up: first calls create oneDNN primitives
+        for b in layers:  # warm-up: first calls create oneDNN primitives
             for r in rows:
                 for lin in layers[b]:
                     lin(inputs[r, lin.in_features])
         for _ in range(rounds):
-            for b in BACKENDS:
+            for b in layers:
                 start = time.thread_time()
                 for r in rows:
                     for lin in layers[b]:

@@ -12,9 +12,11 @@ from qworker.model import linear
 from qworker.model.linear import Linear
 
 HAS_ONEDNN = linear.onednn_supported(torch.float32)[0]
+HAS_PANELS = linear.panels_supported(torch.float32)[0]
 
 
-@pytest.mark.parametrize("backend", ["matmul", "transposed", pytest.param("onednn", marks=pytest.mark.skipif(not HAS_ONEDNN, reason="no oneDNN"))])
+@pytest.mark.parametrize("backend", ["matmul", "transposed", pytest.param("onednn", marks=pytest.mark.skipif(not HAS_ONEDNN, reason="no oneDNN")),
+                                     pytest.param("panels", marks=pytest.mark.skipif(not HAS_PANELS, reason="no C kernels"))])
 @pytest.mark.parametrize("rows", [1, 7, 16, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(seed, backend, rows, bias):
@@ -42,8 +44,16 @@ def test_forced_backend(monkeypatch):
     if HAS_ONEDNN:
         assert linear.cpu_linear_backend(torch.float32, sample) == "onednn"
     # float16 is not a oneDNN linear dtype here: forcing it is an error, auto falls back
-    with pytest.raises(RuntimeError, match="oneDNN linear is unavailable"):
+    with pytest.raises(RuntimeError, match="QWORKER_CPU_LINEAR=onednn, but that path is unavailable"):
         linear.cpu_linear_backend(torch.float16, sample)
+    # the panels GEMM is fp32 only
+    monkeypatch.setenv("QWORKER_CPU_LINEAR", "panels")
+    if HAS_PANELS:
+        assert linear.cpu_linear_backend(torch.float32, sample) == "panels"
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        linear.cpu_linear_backend(torch.float16, sample)
+    with pytest.raises(ValueError, match="fp32 only"):
+        Linear(torch.randn(8, 4, dtype=torch.bfloat16), None, "panels")
     monkeypatch.setenv("QWORKER_CPU_LINEAR", "auto")
     assert linear.cpu_linear_backend(torch.float16, sample) == "matmul"
 
@@ -55,9 +65,9 @@ def test_auto_choice_is_measured_once(monkeypatch):
     monkeypatch.setattr(linear, "_choices", {})
     calls = []
 
-    def fake(dtype, sample, **kw):
+    def fake(dtype, sample, backends, **kw):
         calls.append(dtype)
-        return {"onednn": 3.0, "matmul": 1.0}  # oneDNN clearly slower: the fallback wins
+        return {"panels": 2.0, "onednn": 3.0, "matmul": 1.0}  # both clearly slower: the fallback wins
 
     monkeypatch.setattr(linear, "measure_backends", fake)
     sample = [torch.randn(32, 16)]
@@ -77,5 +87,21 @@ def test_measure_backends_leaves_the_thread_count_alone():
     """The start-up probe times one thread; torch's thread count is what it was afterwards."""
     before = torch.get_num_threads()
     t = linear.measure_backends(torch.float32, [torch.randn(48, 40)], rows=(3,), rounds=1)
-    assert set(t) == set(linear.BACKENDS) and all(v >= 0 for v in t.values())
+    assert set(t) == {"onednn", "matmul"} and all(v >= 0 for v in t.values())
     assert torch.get_num_threads() == before
+
+
+def test_preference_order_with_hysteresis():
+    """The first path in BACKENDS order within 15% of the fastest is taken: a near-tie keeps the
+    preferred path (the choice, and its float rounding, must not flip with noise), a clear loss
+    does not."""
+    assert linear._prefer({"panels": 1.1, "onednn": 1.0, "matmul": 2.0}) == "panels"
+    assert linear._prefer({"panels": 1.3, "onednn": 1.0, "matmul": 2.0}) == "onednn"
+    assert linear._prefer({"panels": 1.3, "onednn": 1.2, "matmul": 1.0}) == "matmul"
+    assert linear._prefer({"onednn": 1.1, "matmul": 1.0}) == "onednn"
+
+
+@pytest.mark.skipif(not HAS_PANELS, reason="no C kernels")
+def test_measure_backends_times_panels_too():
+    t = linear.measure_backends(torch.float32, [torch.randn(64, 32)], rows=(4,), rounds=1, backends=("panels", "matmul"))
+    assert set(t) == {"panels", "matmul"} and all(v >= 0 for v in t.values())
