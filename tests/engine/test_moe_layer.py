@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qworker.model.linear import onednn_supported
+from qworker.model.linear import onednn_supported, panels_supported
 from qworker.model.moe import MoE
 
-BACKENDS = ["matmul"] + (["onednn"] if onednn_supported(torch.float32)[0] else [])
+BACKENDS = ["matmul"] + (["onednn"] if onednn_supported(torch.float32)[0] else []) + (["panels"] if panels_supported(torch.float32)[0] else [])
 
 
 def per_token_reference(x, router, gate_up, down, top_k, renormalize):
@@ -151,6 +151,8 @@ def test_bf16_weights_with_fp32_activations(backend):
     rounded to bf16, fp32 accumulation), against the fp32 loop over the same rounded weights."""
     if backend == "onednn" and not onednn_supported(torch.bfloat16)[0]:
         pytest.skip("oneDNN's bf16 linear is unavailable on this CPU")
+    if backend == "panels":
+        pytest.skip("the panels GEMM is fp32 only (bf16 weights take oneDNN)")
     gen = torch.Generator().manual_seed(5)
     E, H, I, T = 6, 64, 32, 9
     router, gate_up, down = random_weights(gen, E, H, I)
