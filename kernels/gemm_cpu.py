@@ -95,7 +95,7 @@ def gemm(
             out.copy_(y.reshape(out.shape))
             return out
         return y
-    x2 = x.reshape(-1, K) if x.dim() != 2 else x
+    x2 = x.reshape(lead.numel(), K) if x.dim() != 2 else x  # not -1: K = 0 leaves it ambiguous
     if x2.shape[0] > 0 and K > 0 and (x2.stride(1) != 1 or x2.stride(0) < K):
         x2 = x2.contiguous()
     M = x2.shape[0]

@@ -330,9 +330,11 @@ int qw_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias,
         if (tm > row_tiles) tm = (int)row_tiles;
     }
     nt = tn * tm;
+    /* OpenMP may start fewer threads than num_threads asks for (OMP_THREAD_LIMIT, OMP_DYNAMIC,
+     * a call from inside another parallel region): each thread of the team takes every team-th
+     * share, so all nt shares are computed whatever the team's size */
 #pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        const int t = omp_get_thread_num();
+    for (int t = omp_get_thread_num(), team = omp_get_num_threads(); t < nt; t += team) {
         const int it = t % tn, jt = t / tn;
         const int64_t p0 = units * it / tn * np, p1e = units * (it + 1) / tn * np;
         const int64_t p1 = p1e < npanels ? p1e : npanels;
