@@ -164,6 +164,15 @@ def panels_supported(dtype: torch.dtype) -> tuple[bool, str]:
         return False, f"the panels GEMM is fp32 only, not {dtype}"
     if gemm_cpu.kernel_isa() is None:
         return False, "the CPU C kernels are unavailable (no compiler, or QWORKER_CPU_KERNELS=0)"
+    # every tile shape the kernel has (1-3 rows widen over panels, balanced row tiles, a partial
+    # last panel, odd K), checked once against torch as onednn_supported does for oneDNN
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 33, generator=gen), torch.randn(40, generator=gen)
+    packed = gemm_cpu.pack_weight(w)
+    for rows in (1, 2, 3, 5, 13, 70):
+        x = torch.randn(rows, 33, generator=gen)
+        if not torch.allclose(gemm_cpu.gemm(x, packed, b, 40), x @ w.t() + b, rtol=1e-4, atol=1e-4):
+            return False, f"the panels GEMM gave wrong results on the start-up check ({rows} rows)"
     return True, ""
 
 

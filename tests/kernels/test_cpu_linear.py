@@ -105,3 +105,18 @@ def test_preference_order_with_hysteresis():
 def test_measure_backends_times_panels_too():
     t = linear.measure_backends(torch.float32, [torch.randn(64, 32)], rows=(4,), rounds=1, backends=("panels", "matmul"))
     assert set(t) == {"panels", "matmul"} and all(v >= 0 for v in t.values())
+
+
+@pytest.mark.skipif(not HAS_PANELS, reason="no C kernels")
+def test_panels_refused_when_its_start_up_check_fails(monkeypatch):
+    """A kernel that computes wrong results on this CPU is not used: the start-up check refuses it
+    and auto falls back to another path."""
+    from kernels import gemm_cpu
+
+    real = gemm_cpu.gemm
+    monkeypatch.setattr(gemm_cpu, "gemm", lambda x, *a, **k: real(x, *a, **k) + (1.0 if x.shape[0] == 13 else 0.0))
+    ok, why = linear.panels_supported(torch.float32)
+    assert not ok and "13 rows" in why
+    monkeypatch.delenv("QWORKER_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(linear, "_choices", {})
+    assert linear.cpu_linear_backend(torch.float32, [torch.randn(32, 16)]) in ("onednn", "matmul")

@@ -340,7 +340,7 @@ static inline __m512 _mm512_fmadd_ps(__m512 a, __m512 b, __m512 c) {
     __m512 r; for (int i = 0; i < 16; i++) r.v[i] = fmaf(a.v[i], b.v[i], c.v[i]); return r;
 }
 """
-_AVX512_GUARD = "#if defined(__AVX512F__)\n#include <immintrin.h>\n"
+_AVX512_GUARD = "#if defined(__AVX512F__) && defined(QW_GEMM_AVX512)\n#include <immintrin.h>\n"
 
 
 @pytest.mark.parametrize("variant", ["avx2", "generic", "avx512-emulated"])
@@ -373,3 +373,22 @@ def test_kernel_under_address_sanitizer(tmp_path, variant):
     assert r.returncode == 0 and "fails 0" in r.stdout, (r.stdout + r.stderr)[-3000:]
     isa_of = {"avx2": 1, "generic": 0, "avx512-emulated": 2}[variant]
     assert f"isa {isa_of}" in r.stdout
+
+
+@pytest.mark.skipif(os.environ.get("QWORKER_TEST_GEMM_AVX512") != "1",
+                    reason="opt-in (QWORKER_TEST_GEMM_AVX512=1): the AVX-512 micro-kernel is off by default until this passes on AVX-512 hardware")
+def test_avx512_kernel_opt_in(tmp_path):
+    """The real AVX-512 micro-kernel (built with -DQW_GEMM_AVX512), under the sanitizers, on this
+    CPU: the check that has to pass on an AVX-512 machine before the kernel is enabled."""
+    if "avx512" not in kcpu.available_isas():
+        pytest.skip("this CPU has no AVX-512")
+    (tmp_path / "driver.c").write_text(_DRIVER)
+    exe = tmp_path / "driver"
+    cmd = [CC, "-O2", "-g", "-march=native", "-DQW_GEMM_AVX512", "-fno-trapping-math", "-fopenmp", "-std=gnu11",
+           "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-o", str(exe), str(SOURCE), str(tmp_path / "driver.c"), "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
+    env.pop("LD_PRELOAD", None)
+    r = subprocess.run([str(exe), "2000"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "fails 0" in r.stdout and "isa 2" in r.stdout, (r.stdout + r.stderr)[-3000:]
