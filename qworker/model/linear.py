@@ -15,8 +15,9 @@ Four paths:
   moved 1-16 rows by less than the noise and larger batches by under 10% (either way); a hint of 1
   was 1.4-1.5x slower at 8-32 rows.
 * ``"panels"`` (CPU, fp32): qworker's own GEMM (:mod:`kernels.gemm_cpu`, ``csrc/gemm_f32.c``):
-  the weight packed once into 16-column panels, AVX-512 / AVX2+FMA micro-kernels chosen with the
-  other C kernels' build at start-up. It exists for decode batches (1-64 rows), where oneDNN's
+  the weight packed once into 16-column panels, an AVX2+FMA micro-kernel (the AVX-512 one is
+  opt-in until it has run on AVX-512 hardware, see the C file). It exists for decode batches
+  (1-128 rows: 1.3-1.8x oneDNN on the 2-core AVX2 VM, about even on prefill chunks), where oneDNN's
   small-M GEMMs run well below both the weight-streaming floor and the FMA peak, and for its
   per-call cost (one ctypes call, no primitive lookup). fp32 results match the other paths up to
   rounding (a different summation order).
