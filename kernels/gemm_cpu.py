@@ -1,21 +1,26 @@
-"""fp32 GEMM for the CPU engine's projections, ``y = x @ W^T (+ bias)``, with ``W`` packed once
-at load into 16-column panels (``csrc/gemm_f32.c``).
+"""GEMM for the CPU engine's projections, ``y = x @ W^T (+ bias)``, with ``W`` packed once at load
+into 16-column panels: fp32 weights (``csrc/gemm_f32.c``) or bf16 weights (``csrc/gemm_bf16.c``,
+the CPU bf16 mode: half the weight bytes to stream, fp32 arithmetic, no bf16 hardware needed).
 
-Packed layout: ``[ceil(N / 16), K, 16]`` fp32, panel ``p`` row ``k`` holding ``W[16p:16p+16, k]``
-(columns past ``N`` zero), so the kernel streams each panel contiguously. The layout is the same
-for every ISA build (AVX-512, AVX2+FMA, generic C), so one packed copy serves whichever build
-:func:`kernels.cpu.cpu_isa` selects.
+Packed layout: ``[ceil(N / 16), K, 16]`` in the weight's dtype (fp32, or bf16 for a bf16 weight),
+panel ``p`` row ``k`` holding ``W[16p:16p+16, k]`` (columns past ``N`` zero), so the kernel
+streams each panel contiguously. The layout is the same for every ISA build (AVX-512, AVX2+FMA,
+generic C), so one packed copy serves whichever build :func:`kernels.cpu.cpu_isa` selects.
 
 Usage::
 
     packed = pack_weight(linear.weight)          # once, at load
     y = gemm(x, packed, bias, n_out=linear.out_features)
 
-:func:`gemm` takes ``x`` of shape ``[..., K]`` (fp32, CPU, unit stride along K; a row stride
-other than K is passed to the kernel as is, a non-unit inner stride is copied once). Without the
-compiled kernels (no compiler, ``QWORKER_CPU_KERNELS=0``) or for inputs it does not cover
-(another dtype or device), it computes the same product with torch from the packed weight: same
-signature, same result up to float rounding. Invalid shapes raise ``ValueError``.
+:func:`gemm` takes ``x`` of shape ``[..., K]`` (CPU, unit stride along K; a row stride other than
+K is passed to the kernel as is, a non-unit inner stride is copied once): fp32 for fp32 weights;
+fp32 or bf16 for bf16 weights (fp32 x is used as is, not rounded: callers wanting oneDNN's bf16
+semantics round x to bf16 first, then every product is exact in fp32). bf16 weights return bf16 by
+default (rounded to nearest even from the fp32 accumulator, like oneDNN's bf16 linear) or fp32 with
+``out_dtype=torch.float32``. Without the compiled kernels (no compiler, ``QWORKER_CPU_KERNELS=0``)
+or for inputs it does not cover (another dtype or device), it computes the same product with
+torch from the packed weight: same signature, same result up to float rounding. Invalid shapes
+raise ``ValueError``.
 """
 
 from __future__ import annotations
@@ -28,19 +33,21 @@ NR = 16  # panel width (floats); csrc/gemm_f32.c's NR
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w [N, K]`` (``nn.Linear.weight``: out x in) -> packed ``[ceil(N / 16), K, 16]`` fp32,
-    contiguous, a new tensor (``w`` is not kept)."""
+    """``w [N, K]`` (``nn.Linear.weight``: out x in) -> packed ``[ceil(N / 16), K, 16]``,
+    contiguous, a new tensor (``w`` is not kept): bf16 for a bf16 ``w`` (the bf16-weight kernel),
+    else fp32."""
     if w.dim() != 2:
         raise ValueError(f"pack_weight expects a 2-D [out, in] weight, got shape {tuple(w.shape)}")
     N, K = w.shape
     panels = -(-N // NR)
-    padded = torch.zeros((panels * NR, K), dtype=torch.float32, device=w.device)
+    dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32
+    padded = torch.zeros((panels * NR, K), dtype=dtype, device=w.device)
     padded[:N] = w.detach()
     return padded.view(panels, NR, K).transpose(1, 2).contiguous()
 
 
 def unpack_weight(packed: torch.Tensor, n_out: int) -> torch.Tensor:
-    """The ``[n_out, K]`` weight back from its packed form (a copy)."""
+    """The ``[n_out, K]`` weight back from its packed form (a copy, in the packed dtype)."""
     panels, K, nr = packed.shape
     return packed.transpose(1, 2).reshape(panels * nr, K)[:n_out].contiguous()
 
@@ -65,20 +72,27 @@ def gemm(
     n_out: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     threads: int | None = None,
     mc: int = 0,
     group: int = 0,
     kc: int = 0,
 ) -> torch.Tensor:
-    """``x [..., K] @ W^T (+ bias)`` -> ``[..., n_out]`` fp32, ``W`` given packed by
+    """``x [..., K] @ W^T (+ bias)`` -> ``[..., n_out]``, ``W`` given packed by
     :func:`pack_weight`. ``n_out`` defaults to the padded width (``panels * 16``); pass the real
-    N. ``out``: an optional fp32 CPU ``[rows, n_out]`` destination with unit column stride.
-    ``threads`` defaults to ``torch.get_num_threads()``; ``mc``/``group``/``kc`` are the kernel's
-    cache-blocking knobs (rows per x block, panels per weight group, K per block; 0 = defaults;
-    for benchmarks and tests)."""
+    N. fp32 weights: fp32 x and bias, fp32 result (``out_dtype`` None or float32). bf16 weights:
+    x fp32 or bf16, bias None, fp32 or bf16, result ``out_dtype`` (default bf16, or float32), fp32
+    accumulation either way. ``out``: an optional CPU ``[rows, n_out]`` destination of the result
+    dtype with unit column stride. ``threads`` defaults to ``torch.get_num_threads()``;
+    ``mc``/``group``/``kc`` are the kernel's cache-blocking knobs (rows per x block, panels per
+    weight group, K per block; 0 = defaults; for benchmarks and tests)."""
     if n_out is None:
         n_out = packed.shape[0] * NR if packed.dim() == 3 else -1
     K = _check(x, packed, bias, n_out)
+    if packed.dtype == torch.bfloat16:
+        return _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc)
+    if out_dtype not in (None, torch.float32):
+        raise ValueError(f"out_dtype={out_dtype}: fp32 weights give float32 results (bf16 results need bf16 weights)")
     lead = x.shape[:-1]
     lib = _cpu._library()
     fn = getattr(lib, "qw_gemm_f32", None) if lib is not None else None
@@ -116,8 +130,61 @@ def gemm(
     return y if out is not None or x.dim() == 2 else y.reshape(*lead, n_out)
 
 
-def kernel_isa() -> int | None:
-    """The loaded build's GEMM path: 2 = AVX-512, 1 = AVX2+FMA, 0 = generic C; None without kernels."""
+def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc) -> torch.Tensor:
+    """:func:`gemm` for bf16-packed weights (``csrc/gemm_bf16.c``)."""
+    odt = torch.bfloat16 if out_dtype is None else out_dtype
+    if odt not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32 for bf16 weights, got {odt}")
+    lead = x.shape[:-1]
     lib = _cpu._library()
-    fn = getattr(lib, "qw_gemm_f32_isa", None) if lib is not None else None
+    fn = getattr(lib, "qw_gemm_bf16", None) if lib is not None else None
+    covered = (
+        fn is not None
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.is_cpu and packed.is_cpu and packed.is_contiguous()
+        and (bias is None or (bias.dtype in (torch.float32, torch.bfloat16) and bias.is_cpu))
+    )
+    if not covered:  # the same product in torch: x's values (not rounded), fp32 arithmetic, one rounding to odt
+        y = torch.nn.functional.linear(x.float(), unpack_weight(packed, n_out).float(),
+                                       None if bias is None else bias.float()).to(odt)
+        if out is not None:
+            _check_out(out, odt, lead.numel(), n_out)
+            out.copy_(y.reshape(out.shape))
+            return out
+        return y
+    x2 = x.reshape(lead.numel(), K) if x.dim() != 2 else x  # not -1: K = 0 leaves it ambiguous
+    if x2.shape[0] > 0 and K > 0 and (x2.stride(1) != 1 or x2.stride(0) < K):
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if out is not None:
+        _check_out(out, odt, M, n_out)
+        y = out
+    else:
+        y = torch.empty((M, n_out), dtype=odt)
+    b = None if bias is None else bias.contiguous()
+    if M and n_out:
+        rc = fn(x2.data_ptr(), x2.stride(0) if M > 1 else K, int(x2.dtype == torch.bfloat16), packed.data_ptr(),
+                None if b is None else b.data_ptr(), int(b is not None and b.dtype == torch.bfloat16),
+                y.data_ptr(), y.stride(0) if M > 1 else n_out, int(odt == torch.bfloat16), M, n_out, K,
+                torch.get_num_threads() if threads is None else int(threads), int(mc), int(group), int(kc))
+        if rc == -2:
+            raise MemoryError(f"qw_gemm_bf16: no scratch memory for M={M} N={n_out} K={K}")
+        if rc != 0:
+            raise ValueError(f"qw_gemm_bf16 rejected M={M} N={n_out} K={K}")
+    return y if out is not None or x.dim() == 2 else y.reshape(*lead, n_out)
+
+
+def _check_out(out: torch.Tensor, dtype: torch.dtype, M: int, n_out: int) -> None:
+    if (out.dtype != dtype or out.device.type != "cpu" or out.dim() != 2 or tuple(out.shape) != (M, n_out)
+            or (M > 0 and n_out > 0 and (out.stride(1) != 1 or out.stride(0) < n_out))):
+        raise ValueError(f"out must be a {str(dtype).removeprefix('torch.')} CPU [{M}, {n_out}] tensor with unit column stride")
+
+
+def kernel_isa(dtype: torch.dtype = torch.float32) -> int | None:
+    """The loaded build's GEMM path for ``dtype`` weights (float32 or bfloat16): 2 = AVX-512,
+    1 = AVX2+FMA, 0 = generic C; None without kernels. The bf16-weight kernel has no AVX-512 path
+    (1 in the avx512 build)."""
+    lib = _cpu._library()
+    name = "qw_gemm_bf16_isa" if dtype == torch.bfloat16 else "qw_gemm_f32_isa"
+    fn = getattr(lib, name, None) if lib is not None else None
     return None if fn is None else int(fn())

@@ -1,0 +1,387 @@
+/*
+ * GEMM with bf16 WEIGHTS for the CPU bf16 mode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W packed
+ * once at load into gemm_f32.c's panel layout, but in bf16 (half the bytes):
+ *
+ *   wp [P = ceil(N / 16)][K][16] uint16 (bf16 bits)   panel p, row k holds W[p * 16 + c, k]
+ *                                                      (columns past N are zero)
+ *
+ * Small batches (decode) are bound by reading every weight once per call; bf16 weights halve that
+ * stream, and on CPUs without AVX512_BF16/AMX (AVX2 only) oneDNN's bf16 GEMM is emulated and slow.
+ * Here the weights are widened to fp32 in registers and the arithmetic is the fp32 kernel's: fp32
+ * FMAs, fp32 accumulators. Products of bf16 values are exact in fp32, so with bf16-valued x the
+ * result is the fp32 GEMM of the widened operands up to the summation order.
+ *
+ * x: fp32, or bf16 (widened once per call into an fp32 copy, so the tiles broadcast fp32 as the
+ * fp32 kernel does; an M x K copy is small next to the N x K weights). bias: fp32, bf16 or NULL
+ * (copied into a zero-padded fp32 row). y: fp32, or bf16 rounded to nearest even from the fp32
+ * accumulator (NaN -> 0x7fc0, as torch's float -> bfloat16 conversion); with more than one K block
+ * a bf16 y is accumulated in an fp32 scratch first and rounded once at the end.
+ *
+ * Widening (AVX2): a panel row is 16 bf16 = one 32-byte load. Seen as 8 32-bit lanes, lane j holds
+ * column 2j in its low half and 2j+1 in its high half, so `lane << 16` is column 2j as a float and
+ * `lane & 0xffff0000` column 2j+1: two 1-uop integer ops per 16 weights, no shuffles (zero-
+ * extending each half with vpmovzxwd and then shifting takes 4 ops, two of them shuffles). The
+ * accumulators therefore hold even and odd columns; tiles deinterleave bias/y when they start and
+ * interleave once when they store, outside the k loop. Each column still sums k = 0..K-1 in order.
+ *
+ * Tiling, blocking, prefetching and threads follow gemm_f32.c (see there for why): AVX2+FMA main
+ * tile 6 x 16 with 1-3 row tiles widened over 2-4 panels; generic C main tile 4 x 16; OpenMP over
+ * panel ranges (and rows when panels are too few), each team thread taking every team-th share so
+ * a smaller team than asked still computes everything; weight groups of ~1 MB, x blocks of ~128 kB,
+ * K blocks of <= 2048; the next step's weights prefetched during a step (half the lines per k of
+ * fp32). The "avx512" build runs the AVX2 kernel: there is no AVX-512 variant of this one.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QW_BF_ISA 1
+#define MR_MAIN 6
+#define NP_MAX 4
+#else
+#define QW_BF_ISA 0
+#define MR_MAIN 4
+#define NP_MAX 2
+#endif
+
+#define NR 16 /* panel width in columns */
+#define LINE 64
+
+#if QW_BF_ISA > 0
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#else
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#endif
+/* the tile's output lines, requested for writing when it starts (gemm_f32.c: PREFETCH_Y) */
+#define PREFETCH_Y(MR, NP)                                                                                          \
+    for (int i = 0; i < MR; i++)                                                                                    \
+        for (int c = 0; c < NP * NR * esz; c += LINE) __builtin_prefetch((char *)y + (i * ldy) * esz + c, 1, 3);
+
+static inline int panels_for_rows(int64_t rows) {
+    if (rows >= MR_MAIN) return 1;
+#if QW_BF_ISA == 1
+    if (rows == 1) return 4;
+    if (rows <= 3) return 2;
+    return 1;
+#else
+    return rows == 1 ? 2 : 1;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN -> quiet NaN like torch */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if QW_BF_ISA == 1
+/* 16 consecutive floats -> (even columns, odd columns), in the accumulators' lane order */
+static inline void deinterleave16(const float *p, __m256 *even, __m256 *odd) {
+    const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31); /* 0-3 8-11 | 4-7 12-15 */
+    *even = _mm256_shuffle_ps(lo, hi, 0x88); /* 0 2 4 6 | 8 10 12 14 */
+    *odd = _mm256_shuffle_ps(lo, hi, 0xdd);  /* 1 3 5 7 | 9 11 13 15 */
+}
+
+/* (even, odd) -> columns 0-7 and 8-15 */
+static inline void interleave16(__m256 even, __m256 odd, __m256 *a, __m256 *b) {
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd); /* 0-3 8-11 | 4-7 12-15 */
+    *a = _mm256_permute2f128_ps(lo, hi, 0x20);
+    *b = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
+
+static inline __m256i bf16_round8(__m256 v) { /* 8 floats -> 8 bf16 in the low halves of 32-bit lanes */
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+static inline void store_bf16x16(uint16_t *p, __m256 a, __m256 b) {
+    const __m256i packed = _mm256_packus_epi32(bf16_round8(a), bf16_round8(b)); /* a0-3 b0-3 | a4-7 b4-7 */
+    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(packed, 0xd8));
+}
+
+/*
+ * One tile: rows MR of x (fp32, ldx apart), NP adjacent panels (pstride elements apart) from w,
+ * k = 0..K-1; writes ncols (<= 16 * NP) columns of y (ldy elements apart, fp32 or bf16 by ybf).
+ * bias: 16 * NP fp32 (zero-padded) or NULL; accum: continue from an fp32 y (later K blocks).
+ * acc[i][2j] holds panel j's even columns, acc[i][2j + 1] its odd ones.
+ */
+#define TILE_BODY(MR, NP)                                                                                           \
+    const int esz = ybf ? 2 : 4;                                                                                    \
+    __m256 acc[MR][2 * NP];                                                                                         \
+    if (accum) {                                                                                                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                                      \
+            const float *yi = (const float *)y + i * ldy;                                                           \
+            float tmp[NP * NR];                                                                                     \
+            if (ncols < NP * NR) {                                                                                  \
+                memset(tmp, 0, sizeof tmp);                                                                         \
+                memcpy(tmp, yi, (size_t)ncols * sizeof(float));                                                     \
+                yi = tmp;                                                                                           \
+            }                                                                                                       \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++)                                                    \
+                deinterleave16(yi + j * NR, &acc[i][2 * j], &acc[i][2 * j + 1]);                                    \
+        }                                                                                                           \
+    } else {                                                                                                        \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) {                                                      \
+            __m256 e = _mm256_setzero_ps(), o = _mm256_setzero_ps();                                                \
+            if (bias) deinterleave16(bias + j * NR, &e, &o);                                                        \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) acc[i][2 * j] = e, acc[i][2 * j + 1] = o;          \
+        }                                                                                                           \
+        PREFETCH_Y(MR, NP);                                                                                         \
+    }                                                                                                               \
+    const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);                                                    \
+    const uint16_t *wk = w;                                                                                         \
+    int64_t pfpos = 0;                                                                                              \
+    _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++, wk += NR, pfpos += pfrate) {                            \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++)                                                        \
+            PREFETCH(pf + j * pstride * 2 + (pfpos >> 16) * LINE);                                                  \
+        __m256 b[2 * NP];                                                                                           \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) {                                                      \
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wk + j * pstride));                            \
+            b[2 * j] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                                             \
+            b[2 * j + 1] = _mm256_castsi256_ps(_mm256_and_si256(raw, hi_mask));                                     \
+        }                                                                                                           \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                                      \
+            const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);                                                  \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NP; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]); \
+        }                                                                                                           \
+    }                                                                                                               \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                                          \
+        float ftmp[NP * NR];                                                                                        \
+        uint16_t htmp[NP * NR];                                                                                     \
+        const int full = ncols == NP * NR;                                                                          \
+        float *yf = full ? (float *)y + i * ldy : ftmp;                                                             \
+        uint16_t *yh = full ? (uint16_t *)y + i * ldy : htmp;                                                       \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) {                                                      \
+            __m256 lo, hi;                                                                                          \
+            interleave16(acc[i][2 * j], acc[i][2 * j + 1], &lo, &hi);                                               \
+            if (ybf)                                                                                                \
+                store_bf16x16(yh + j * NR, lo, hi);                                                                 \
+            else                                                                                                    \
+                _mm256_storeu_ps(yf + j * NR, lo), _mm256_storeu_ps(yf + j * NR + 8, hi);                           \
+        }                                                                                                           \
+        if (!full) {                                                                                                \
+            if (ybf)                                                                                                \
+                memcpy((uint16_t *)y + i * ldy, htmp, (size_t)ncols * 2);                                           \
+            else                                                                                                    \
+                memcpy((float *)y + i * ldy, ftmp, (size_t)ncols * 4);                                              \
+        }                                                                                                           \
+    }
+#else
+/* plain C: widen one panel row at a time, multiply-add over the rows (the compiler vectorises) */
+#define TILE_BODY(MR, NP)                                                                                           \
+    const int esz = ybf ? 2 : 4;                                                                                    \
+    float acc[MR][NP * NR];                                                                                         \
+    if (!accum) PREFETCH_Y(MR, NP);                                                                                 \
+    for (int i = 0; i < MR; i++)                                                                                    \
+        for (int c = 0; c < NP * NR; c++)                                                                           \
+            acc[i][c] = accum ? (c < ncols ? ((const float *)y)[i * ldy + c] : 0.0f) : bias ? bias[c] : 0.0f;       \
+    for (int64_t k = 0, pfpos = 0; k < K; k++, pfpos += pfrate) {                                                   \
+        for (int p = 0; p < NP; p++) {                                                                              \
+            PREFETCH(pf + p * pstride * 2 + (pfpos >> 16) * LINE);                                                  \
+            const uint16_t *restrict wk = w + p * pstride + k * NR;                                                 \
+            float wf[NR];                                                                                           \
+            for (int c = 0; c < NR; c++) wf[c] = bf16_to_f32(wk[c]);                                                \
+            for (int i = 0; i < MR; i++) {                                                                          \
+                const float a = x[i * ldx + k];                                                                     \
+                for (int c = 0; c < NR; c++) acc[i][p * NR + c] += a * wf[c];                                       \
+            }                                                                                                       \
+        }                                                                                                           \
+    }                                                                                                               \
+    for (int i = 0; i < MR; i++) {                                                                                  \
+        if (ybf)                                                                                                    \
+            for (int c = 0; c < ncols; c++) ((uint16_t *)y)[i * ldy + c] = f32_to_bf16(acc[i][c]);                  \
+        else                                                                                                        \
+            memcpy((float *)y + i * ldy, acc[i], (size_t)ncols * sizeof(float));                                    \
+    }
+#endif
+
+typedef void (*tile_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t, const float *, void *, int64_t,
+                        int, int, int, const char *, int64_t);
+
+#define DEF_TILE(MR, NP)                                                                                            \
+    static void tile_##MR##_##NP(const float *restrict x, int64_t ldx, const uint16_t *restrict w, int64_t pstride, \
+                                 int64_t K, const float *restrict bias, void *restrict y, int64_t ldy, int ybf,     \
+                                 int ncols, int accum, const char *pf, int64_t pfrate) {                            \
+        TILE_BODY(MR, NP)                                                                                           \
+    }
+
+#if QW_BF_ISA == 1
+DEF_TILE(1, 1) DEF_TILE(1, 2) DEF_TILE(1, 3) DEF_TILE(1, 4)
+DEF_TILE(2, 1) DEF_TILE(2, 2) DEF_TILE(3, 1) DEF_TILE(3, 2)
+DEF_TILE(4, 1) DEF_TILE(5, 1) DEF_TILE(6, 1)
+static const tile_fn TILES[MR_MAIN + 1][NP_MAX + 1] = {
+    [1] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4}, [2] = {0, tile_2_1, tile_2_2}, [3] = {0, tile_3_1, tile_3_2},
+    [4] = {0, tile_4_1}, [5] = {0, tile_5_1}, [6] = {0, tile_6_1},
+};
+#else
+DEF_TILE(1, 1) DEF_TILE(1, 2) DEF_TILE(2, 1) DEF_TILE(3, 1) DEF_TILE(4, 1)
+static const tile_fn TILES[MR_MAIN + 1][NP_MAX + 1] = {
+    [1] = {0, tile_1_1, tile_1_2}, [2] = {0, tile_2_1}, [3] = {0, tile_3_1}, [4] = {0, tile_4_1},
+};
+#endif
+
+/* Rows m0..m1 x panels p0..p1 of y (one thread's share); x fp32 (ldx), bias padded fp32 or NULL,
+ * y fp32 or bf16 (ybf, ldy elements), nk balanced K blocks. */
+static void gemm_range(const float *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int64_t ldy,
+                       int ybf, int64_t N, int64_t K, int64_t nk, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
+                       int64_t mc, int64_t group) {
+    const int64_t M = m1 - m0;
+    if (M <= 0 || p1 <= p0) return;
+    const int64_t pstride = K * NR, esz = ybf ? 2 : 4;
+    const int np = panels_for_rows(M < MR_MAIN ? M : MR_MAIN);
+    { /* balanced x blocks, whole main tiles */
+        const int64_t nblocks = (M + mc - 1) / mc;
+        mc = (M + nblocks - 1) / nblocks;
+        mc = (mc + MR_MAIN - 1) / MR_MAIN * MR_MAIN;
+    }
+    for (int64_t g0 = p0; g0 < p1; g0 += group) {
+        const int64_t g1 = g0 + group < p1 ? g0 + group : p1;
+        for (int64_t b0 = m0; b0 < m1; b0 += mc) {
+            const int64_t b1 = b0 + mc < m1 ? b0 + mc : m1;
+            const int64_t rows = b1 - b0;
+            const int64_t tiles = (rows + MR_MAIN - 1) / MR_MAIN;
+            for (int64_t kb = 0; kb < nk; kb++) {
+                const int64_t k0 = K * kb / nk, k1 = K * (kb + 1) / nk, kcur = k1 - k0;
+                for (int64_t p = g0; p < g1; p += np) {
+                    const int npp = (int)(g1 - p < np ? g1 - p : np);
+                    const int64_t c0 = p * NR;
+                    const int ncols = (int)(N - c0 < npp * NR ? N - c0 : npp * NR);
+                    /* the next step's weights (as gemm_f32.c), spread over this step's row tiles;
+                     * one-tile steps of several panels are left to the hardware prefetcher */
+                    int64_t next_p = p, next_k0 = k0, next_k1 = k1;
+                    if (p + np < g1) next_p = p + np;
+                    else if (kb + 1 < nk) next_p = g0, next_k0 = k1, next_k1 = K * (kb + 2) / nk;
+                    else if (b1 < m1) next_p = g0, next_k0 = 0, next_k1 = K / nk;
+                    else if (g1 < p1) next_p = g1, next_k0 = 0, next_k1 = K / nk;
+                    const int pf_on = tiles > 1 || np <= 1;
+                    const int64_t lines = pf_on ? (next_k1 - next_k0 + 1) / 2 : 0; /* 2 panel rows per 64-byte line */
+                    const char *pf = (const char *)(wp + next_p * pstride + next_k0 * NR);
+                    int64_t r = b0;
+                    for (int64_t t = 0; t < tiles; t++) {
+                        const int mr = (int)(rows / tiles + (t < rows % tiles));
+                        const int64_t lo = lines * t / tiles, hi = lines * (t + 1) / tiles;
+                        const int64_t rate = kcur > 0 ? ((hi - lo) << 16) / kcur : 0; /* lines per k, 16.16 */
+                        TILES[mr][npp](x + r * ldx + k0, ldx, wp + p * pstride + k0 * NR, pstride, kcur,
+                                       bias ? bias + c0 : NULL, (char *)y + (r * ldy + c0) * esz, ldy, ybf, ncols,
+                                       kb > 0, pf + lo * LINE, rate);
+                        r += mr;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define QW_K_BLOCK 2048
+#define QW_X_BLOCK_BYTES (128 * 1024)
+#define QW_W_GROUP_BYTES (1024 * 1024)
+
+/*
+ * y[M, N] (rows ldy elements apart; bf16 when y_bf16, else fp32) = x[M, K] (rows ldx elements
+ * apart; bf16 when x_bf16, else fp32) @ W^T (+ bias[N], bf16 when bias_bf16, else fp32; NULL for
+ * none), W packed bf16 as above. mc/group/kc: the cache-blocking knobs of qw_gemm_f32 (0 =
+ * defaults). Returns 0, -1 for invalid sizes, -2 when scratch memory cannot be allocated.
+ */
+int qw_gemm_bf16(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, const void *bias, int bias_bf16, void *y,
+                 int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads, int64_t mc, int64_t group,
+                 int64_t kc) {
+    if (M < 0 || N < 0 || K < 0 || (M > 0 && (ldx < K || ldy < N))) return -1;
+    if (M == 0 || N == 0) return 0;
+    const int64_t npanels = (N + NR - 1) / NR;
+    if (kc <= 0) {
+        const int64_t n = (K + QW_K_BLOCK - 1) / QW_K_BLOCK;
+        kc = n > 0 ? (K + n - 1) / n : 1;
+    }
+    if (kc > K) kc = K > 0 ? K : 1;
+    const int64_t nk = K > 0 ? (K + kc - 1) / kc : 1; /* K = 0: one empty block, the bias */
+    if (mc <= 0) {
+        mc = QW_X_BLOCK_BYTES / (kc * 4);
+        mc = mc < MR_MAIN ? MR_MAIN : mc / MR_MAIN * MR_MAIN;
+    }
+    if (group <= 0) {
+        group = QW_W_GROUP_BYTES / (K > 0 ? K * NR * 2 : 2);
+        if (group < 1) group = 1;
+    }
+    const int np = panels_for_rows(M < MR_MAIN ? M : MR_MAIN);
+    if (group % np) group += np - group % np;
+
+    /* scratch: x widened to fp32, bias padded to whole panels, an fp32 y for bf16 output over
+     * several K blocks (a partial sum must not be rounded) */
+    float *xf = NULL, *bf = NULL, *yt = NULL;
+    const float *xs = (const float *)x;
+    int64_t ldxs = ldx;
+    int rc = 0;
+    if (x_bf16 && K > 0) {
+        xf = malloc((size_t)(M * K) * sizeof(float));
+        if (!xf) { rc = -2; goto done; }
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t k = 0; k < K; k++) xf[i * K + k] = bf16_to_f32(((const uint16_t *)x)[i * ldx + k]);
+        xs = xf, ldxs = K;
+    }
+    if (bias) {
+        bf = calloc((size_t)(npanels * NR), sizeof(float));
+        if (!bf) { rc = -2; goto done; }
+        for (int64_t n = 0; n < N; n++) bf[n] = bias_bf16 ? bf16_to_f32(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+    }
+    void *yk = y;
+    int64_t ldyk = ldy;
+    int ybf = y_bf16 != 0;
+    if (ybf && nk > 1) {
+        yt = malloc((size_t)(M * N) * sizeof(float));
+        if (!yt) { rc = -2; goto done; }
+        yk = yt, ldyk = N, ybf = 0;
+    }
+
+    const int64_t units = (npanels + np - 1) / np;
+    int nt = num_threads < 1 ? 1 : num_threads;
+    if ((double)M * (double)N * (double)K < 32768.0) nt = 1; /* fork/join would cost more */
+    int tn = nt, tm = 1;
+    if (units < nt) {
+        tn = (int)units;
+        tm = nt / tn;
+        const int64_t row_tiles = (M + MR_MAIN - 1) / MR_MAIN;
+        if (tm > row_tiles) tm = (int)row_tiles;
+    }
+    nt = tn * tm;
+    /* every team-th share per thread: all nt shares are computed whatever team size OpenMP gives */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    for (int t = omp_get_thread_num(), team = omp_get_num_threads(); t < nt; t += team) {
+        const int it = t % tn, jt = t / tn;
+        const int64_t p0 = units * it / tn * np, p1e = units * (it + 1) / tn * np;
+        const int64_t p1 = p1e < npanels ? p1e : npanels;
+        int64_t m0 = 0, m1 = M;
+        if (tm > 1) {
+            const int64_t row_tiles = (M + MR_MAIN - 1) / MR_MAIN;
+            m0 = row_tiles * jt / tm * MR_MAIN;
+            m1 = row_tiles * (jt + 1) / tm * MR_MAIN;
+            if (m1 > M) m1 = M;
+        }
+        gemm_range(xs, ldxs, wp, bf, yk, ldyk, ybf, N, K, nk, m0, m1, p0, p1, mc, group);
+    }
+    if (yt)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < N; n++) ((uint16_t *)y)[i * ldy + n] = f32_to_bf16(yt[i * N + n]);
+done:
+    free(xf);
+    free(bf);
+    free(yt);
+    return rc;
+}
+
+/* The build's kernel: 1 = AVX2+FMA, 0 = generic C. */
+int qw_gemm_bf16_isa(void) { return QW_BF_ISA; }
