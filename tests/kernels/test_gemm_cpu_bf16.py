@@ -451,3 +451,16 @@ def test_kernel_under_address_sanitizer(tmp_path, variant):
     r = subprocess.run([str(exe), "300"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "fails 0" in r.stdout, (r.stdout + r.stderr)[-3000:]
     assert f"isa {1 if variant == 'avx2' else 0}" in r.stdout
+
+
+def test_bench_bf16_runs_small():
+    """bench/small_gemm.py --dtype bfloat16 end to end on one layer, two row counts, 1 and 2
+    threads, one round (a smoke test: no timings checked; the bf16 output within bf16 rounding of
+    the fp32 panels')."""
+    r = subprocess.run([sys.executable, "-m", "bench.small_gemm", "--dtype", "bfloat16", "--layers", "1", "--no-lm-head",
+                        "--rows", "1,7", "--threads", "1,2", "--rounds", "1"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line and line.split()[0].isdigit()]
+    assert [(row[0], row[1]) for row in rows] == [("1", "1"), ("7", "1"), ("1", "2"), ("7", "2")]
+    assert all(float(row[-1]) < 1e-2 for row in rows)  # max rel difference from the fp32 panels
