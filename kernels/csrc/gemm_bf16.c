@@ -114,6 +114,13 @@ static inline void store_bf16x16(uint16_t *p, __m256 a, __m256 b) {
     _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(packed, 0xd8));
 }
 
+/* Whether a tile's x broadcasts are reloaded for each panel instead of kept in registers across
+ * the panels: accumulators (2 per row and panel) + one broadcast per row + the panel's two weight
+ * vectors + the mask would not fit in the 16 ymm registers (3 x 32: 12 + 3 + 3), and gcc then
+ * spilled an accumulator, a store-load chain on every k (3 rows took 1.4x as long as 4). The empty
+ * asm hides that xj == x so the loads cannot be merged; a broadcast from memory is one load. */
+#define BCAST_PER_PANEL(MR, NP) (MR * 2 * NP + MR + 3 > 16)
+
 /*
  * One tile: rows MR of x (fp32, ldx apart), NP adjacent panels (pstride elements apart) from w,
  * k = 0..K-1; writes ncols (<= 16 * NP) columns of y (ldy elements apart, fp32 or bf16 by ybf).
@@ -149,15 +156,17 @@ static inline void store_bf16x16(uint16_t *p, __m256 a, __m256 b) {
     _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++, wk += NR, pfpos += pfrate) {                            \
         _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++)                                                        \
             PREFETCH(pf + j * pstride * 2 + (pfpos >> 16) * LINE);                                                  \
-        __m256 b[2 * NP];                                                                                           \
-        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) {                                                      \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) { /* panel by panel: 2 weight vectors live */         \
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(wk + j * pstride));                            \
-            b[2 * j] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                                             \
-            b[2 * j + 1] = _mm256_castsi256_ps(_mm256_and_si256(raw, hi_mask));                                     \
-        }                                                                                                           \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                                      \
-            const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);                                                  \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 2 * NP; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]); \
+            const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                                    \
+            const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, hi_mask));                                 \
+            const float *xj = x;                                                                                    \
+            if (NP > 1 && BCAST_PER_PANEL(MR, NP)) __asm__ volatile("" : "+r"(xj));                                 \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                                  \
+                const __m256 a = _mm256_broadcast_ss(xj + i * ldx + k);                                             \
+                acc[i][2 * j] = _mm256_fmadd_ps(a, even, acc[i][2 * j]);                                            \
+                acc[i][2 * j + 1] = _mm256_fmadd_ps(a, odd, acc[i][2 * j + 1]);                                     \
+            }                                                                                                       \
         }                                                                                                           \
     }                                                                                                               \
     _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                                          \
