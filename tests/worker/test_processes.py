@@ -78,6 +78,18 @@ def cluster(broker, tmp_path_factory):
         p.stop()
 
 
+def logs(procs: dict[str, WorkerProc]) -> str:
+    """Every worker's log tail, for a failure message (a stuck worker says why only there)."""
+    return "\n".join(f"--- {p.name} (rc {p.proc.poll() if p.proc else None}):\n{p.log.read_text()[-2500:]}" for p in procs.values())
+
+
+async def wait_or_show_logs(r: Results, procs: dict[str, WorkerProc], pred, timeout: float, what: str) -> None:
+    try:
+        await r.wait(pred, timeout, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{logs(procs)}") from None
+
+
 def jobs(prefix: str, n: int, max_tokens: int) -> list[Job]:
     return [Job(id=f"{prefix}{i}", prompt=f"Count to {i}:", sampling=Sampling(max_tokens=max_tokens, temperature=0.0)) for i in range(n)]
 
@@ -89,7 +101,7 @@ async def test_two_workers_split_partitions_100_jobs(cluster) -> None:
     r = await Results(s).start()
     try:
         await submit(s, jobs("split", 100, 2))
-        await r.wait(lambda: sum(1 for k in r.completions if k.startswith("split")) == 100, 120, "100 completions")
+        await wait_or_show_logs(r, procs, lambda: sum(1 for k in r.completions if k.startswith("split")) == 100, 120, "100 completions")
         assert all(v[0]["type"] == "completion" for k, v in r.completions.items() if k.startswith("split"))
         got = {name: p.metrics().get("qworker:records_total", 0) for name, p in procs.items()}
         assert all(v > 0 for v in got.values()), f"one worker got nothing: {got}"
@@ -110,7 +122,7 @@ async def test_kill9_with_jobs_in_flight_every_job_completes(cluster) -> None:
         os.kill(a.proc.pid, signal.SIGKILL)
         a.proc.wait(10)
         procs["a"] = WorkerProc("a2", s, a.log.parent).start()  # restarted pod
-        await r.wait(lambda: sum(1 for k in r.completions if k.startswith("kill")) == 40, 150, "40 completions after kill -9")
+        await wait_or_show_logs(r, procs, lambda: sum(1 for k in r.completions if k.startswith("kill")) == 40, 150, "40 completions after kill -9")
         for k, v in r.completions.items():
             if k.startswith("kill"):
                 assert {m["job_id"] for m in v} == {k} and all(m["type"] == "completion" for m in v)  # duplicates possible, same id
@@ -131,7 +143,7 @@ async def test_sigterm_drains_and_exits_zero(cluster) -> None:
         rc = await asyncio.to_thread(b.proc.wait, 90)
         assert rc == 0, b.log.read_text()[-3000:]
         assert "drain: committed; leaving the group" in b.log.read_text()
-        await r.wait(lambda: sum(1 for k in r.completions if k.startswith("term")) == 24, 150, "24 completions after SIGTERM")
+        await wait_or_show_logs(r, procs, lambda: sum(1 for k in r.completions if k.startswith("term")) == 24, 150, "24 completions after SIGTERM")
         await wait_committed(s)
     finally:
         await r.stop()
