@@ -14,19 +14,22 @@ Four paths:
   One packing (``batch_size_hint=None``) serves every row count: hints of 16, 64, 256 or 512
   moved 1-16 rows by less than the noise and larger batches by under 10% (either way); a hint of 1
   was 1.4-1.5x slower at 8-32 rows.
-* ``"panels"`` (CPU, fp32): qworker's own GEMM (:mod:`kernels.gemm_cpu`, ``csrc/gemm_f32.c``):
-  the weight packed once into 16-column panels, an AVX2+FMA micro-kernel (the AVX-512 one is
-  opt-in until it has run on AVX-512 hardware, see the C file). It exists for decode batches
-  (1-128 rows: 1.3-1.8x oneDNN on the 2-core AVX2 VM, about even on prefill chunks), where oneDNN's
-  small-M GEMMs run well below both the weight-streaming floor and the FMA peak, and for its
-  per-call cost (one ctypes call, no primitive lookup). fp32 results match the other paths up to
-  rounding (a different summation order).
+* ``"panels"`` (CPU, fp32 or bf16 weights): qworker's own GEMM (:mod:`kernels.gemm_cpu`,
+  ``csrc/gemm_f32.c`` and ``csrc/gemm_bf16.c``): the weight packed once into 16-column panels, an
+  AVX2+FMA micro-kernel (the AVX-512 one is opt-in until it has run on AVX-512 hardware, see the C
+  file). It exists for decode batches (1-128 rows: 1.3-1.8x oneDNN on the 2-core AVX2 VM, about
+  even on prefill chunks), where oneDNN's small-M GEMMs run well below both the weight-streaming
+  floor and the FMA peak, and for its per-call cost (one ctypes call, no primitive lookup). fp32
+  results match the other paths up to rounding (a different summation order). bf16 weights are
+  widened to fp32 in registers (bf16 x in, fp32 sums, bf16 out, as oneDNN's bf16 linear), so the
+  CPU bf16 mode needs no bf16 GEMM hardware and streams half the bytes: 1.6-2x the fp32 panels at
+  1-4 rows, level from 16 rows (the FMAs are then the limit).
 * ``"matmul"`` (the CPU fallback): ``x @ w`` with ``w`` a materialised row-major ``[in, out]``
   copy (for 8-64 rows MKL's sgemm is 2-4x faster with it than with ``F.linear``'s transposed
   operand).
 
 :func:`cpu_linear_backend` chooses among the CPU paths once per process and dtype: panels needs
-fp32 and the compiled C kernels; oneDNN needs the private ops, a dtype its build supports on this
+fp32 or bf16 and the compiled C kernels; oneDNN needs the private ops, a dtype its build supports on this
 CPU, and a result that equals the reference on a small check; then the usable paths time a few of
 the model's own layers at decode- and prefill-sized inputs (one thread, its CPU time: see
 :func:`measure_backends`), and the first of panels, oneDNN, x @ w that is not clearly slower than
@@ -48,6 +51,7 @@ from kernels import gemm_cpu
 log = logging.getLogger(__name__)
 
 BACKENDS = ("panels", "onednn", "matmul")  # also the order of preference, see _prefer
+PANELS_DTYPES = (torch.float32, torch.bfloat16)
 # rows timed by the start-up comparison: a decode batch and a prefill chunk
 _PROBE_ROWS = (16, 128)
 # a path is kept over the ones after it in BACKENDS unless it is this much slower than the fastest:
@@ -74,9 +78,9 @@ class Linear:
         if backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         elif backend == "panels":
-            if weight.dtype != torch.float32:
-                raise ValueError(f"the panels linear backend is fp32 only, not {weight.dtype}")
-            self.weight = gemm_cpu.pack_weight(weight)
+            if weight.dtype not in PANELS_DTYPES:
+                raise ValueError(f"the panels linear backend takes float32 or bfloat16 weights, not {weight.dtype}")
+            self.weight = gemm_cpu.pack_weight(weight)  # bf16 stays bf16: half the bytes to stream
         elif backend == "matmul":
             self.weight = weight.t().contiguous()
         elif backend == "transposed":
@@ -124,6 +128,8 @@ def onednn_supported(dtype: torch.dtype) -> tuple[bool, str]:
         return False, "this torch build lacks mkldnn::_reorder_linear_weight / _linear_pointwise"
     if dtype not in (torch.float32, torch.bfloat16):
         return False, f"oneDNN linear is used for float32 and bfloat16 only, not {dtype}"
+    if dtype == torch.bfloat16 and not bf16_gemm_hardware():
+        return False, "oneDNN would emulate bf16 GEMMs here (the CPU has neither AVX512_BF16 nor AMX)"
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 40, generator=gen)
     b = torch.randn(48, generator=gen)
@@ -141,39 +147,52 @@ def onednn_supported(dtype: torch.dtype) -> tuple[bool, str]:
     return True, ""
 
 
+def bf16_gemm_hardware() -> list[str]:
+    """The CPU's bf16 dot-product features oneDNN's bf16 kernels need (empty: it would emulate)."""
+    cpu = torch.cpu
+    return [name for name, probe in (("AVX512_BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
+            if getattr(cpu, probe, lambda: False)()]
+
+
 def check_cpu_bf16() -> None:
-    """``dtype="bfloat16"`` on CPU needs bf16 GEMM hardware (AVX512_BF16 or AMX) and oneDNN's bf16
-    linear; anywhere else bf16 GEMMs are emulated and several times slower than fp32, so this
-    raises a ValueError saying so. ``QWORKER_CPU_BF16=force`` skips the check (tests, or to
-    measure the slow path)."""
+    """``dtype="bfloat16"`` on CPU needs a bf16 GEMM that is not emulated: qworker's own panels
+    GEMM (bf16 weights widened in registers, fp32 FMAs: any CPU the C kernels build for), or
+    oneDNN's bf16 linear on bf16 GEMM hardware (AVX512_BF16 or AMX). Anywhere else bf16 GEMMs are
+    emulated and several times slower than fp32, so this raises a ValueError saying so.
+    ``QWORKER_CPU_BF16=force`` skips the check (tests, or to measure the slow path)."""
     if os.environ.get("QWORKER_CPU_BF16") == "force":
         return
-    cpu = torch.cpu
-    hw = [name for name, probe in (("AVX512_BF16", "_is_avx512_bf16_supported"), ("AMX", "_is_amx_tile_supported"))
-          if getattr(cpu, probe, lambda: False)()]
+    panels_ok, panels_why = panels_supported(torch.bfloat16)
+    if panels_ok:
+        return
+    hw = bf16_gemm_hardware()
     ok, why = onednn_supported(torch.bfloat16)
     if hw and ok:
         return
     detail = why if hw else f"this CPU has neither AVX512_BF16 nor AMX (torch's CPU capability: {torch.backends.cpu.get_cpu_capability()})"
-    raise ValueError(f"dtype='bfloat16' on CPU needs bf16 GEMM hardware (AVX512_BF16 or AMX) and oneDNN's bf16 linear: {detail}. "
+    raise ValueError(f"dtype='bfloat16' on CPU needs qworker's panels GEMM ({panels_why}) or bf16 GEMM hardware (AVX512_BF16 or AMX) "
+                     f"and oneDNN's bf16 linear: {detail}. "
                      "Use dtype='float32' (the CPU default); kv_cache_dtype='bfloat16' or 'float16' still halves the KV cache.")
 
 
 def panels_supported(dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether qworker's own GEMM runs here for ``dtype``, and why not."""
-    if dtype != torch.float32:
-        return False, f"the panels GEMM is fp32 only, not {dtype}"
-    if gemm_cpu.kernel_isa() is None:
+    """Whether qworker's own GEMM runs here for ``dtype`` weights, and why not."""
+    if dtype not in PANELS_DTYPES:
+        return False, f"the panels GEMM takes float32 or bfloat16 weights, not {dtype}"
+    if gemm_cpu.kernel_isa(dtype) is None:
         return False, "the CPU C kernels are unavailable (no compiler, or QWORKER_CPU_KERNELS=0)"
     # every tile shape the kernel has (1-3 rows widen over panels, balanced row tiles, a partial
-    # last panel, odd K), checked once against torch as onednn_supported does for oneDNN
+    # last panel, odd K), checked once against torch as onednn_supported does for oneDNN; bf16 as
+    # Linear calls it: bf16 x in, the fp32 sum rounded to bf16 out
     gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(40, 33, generator=gen), torch.randn(40, generator=gen)
+    w, b = torch.randn(40, 33, generator=gen).to(dtype), torch.randn(40, generator=gen)
     packed = gemm_cpu.pack_weight(w)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
     for rows in (1, 2, 3, 5, 13, 70):
-        x = torch.randn(rows, 33, generator=gen)
-        if not torch.allclose(gemm_cpu.gemm(x, packed, b, 40), x @ w.t() + b, rtol=1e-4, atol=1e-4):
-            return False, f"the panels GEMM gave wrong results on the start-up check ({rows} rows)"
+        x = torch.randn(rows, 33, generator=gen).to(dtype)
+        want = x.float() @ w.float().t() + b
+        if not torch.allclose(gemm_cpu.gemm(x, packed, b, 40).float(), want, rtol=tol, atol=tol):
+            return False, f"the panels GEMM gave wrong results on the start-up check ({dtype}, {rows} rows)"
     return True, ""
 
 

@@ -151,8 +151,8 @@ def test_bf16_weights_with_fp32_activations(backend):
     rounded to bf16, fp32 accumulation), against the fp32 loop over the same rounded weights."""
     if backend == "onednn" and not onednn_supported(torch.bfloat16)[0]:
         pytest.skip("oneDNN's bf16 linear is unavailable on this CPU")
-    if backend == "panels":
-        pytest.skip("the panels GEMM is fp32 only (bf16 weights take oneDNN)")
+    if backend == "panels" and not panels_supported(torch.bfloat16)[0]:
+        pytest.skip(f"the panels GEMM is unavailable: {panels_supported(torch.bfloat16)[1]}")
     gen = torch.Generator().manual_seed(5)
     E, H, I, T = 6, 64, 32, 9
     router, gate_up, down = random_weights(gen, E, H, I)

@@ -33,11 +33,24 @@ def small_llama(tmp_path_factory):
 
 
 def test_unsupported_cpu_gets_a_clear_error(monkeypatch, small_llama):
+    """Without the C kernels (no compiler) the panels GEMM is gone; a CPU without bf16 GEMM
+    hardware then has no bf16 GEMM that is not emulated, and bf16 is refused saying why."""
     monkeypatch.delenv("QWORKER_CPU_BF16", raising=False)
+    monkeypatch.setenv("QWORKER_CPU_KERNELS", "0")
     if _supported():
-        pytest.skip("this CPU runs bf16 GEMMs")
-    with pytest.raises(ValueError, match="AVX512_BF16 or AMX"):
+        pytest.skip("this CPU has bf16 GEMM hardware (oneDNN's bf16 linear runs without the C kernels)")
+    with pytest.raises(ValueError, match="panels GEMM .*C kernels are unavailable.*AVX512_BF16 or AMX"):
         ModelRunner(small_llama, device="cpu", dtype="bfloat16")
+
+
+def test_bf16_runs_on_the_panels_gemm_without_bf16_hardware(monkeypatch):
+    """The panels GEMM widens bf16 weights in registers: bf16 needs no AVX512_BF16/AMX."""
+    monkeypatch.delenv("QWORKER_CPU_BF16", raising=False)
+    from qworker.model.linear import panels_supported
+
+    if not panels_supported(torch.bfloat16)[0]:
+        pytest.skip(f"the panels GEMM is unavailable: {panels_supported(torch.bfloat16)[1]}")
+    check_cpu_bf16()  # no error
 
 
 def test_bf16_logits_follow_fp32(monkeypatch, small_llama, seed):

@@ -46,14 +46,15 @@ def test_forced_backend(monkeypatch):
     # float16 is not a oneDNN linear dtype here: forcing it is an error, auto falls back
     with pytest.raises(RuntimeError, match="QWORKER_CPU_LINEAR=onednn, but that path is unavailable"):
         linear.cpu_linear_backend(torch.float16, sample)
-    # the panels GEMM is fp32 only
+    # the panels GEMM takes fp32 and bf16 weights, nothing else
     monkeypatch.setenv("QWORKER_CPU_LINEAR", "panels")
     if HAS_PANELS:
         assert linear.cpu_linear_backend(torch.float32, sample) == "panels"
-    with pytest.raises(RuntimeError, match="fp32 only"):
+        assert linear.cpu_linear_backend(torch.bfloat16, sample) == "panels"
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 weights, not torch.float16"):
         linear.cpu_linear_backend(torch.float16, sample)
-    with pytest.raises(ValueError, match="fp32 only"):
-        Linear(torch.randn(8, 4, dtype=torch.bfloat16), None, "panels")
+    with pytest.raises(ValueError, match="float32 or bfloat16 weights, not torch.float16"):
+        Linear(torch.randn(8, 4, dtype=torch.float16), None, "panels")
     monkeypatch.setenv("QWORKER_CPU_LINEAR", "auto")
     assert linear.cpu_linear_backend(torch.float16, sample) == "matmul"
 
@@ -120,3 +121,21 @@ def test_panels_refused_when_its_start_up_check_fails(monkeypatch):
     monkeypatch.delenv("QWORKER_CPU_LINEAR", raising=False)
     monkeypatch.setattr(linear, "_choices", {})
     assert linear.cpu_linear_backend(torch.float32, [torch.randn(32, 16)]) in ("onednn", "matmul")
+
+
+@pytest.mark.skipif(not HAS_PANELS, reason="the CPU C kernels are unavailable here")
+@pytest.mark.parametrize("rows", [1, 3, 7, 40])
+def test_bf16_panels_linear_rounds_like_the_bf16_mode(rows):
+    """The CPU bf16 mode's contract on the panels path: bf16 x in (rounded from fp32 activations),
+    fp32 sums, the output rounded to bf16 and handed back in the activation dtype."""
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(70, 37, generator=gen).to(torch.bfloat16), torch.randn(70, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 37, generator=gen)
+    lin = Linear(w, b, "panels", act_dtype=torch.float32)
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, 70)
+    want = (x.to(torch.bfloat16).float() @ w.float().t() + b.float()).to(torch.bfloat16).float()
+    torch.testing.assert_close(y, want, rtol=8e-3, atol=8e-3)  # 1 bf16 ulp: sums in another order
+    low = lin.lowp(x)
+    assert low.dtype == torch.bfloat16 and torch.equal(low.float(), y)
+    torch.testing.assert_close(lin.dense_out_in(), w, rtol=0, atol=0)
