@@ -114,6 +114,30 @@ typedef __m256 vec;
 #endif
 
 /*
+ * Register budget of a tile's k loop (NREGS vector registers; the summation order of every output
+ * column is the same either way, k ascending, so the results are too):
+ *  - WEIGHTS_FIT: the NP * VPP weight vectors of one k, MR * NP * VPP accumulators and a broadcast
+ *    fit (or MR = 1, where gcc takes each weight vector as the FMA's memory operand): load all of
+ *    the k's weights, then broadcast each x row once.
+ *  - else the k loop goes panel by panel (VPP weight vectors live at a time). AVX2 3 x 32 needed
+ *    12 accumulators + 4 weights + 1 broadcast = 17 ymm, and gcc kept one accumulator on the stack
+ *    (vfmadd213ps 288(%rsp) + a store on every k: a store-load chain through the FMA latency).
+ *  - BCAST_PER_PANEL: panel by panel, the MR broadcasts would stay live across the panels (gcc
+ *    merges the repeated loads of one x element) and still not fit (3 x 32: 12 + 3 + 2): the empty
+ *    asm hides that each panel's xp == x, so each panel broadcasts x again (one load each).
+ * Of the tiles instantiated below only AVX2's 3 x 32 leaves the first path (the other AVX2 tiles
+ * and every AVX-512 one compile as before; gcc 12's k loops of the 1-6 row tiles then keep every
+ * accumulator and weight vector in registers).
+ */
+#if QW_GEMM_ISA == 2
+#define NREGS 32
+#else
+#define NREGS 16
+#endif
+#define WEIGHTS_FIT(MR, NP) ((MR) == 1 || (MR) * (NP) * VPP + (NP) * VPP + 1 <= NREGS)
+#define BCAST_PER_PANEL(MR, NP) ((NP) > 1 && (MR) * (NP) * VPP + (MR) + VPP > NREGS)
+
+/*
  * One tile (TILE_BODY): rows MR (1..MR_MAIN) of x from x (ldx apart), panels NP (adjacent, pstride floats
  * apart) from w, k = 0..K-1. Writes ncols (<= 16 * NP) columns of y (ldy apart); bias: 16 * NP
  * floats (zero-padded past N) or NULL. MR and NP are constants in every instantiation below, so
@@ -143,12 +167,26 @@ typedef __m256 vec;
     _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++, wk += NR, pfpos += pfrate) {                            \
         _Pragma("GCC unroll 16") for (int j = 0; j < NP; j++)                                                       \
             PREFETCH(pf + j * pstride + (pfpos >> 16) * NR);                                                        \
-        vec b[NP * VPP];                                                                                            \
-        _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++)                                                 \
-            b[j] = V_LOAD(wk + (j / VPP) * pstride + (j % VPP) * VW);                                               \
-        _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                     \
-            const vec a = V_BCAST(x + i * ldx + k);                                                                 \
-            _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) acc[i][j] = V_FMA(a, b[j], acc[i][j]);      \
+        if (WEIGHTS_FIT(MR, NP)) { /* every weight vector of this k loaded once, then row by row */                \
+            vec b[NP * VPP];                                                                                        \
+            _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++)                                             \
+                b[j] = V_LOAD(wk + (j / VPP) * pstride + (j % VPP) * VW);                                           \
+            _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                 \
+                const vec a = V_BCAST(x + i * ldx + k);                                                             \
+                _Pragma("GCC unroll 16") for (int j = 0; j < NP * VPP; j++) acc[i][j] = V_FMA(a, b[j], acc[i][j]);  \
+            }                                                                                                       \
+        } else { /* panel by panel: VPP weight vectors live; x re-broadcast per panel where needed */              \
+            _Pragma("GCC unroll 16") for (int p = 0; p < NP; p++) {                                                 \
+                vec b[VPP];                                                                                         \
+                _Pragma("GCC unroll 16") for (int v = 0; v < VPP; v++) b[v] = V_LOAD(wk + p * pstride + v * VW);    \
+                const float *xp = x;                                                                                \
+                if (BCAST_PER_PANEL(MR, NP)) __asm__ volatile("" : "+r"(xp));                                       \
+                _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                             \
+                    const vec a = V_BCAST(xp + i * ldx + k);                                                        \
+                    _Pragma("GCC unroll 16") for (int v = 0; v < VPP; v++)                                          \
+                        acc[i][p * VPP + v] = V_FMA(a, b[v], acc[i][p * VPP + v]);                                  \
+                }                                                                                                   \
+            }                                                                                                       \
         }                                                                                                           \
     }                                                                                                               \
     if (ncols == NP * NR) {                                                                                         \

@@ -97,6 +97,65 @@ def test_non_contiguous_and_empty_inputs(isa):
     assert torch.equal(y, b.expand(4, N))
 
 
+def _fma_f32(a, b, c):
+    """fp32 a * b + c rounded once (what an FMA gives), elementwise: the product is exact in
+    float64, the sum is rounded to odd in float64 (TwoSum's error moves an even result one ulp
+    towards the exact sum), and rounding that to fp32 is then correct (53 >= 24 + 2 bits)."""
+    p, cd = a.double() * b.double(), c.double()
+    s = p + cd
+    bv = s - p
+    err = (p - (s - bv)) + (cd - bv)
+    fix = (err != 0) & ((s.view(torch.int64) & 1) == 0)
+    toward = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    return torch.where(fix, torch.nextafter(s, toward), s).float()
+
+
+def _chain_reference(x, w, b, fused):
+    """Each output column summed as the kernel does: from the bias (or 0), k ascending, in fp32,
+    one FMA per term (fused) or a rounded product then a rounded sum."""
+    acc = (b if b is not None else torch.zeros(w.shape[0])).expand(x.shape[0], w.shape[0]).clone()
+    for k in range(x.shape[1]):
+        xk, wk = x[:, k:k + 1].expand_as(acc), w[:, k].expand_as(acc)
+        acc = _fma_f32(xk, wk, acc) if fused else acc + xk * wk
+    return acc
+
+
+def test_fma_f32_reference_rounds_once():
+    one = torch.ones(1)
+    # a * b = 2^-24 + 2^-60 exactly: 1 + a * b lies just above the fp32 tie 1 + 2^-24, so one
+    # rounding goes up; a float64 sum then fp32 would round twice (to 1 + 2^-24, then to even 1)
+    a, b = torch.tensor([1.0 + 2.0 ** -12]), torch.tensor([2.0 ** -24 * (1.0 - 2.0 ** -12 + 2.0 ** -24)])
+    assert b.double().item() == 2.0 ** -24 * (1.0 - 2.0 ** -12 + 2.0 ** -24)  # exact in fp32
+    assert (a.double() * b.double() + one.double()).float() == 1.0
+    assert _fma_f32(a, b, one) == 1.0 + 2.0 ** -23
+    tie = torch.tensor([2.0 ** -24])
+    assert _fma_f32(tie, one, one) == 1.0  # an exact tie: to even
+    # x * x = 1 + 2^-11 + 2^-24 exactly: the rounded product loses the 2^-24, the FMA keeps it
+    x = torch.tensor([1.0 + 2.0 ** -12])
+    c = torch.tensor([-(1.0 + 2.0 ** -11)])
+    assert x * x + c == 0.0
+    assert _fma_f32(x, x, c) == 2.0 ** -24
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_bit_identical_to_ordered_fp32_sums(isa, bias):
+    """Rows 1-7 (every small tile: 1 x 64, 2 x 32, 3 x 32, 4-6 x 16, 7 = 4 + 3), panel tails,
+    K blocks, 1 and 2 threads: each output is bit for bit the fp32 chain from the bias over k
+    ascending (FMA in the AVX2 kernel; the generic C one may or may not contract), so a change in
+    the kernels' loop order that changes the summation shows here."""
+    g = torch.Generator().manual_seed(11)
+    fused_only = gemm_cpu.kernel_isa() == 1
+    for M in range(1, 8):
+        for N, K in [(1, 33), (37, 1), (75, 130), (64, 7)]:
+            x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+            b = torch.randn(N, generator=g) if bias else None
+            packed = gemm_cpu.pack_weight(w)
+            refs = [_chain_reference(x, w, b, True)] + ([] if fused_only else [_chain_reference(x, w, b, False)])
+            for threads, kc in [(1, 0), (2, 0), (1, 5)]:
+                y = gemm_cpu.gemm(x, packed, b, N, threads=threads, kc=kc)
+                assert any(torch.equal(y.view(torch.int32), r.view(torch.int32)) for r in refs), (M, N, K, threads, kc)
+
+
 def test_torch_fallback(monkeypatch):
     """Without the compiled kernels, or for another dtype, the same product from the packed weight."""
     g = torch.Generator().manual_seed(4)
