@@ -118,6 +118,7 @@ def gemm(
                 or tuple(out.shape) != (M, n_out) or (M > 0 and n_out > 0 and (out.stride(1) != 1 or out.stride(0) < n_out))):
             raise ValueError(f"out must be a float32 CPU [{M}, {n_out}] tensor with unit column stride")
         y = out
+        x2, bias = _unalias(y, x2, bias)
     else:
         y = torch.empty((M, n_out), dtype=torch.float32)
     b = None if bias is None else bias.contiguous()
@@ -159,6 +160,7 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
     if out is not None:
         _check_out(out, odt, M, n_out)
         y = out
+        x2, bias = _unalias(y, x2, bias)
     else:
         y = torch.empty((M, n_out), dtype=odt)
     b = None if bias is None else bias.contiguous()
@@ -172,6 +174,30 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
         if rc != 0:
             raise ValueError(f"qw_gemm_bf16 rejected M={M} N={n_out} K={K}")
     return y if out is not None or x.dim() == 2 else y.reshape(*lead, n_out)
+
+
+def _unalias(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` and ``bias``, copied where their memory overlaps the destination ``y`` (``out=x``, or
+    views of one buffer): the kernels write y's tiles while later tiles still read x, so an aliased
+    x would be read back half overwritten (torch's ``matmul(..., out=x)`` copies too)."""
+    if _overlaps(y, x):
+        x = x.clone()
+    if bias is not None and _overlaps(y, bias):
+        bias = bias.clone()
+    return x, bias
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes ``a`` and ``b`` span intersect (conservative for strided views)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _check_out(out: torch.Tensor, dtype: torch.dtype, M: int, n_out: int) -> None:
