@@ -105,7 +105,8 @@ def gemm(
     if not covered:
         y = torch.nn.functional.linear(x, unpack_weight(packed, n_out).to(x.dtype),
                                        None if bias is None else bias.to(x.dtype))
-        if out is not None:
+        if out is not None:  # the same out as the kernel takes: [rows, n_out] of the result dtype
+            _check_out(out, y.dtype, lead.numel(), n_out)
             out.copy_(y.reshape(out.shape))
             return out
         return y

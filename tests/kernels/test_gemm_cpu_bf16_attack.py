@@ -126,3 +126,22 @@ def test_bf16_linear_holds_only_bf16_panels_and_copies_threads():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_torch_fallback_checks_out_like_the_kernel(monkeypatch):
+    """Without the C kernels gemm falls back to torch; an ``out`` the kernel path refuses (wrong
+    shape, transposed [n_out, rows], wrong dtype) was silently filled in the fallback (reshaped or
+    converted) for fp32 weights. Both weight dtypes now refuse it there too."""
+    monkeypatch.setenv("QWORKER_CPU_KERNELS", "0")
+    assert gemm_cpu.kernel_isa(F32) is None and gemm_cpu.kernel_isa(BF) is None
+    g = torch.Generator().manual_seed(24)
+    M, N, K = 5, 20, 8
+    x = torch.randn(M, K, generator=g)
+    for wdtype in (F32, BF):
+        w, packed, b = _weights(g, N, K, wdtype)
+        for bad in (torch.empty(N, M, dtype=wdtype), torch.empty(M * N, dtype=wdtype), torch.empty(M, N, dtype=torch.float64)):
+            with pytest.raises(ValueError, match="out must be"):
+                gemm_cpu.gemm(x, packed, b, N, out=bad)
+        out = torch.empty(M, N, dtype=wdtype)
+        assert gemm_cpu.gemm(x, packed, b, N, out=out) is out
+        assert torch.equal(out, gemm_cpu.gemm(x, packed, b, N))
