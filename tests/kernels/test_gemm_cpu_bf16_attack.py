@@ -17,9 +17,9 @@ concurrent Python threads."""
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import shutil
-import os
 import threading
 
 import pytest
