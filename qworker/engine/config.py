@@ -16,8 +16,9 @@ class EngineConfig:
     model: str
     device: str = "auto"  # "cpu", "cuda", "cuda:1", or "auto" (cuda when available)
     dtype: str = "auto"  # "float32", "bfloat16", "float16", or "auto" (fp32 on CPU, bf16 on CUDA)
-    # On CPU "bfloat16" needs AVX512_BF16 or AMX (else a clear error): bf16 weights and GEMMs
-    # (fp32 accumulation), fp32 activations between them, a bf16 KV cache unless kv_cache_dtype says.
+    # On CPU "bfloat16" runs on qworker's panels GEMM (any CPU the C kernels build for) or oneDNN's
+    # bf16 linear (AVX512_BF16/AMX), else a clear error: bf16 weights and GEMMs (fp32 accumulation),
+    # fp32 activations between them, a bf16 KV cache unless kv_cache_dtype says.
     # KV cache element type: "auto" (the model's dtype), "float32", "float16" or "bfloat16". A
     # 16-bit cache on an fp32 CPU model holds twice the tokens in the same memory and halves
     # decode attention's memory traffic, at the cost of rounding K/V (greedy outputs can then
