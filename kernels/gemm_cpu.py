@@ -110,14 +110,10 @@ def gemm(
             out.copy_(y.reshape(out.shape))
             return out
         return y
-    x2 = x.reshape(lead.numel(), K) if x.dim() != 2 else x  # not -1: K = 0 leaves it ambiguous
-    if x2.shape[0] > 0 and K > 0 and (x2.stride(1) != 1 or x2.stride(0) < K):
-        x2 = x2.contiguous()
+    x2 = _rows(x, lead, K)
     M = x2.shape[0]
     if out is not None:
-        if (out.dtype != torch.float32 or out.device.type != "cpu" or out.dim() != 2
-                or tuple(out.shape) != (M, n_out) or (M > 0 and n_out > 0 and (out.stride(1) != 1 or out.stride(0) < n_out))):
-            raise ValueError(f"out must be a float32 CPU [{M}, {n_out}] tensor with unit column stride")
+        _check_out(out, torch.float32, M, n_out)
         y = out
         x2, bias = _unalias(y, x2, bias)
     else:
@@ -154,9 +150,7 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
             out.copy_(y.reshape(out.shape))
             return out
         return y
-    x2 = x.reshape(lead.numel(), K) if x.dim() != 2 else x  # not -1: K = 0 leaves it ambiguous
-    if x2.shape[0] > 0 and K > 0 and (x2.stride(1) != 1 or x2.stride(0) < K):
-        x2 = x2.contiguous()
+    x2 = _rows(x, lead, K)
     M = x2.shape[0]
     if out is not None:
         _check_out(out, odt, M, n_out)
@@ -199,6 +193,15 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
+
+
+def _rows(x: torch.Tensor, lead: torch.Size, K: int) -> torch.Tensor:
+    """x as ``[rows, K]`` the kernels read: unit column stride, rows at least K apart (a row-strided
+    view is passed through uncopied)."""
+    x2 = x.reshape(lead.numel(), K) if x.dim() != 2 else x  # not -1: K = 0 leaves it ambiguous
+    if x2.shape[0] > 0 and K > 0 and (x2.stride(1) != 1 or x2.stride(0) < K):
+        x2 = x2.contiguous()
+    return x2
 
 
 def _check_out(out: torch.Tensor, dtype: torch.dtype, M: int, n_out: int) -> None:
