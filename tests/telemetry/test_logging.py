@@ -58,6 +58,7 @@ def test_formatters_escape_every_field() -> None:
         log = logging.getLogger(f"qworker.test.escape.{type(fmt).__name__}")
         log.handlers[:] = [handler]
         log.propagate = False
+        log.setLevel(logging.INFO)  # not the root's: an earlier test's worker may have left it at ERROR
         log.warning("value %s", "a\nb\rc\x1b[31m", extra={"job_id": "j\n1", "code": "x\x85y"})
         try:
             raise ValueError(f"boom\n{FORGED}\x00")
