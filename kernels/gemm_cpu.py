@@ -105,11 +105,7 @@ def gemm(
     if not covered:
         y = torch.nn.functional.linear(x, unpack_weight(packed, n_out).to(x.dtype),
                                        None if bias is None else bias.to(x.dtype))
-        if out is not None:  # the same out as the kernel takes: [rows, n_out] of the result dtype
-            _check_out(out, y.dtype, lead.numel(), n_out)
-            out.copy_(y.reshape(out.shape))
-            return out
-        return y
+        return _into(out, y, lead.numel(), n_out)
     x2 = _rows(x, lead, K)
     M = x2.shape[0]
     if out is not None:
@@ -145,11 +141,7 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
     if not covered:  # the same product in torch: x's values (not rounded), fp32 arithmetic, one rounding to odt
         y = torch.nn.functional.linear(x.float(), unpack_weight(packed, n_out).float(),
                                        None if bias is None else bias.float()).to(odt)
-        if out is not None:
-            _check_out(out, odt, lead.numel(), n_out)
-            out.copy_(y.reshape(out.shape))
-            return out
-        return y
+        return _into(out, y, lead.numel(), n_out)
     x2 = _rows(x, lead, K)
     M = x2.shape[0]
     if out is not None:
@@ -202,6 +194,15 @@ def _rows(x: torch.Tensor, lead: torch.Size, K: int) -> torch.Tensor:
     if x2.shape[0] > 0 and K > 0 and (x2.stride(1) != 1 or x2.stride(0) < K):
         x2 = x2.contiguous()
     return x2
+
+
+def _into(out: torch.Tensor | None, y: torch.Tensor, M: int, n_out: int) -> torch.Tensor:
+    """The torch fallback's result, in ``out`` when given: the same ``out`` the kernels take."""
+    if out is None:
+        return y
+    _check_out(out, y.dtype, M, n_out)
+    out.copy_(y.reshape(out.shape))
+    return out
 
 
 def _check_out(out: torch.Tensor, dtype: torch.dtype, M: int, n_out: int) -> None:
