@@ -47,9 +47,11 @@ _HEADERS = sorted(_SOURCE_DIR.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # One build per vector ISA, on top of -march=native: the attention kernels have an AVX-512 path
 # (__AVX512F__), an AVX2+FMA path and a scalar one, and each build compiles the best path its flags
-# allow. On an AVX-512 CPU the "avx512" build is exactly the plain -march=native build.
+# allow. On an AVX-512 CPU the "avx512" build is the plain -march=native build with the fp32 GEMM's
+# AVX-512 micro-kernel switched on (QW_GEMM_AVX512; kernels/gemm_cpu.py can still run the avx2
+# build's GEMM where a start-up measurement finds it faster, see gemm_cpu.choose_gemm_isa).
 ISAS = ("avx512", "avx2", "generic")
-_ISA_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"], "generic": ["-mno-avx"]}
+_ISA_FLAGS = {"avx512": ["-DQW_GEMM_AVX512"], "avx2": ["-mno-avx512f"], "generic": ["-mno-avx"]}
 # the /proc/cpuinfo flags each build needs (x86); "generic" runs anywhere
 _ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"},
               "avx2": {"avx2", "fma", "f16c"}, "generic": set()}

@@ -25,9 +25,18 @@ raise ``ValueError``.
 
 from __future__ import annotations
 
+import logging
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from . import cpu as _cpu
+
+log = logging.getLogger(__name__)
 
 NR = 16  # panel width (floats); csrc/gemm_f32.c's NR
 
@@ -94,7 +103,7 @@ def gemm(
     if out_dtype not in (None, torch.float32):
         raise ValueError(f"out_dtype={out_dtype}: fp32 weights give float32 results (bf16 results need bf16 weights)")
     lead = x.shape[:-1]
-    lib = _cpu._library()
+    lib = _gemm_library()
     fn = getattr(lib, "qw_gemm_f32", None) if lib is not None else None
     covered = (
         fn is not None
@@ -130,7 +139,7 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
     if odt not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32 for bf16 weights, got {odt}")
     lead = x.shape[:-1]
-    lib = _cpu._library()
+    lib = _gemm_library()
     fn = getattr(lib, "qw_gemm_bf16", None) if lib is not None else None
     covered = (
         fn is not None
@@ -212,10 +221,130 @@ def _check_out(out: torch.Tensor, dtype: torch.dtype, M: int, n_out: int) -> Non
 
 
 def kernel_isa(dtype: torch.dtype = torch.float32) -> int | None:
-    """The loaded build's GEMM path for ``dtype`` weights (float32 or bfloat16): 2 = AVX-512,
+    """The GEMM path :func:`gemm` runs for ``dtype`` weights (float32 or bfloat16): 2 = AVX-512,
     1 = AVX2+FMA, 0 = generic C; None without kernels. The bf16-weight kernel has no AVX-512 path
     (1 in the avx512 build)."""
-    lib = _cpu._library()
+    lib = _gemm_library()
     name = "qw_gemm_bf16_isa" if dtype == torch.bfloat16 else "qw_gemm_f32_isa"
     fn = getattr(lib, name, None) if lib is not None else None
     return None if fn is None else int(fn())
+
+
+# Which kernels build's GEMM runs. By default the active build's (kernels.cpu.cpu_isa()); on an
+# AVX-512 CPU that build has its own fp32 micro-kernel (12 x 32 tiles), which choose_gemm_isa
+# weighs against the avx2 build's (6 x 16) once per process. QWORKER_CPU_GEMM_ISA (read once)
+# forces a build; using_gemm_isa(), and kernels.cpu.using_isa() for every kernel, override both
+# (tests, benchmarks).
+_gemm_isa_override: list[str] = []
+_gemm_isa_choice: dict[str, str] = {}  # active kernels ISA -> the build whose GEMM it runs
+# the AVX-512 kernel is kept unless the measurement finds it this much slower than AVX2's
+_KEEP_AVX512_UNLESS_SLOWER = 1.05
+
+
+def gemm_isa() -> str | None:
+    """The kernels build ("avx512", "avx2" or "generic") whose GEMM :func:`gemm` runs, or None
+    without kernels (``QWORKER_CPU_KERNELS=0``, no compiler)."""
+    if _cpu._library() is None:
+        return None
+    if _gemm_isa_override:
+        return _gemm_isa_override[-1]
+    if _cpu._isa_override:  # kernels.cpu.using_isa(): that build, its GEMM included
+        return _cpu.cpu_isa()
+    active = _cpu.cpu_isa()
+    return _forced_gemm_isa() or _gemm_isa_choice.get(active, active)
+
+
+def _gemm_library():
+    isa = gemm_isa()
+    return None if isa is None else _cpu._library_for(isa)
+
+
+@contextmanager
+def using_gemm_isa(isa: str) -> Iterator[None]:
+    """Run the GEMM of another available build inside the block, whatever the other kernels run
+    (process-wide, not thread-safe)."""
+    if isa not in _cpu.available_isas():
+        raise ValueError(f"ISA {isa!r} is not available on this CPU (available: {', '.join(_cpu.available_isas())})")
+    _gemm_isa_override.append(isa)
+    try:
+        yield
+    finally:
+        _gemm_isa_override.pop()
+
+
+_forced_cache: list[str] = []
+
+
+def _forced_gemm_isa() -> str:
+    """``QWORKER_CPU_GEMM_ISA`` (read at first use; it must name a build this CPU runs), or ""."""
+    if not _forced_cache:
+        forced = os.environ.get("QWORKER_CPU_GEMM_ISA", "").strip().lower()
+        if forced and forced not in _cpu.available_isas():
+            raise ValueError(f"QWORKER_CPU_GEMM_ISA={forced}: not a kernels build this CPU runs "
+                             f"(available: {', '.join(_cpu.available_isas())})")
+        _forced_cache.append(forced)
+    return _forced_cache[0]
+
+
+def self_check(dtype: torch.dtype) -> str:
+    """"" when :func:`gemm` equals torch on every tile shape the kernels have (1-3 rows widening
+    over panels, balanced row tiles of both main-tile heights, a partial last panel, odd K), else
+    why not. Run at start-up, because the micro-kernels of a build are only ever compiled for the
+    CPU they run on."""
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 33, generator=gen).to(dtype), torch.randn(40, generator=gen)
+    packed = pack_weight(w)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for rows in (1, 2, 3, 5, 13, 25, 70):
+        x = torch.randn(rows, 33, generator=gen).to(dtype)
+        want = x.float() @ w.float().t() + b
+        if not torch.allclose(gemm(x, packed, b, 40).float(), want, rtol=tol, atol=tol):
+            return f"the panels GEMM gave wrong results on the start-up check ({dtype}, {rows} rows, {gemm_isa()} build)"
+    return ""
+
+
+def choose_gemm_isa(sample: list[torch.Tensor], rows=(1, 16, 128), rounds: int = 3) -> str | None:
+    """Where the active build is "avx512" (its own AVX-512 fp32 micro-kernel) and nothing forces a
+    build: time its GEMM against the avx2 build's on ``sample`` (``[out, in]`` fp32 weights, e.g.
+    two layers' projections), one thread's CPU time, builds alternating round by round, and keep
+    AVX-512 unless it is 5% slower or fails :func:`self_check`. Once per process; returns
+    :func:`gemm_isa`."""
+    active = _cpu.cpu_isa() if _cpu._library() is not None else None
+    if (active != "avx512" or _gemm_isa_override or _forced_gemm_isa() or active in _gemm_isa_choice
+            or "avx2" not in _cpu.available_isas() or not sample):
+        return gemm_isa()
+    candidates = []
+    for isa in ("avx512", "avx2"):
+        with using_gemm_isa(isa):
+            why = self_check(torch.float32)
+        if why:
+            log.warning("fp32 GEMM: the %s build fails its check, not used: %s", isa, why)
+        else:
+            candidates.append(isa)
+    if len(candidates) < 2:
+        _gemm_isa_choice[active] = candidates[0] if candidates else active
+        return gemm_isa()
+    times = _time_gemm_builds(candidates, [pack_weight(w.float()) for w in sample], [w.shape[0] for w in sample], rows, rounds)
+    choice = "avx512" if times["avx512"] <= _KEEP_AVX512_UNLESS_SLOWER * times["avx2"] else "avx2"
+    log.info("fp32 GEMM: %s micro-kernel (start-up check, one thread: %s)", choice,
+             ", ".join(f"{isa} {t * 1e3:.2f} ms" for isa, t in times.items()))
+    _gemm_isa_choice[active] = choice
+    return gemm_isa()
+
+
+def _time_gemm_builds(isas: list[str], packed: list[torch.Tensor], n_out: list[int], rows, rounds: int) -> dict[str, float]:
+    """Median seconds (this thread's CPU time) per build of one pass over every weight at each row
+    count, summed over the row counts."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = {(r, p.shape[1]): torch.randn(r, p.shape[1], generator=gen) for r in rows for p in packed}
+    times: dict[str, list[float]] = {isa: [] for isa in isas}
+    for round_ in range(rounds + 1):  # round 0 warms the caches and pages up
+        for isa in isas:
+            with using_gemm_isa(isa):
+                start = time.thread_time()
+                for r in rows:
+                    for p, n in zip(packed, n_out):
+                        gemm(inputs[r, p.shape[1]], p, None, n, threads=1)
+                if round_:
+                    times[isa].append(time.thread_time() - start)
+    return {isa: statistics.median(t) for isa, t in times.items()}

@@ -10,12 +10,12 @@
  *
  * Micro-kernels: an MR x (16 * NP) register tile over a K block (NP adjacent panels, x elements
  * broadcast, weight vectors loaded once per k and reused over the MR rows):
- *   AVX-512  main tile 12 x 32 (24 zmm accumulators), OPT-IN: built only with -DQW_GEMM_AVX512.
- *            It has never run on AVX-512 hardware (the tests compile it, and an emulated build
- *            with plain-C stand-ins for the intrinsics checked its tiling), so the "avx512" build
- *            compiles the AVX2 path (AVX-512 CPUs have AVX2+FMA) until a run on real hardware
- *            (tests/kernels/test_gemm_cpu.py::test_avx512_kernel_opt_in) says it is correct;
- *            then drop the macro condition below.
+ *   AVX-512  main tile 12 x 32 (24 zmm accumulators), compiled with -DQW_GEMM_AVX512 (the
+ *            "avx512" build passes it; without it an AVX-512 build compiles the AVX2 path). Its
+ *            tiling is checked on any CPU by an emulated build (plain-C stand-ins for the five
+ *            intrinsics, tests/kernels/test_gemm_cpu_attack.py); on an AVX-512 CPU the engine
+ *            checks it against torch at start-up and times it against the avx2 build's kernel,
+ *            keeping the faster (kernels/gemm_cpu.py choose_gemm_isa).
  *   AVX2+FMA main tile  6 x 16 (12 ymm accumulators, BLIS-Haswell-like)
  *   generic  main tile  4 x 16, plain C the compiler vectorises
  * The rows of one call are cut into row tiles of balanced size (13 rows: 5 + 4 + 4, never 6 + 6 + 1,

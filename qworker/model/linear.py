@@ -181,19 +181,8 @@ def panels_supported(dtype: torch.dtype) -> tuple[bool, str]:
         return False, f"the panels GEMM takes float32 or bfloat16 weights, not {dtype}"
     if gemm_cpu.kernel_isa(dtype) is None:
         return False, "the CPU C kernels are unavailable (no compiler, or QWORKER_CPU_KERNELS=0)"
-    # every tile shape the kernel has (1-3 rows widen over panels, balanced row tiles, a partial
-    # last panel, odd K), checked once against torch as onednn_supported does for oneDNN; bf16 as
-    # Linear calls it: bf16 x in, the fp32 sum rounded to bf16 out
-    gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(40, 33, generator=gen).to(dtype), torch.randn(40, generator=gen)
-    packed = gemm_cpu.pack_weight(w)
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    for rows in (1, 2, 3, 5, 13, 70):
-        x = torch.randn(rows, 33, generator=gen).to(dtype)
-        want = x.float() @ w.float().t() + b
-        if not torch.allclose(gemm_cpu.gemm(x, packed, b, 40).float(), want, rtol=tol, atol=tol):
-            return False, f"the panels GEMM gave wrong results on the start-up check ({dtype}, {rows} rows)"
-    return True, ""
+    why = gemm_cpu.self_check(dtype)
+    return not why, why
 
 
 def available_backends(dtype: torch.dtype) -> dict[str, str]:
@@ -207,6 +196,8 @@ def cpu_linear_backend(dtype: torch.dtype, sample: list[torch.Tensor]) -> str:
     forced = os.environ.get("QWORKER_CPU_LINEAR", "auto")
     if forced not in ("auto", *BACKENDS):
         raise ValueError(f"QWORKER_CPU_LINEAR must be auto, {', '.join(BACKENDS)}; got {forced!r}")
+    if dtype == torch.float32:  # on AVX-512 CPUs: its own GEMM micro-kernel or AVX2's, measured once
+        gemm_cpu.choose_gemm_isa(sample)
     why_not = available_backends(dtype)
     if forced != "auto":
         if why_not[forced]:
