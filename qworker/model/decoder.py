@@ -21,6 +21,7 @@ unavailable or slower (chosen at start-up, see :mod:`qworker.model.linear`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 import kernels
+from kernels.decoder_cpu import DecoderLayers
 from qworker.model.attention import AttentionMetadata, PagedAttention
 from qworker.model.families import spec_for
 from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLayer, dims, take
@@ -74,6 +76,10 @@ class LayerWeights:
 class DecoderModel:
     """``kernel_backend``: "triton" (the default on CUDA) or "cpu" (the default on CPU: the C kernels
     with torch references). Tests run the Triton backend on CPU tensors under the interpreter."""
+
+    # the plain fp32 CPU loop as one C call where it applies (QWORKER_CPU_FUSED_FORWARD=0: never;
+    # benchmarks and tests flip it per model for A/B runs)
+    fused_cpu_forward = os.environ.get("QWORKER_CPU_FUSED_FORWARD", "1") != "0"
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, max_positions: int,
                  kernel_backend: str | None = None, spec: DecoderSpec | None = None, shard=None):
@@ -180,11 +186,28 @@ class DecoderModel:
         # the plain loop reads these two; with one window and one rope table they are every layer's
         self.rope = self.layers[0].rope
         self.attn = self.layers[0].attn
+        self.fused_layers: DecoderLayers | None = None  # the plain fp32 CPU loop in one C call (see _fused)
         if not spec.is_plain() or len(self.ropes) != 1 or any(layer.gate_up is None for layer in self.layers):
             self.forward = self._forward_general
         elif backend == "cpu" and self.act_dtype != dtype:
             self.norm_bf16 = kernels.rms_norm_bf16_out_cpu
             self.forward = self._forward_cpu_bf16
+        elif backend == "cpu" and dtype == torch.float32 and self.linear_backend == "panels" and type(self.rope) is RotaryEmbedding:
+            self.fused_layers = self._bind_fused_layers()
+
+    def _bind_fused_layers(self) -> DecoderLayers | None:
+        """The layers' tensors bound for :class:`kernels.decoder_cpu.DecoderLayers`, and the
+        projections they were taken from (a wrapped or replaced projection turns it off)."""
+        tensors = [dict(input_norm=l.input_norm, post_norm=l.post_norm, qkv=l.qkv.weight, qkv_bias=l.qkv.bias,
+                        o=l.o.weight, o_bias=l.o.bias, gate_up=l.gate_up.weight, down=l.down.weight) for l in self.layers]
+        bound = DecoderLayers(tensors, self.embed.shape[1], self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.layers[0].down.in_features, self.eps, self.attn.scale, self.attn.sliding_window,
+                              self.attn.softcap, self.rope.cos, self.rope.sin)
+        if not bound.ok:
+            return None
+        self._fused_projections = [(l, name, getattr(l, name), getattr(l, name).weight)
+                                   for l in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        return bound
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         if w is None:
@@ -215,6 +238,11 @@ class DecoderModel:
         norm = self.norm_fn
         h = F.embedding(input_ids, self.embed)
         T = h.shape[0]
+        fused = self._fused(h, positions, kv_caches, meta) if self.fused_layers is not None else None
+        if fused is not None:
+            h, residual = fused
+            x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
+            return self.lm_head(x).float()
         residual = None  # the running sum of the residual stream; h is the latest branch output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = norm(h, layer.input_norm, self.eps, residual)
@@ -230,6 +258,18 @@ class DecoderModel:
             h = layer.down(self.swiglu(layer.gate_up(x)))
         x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
         return self.lm_head(x).float()
+
+    def _fused(self, h, positions, kv_caches, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer loop below in one C call (:mod:`kernels.decoder_cpu`, bit for bit the same
+        kernels), or None: turned off (``fused_cpu_forward``), a projection wrapped or replaced
+        since the model was built (LoRA, tensor parallelism, a benchmark's timers), or inputs it
+        does not cover."""
+        if not self.fused_cpu_forward or type(self.lm_head) is not Linear:
+            return None
+        if any(getattr(l, name) is not p or p.weight is not w for l, name, p, w in self._fused_projections):
+            return None
+        return self.fused_layers.run(h, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, meta.num_decodes)
 
     @torch.inference_mode()
     def _forward_cpu_bf16(

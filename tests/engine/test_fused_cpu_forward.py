@@ -1,0 +1,173 @@
+"""The plain fp32 CPU forward in one C call (kernels/decoder_cpu.py) against the Python layer loop:
+bit for bit the same logits and the same K/V writes, step by step, over prefill, decode and mixed
+steps, prefix hits, fp32/bf16/fp16 caches, a sliding window and q/k/v biases; and the cases where it
+must stand aside (projections wrapped after the model was built, kernels off, inputs not covered)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import cpu as kcpu
+from qworker.engine import EngineConfig, LLMEngine
+from qworker.model.linear import Linear
+from tests.engine.engine_support import BLOCK_BYTES_TINY, dirty, greedy, rand_ids, run
+from tests.engine.family_models import build_family_model
+
+pytestmark = pytest.mark.skipif(not kcpu.cpu_kernels_available(), reason="no C compiler for the CPU kernels")
+
+
+@pytest.fixture(autouse=True)
+def panels(monkeypatch):
+    """The fused loop needs the panels GEMM; the start-up timing may pick another path (x @ w for
+    the tiny models, oneDNN on some CPUs)."""
+    monkeypatch.setenv("QWORKER_CPU_LINEAR", "panels")
+
+
+class Compare:
+    """Wraps ``runner.execute``: each step runs the Python loop, then (K/V restored) the fused
+    call, and requires equal logits and equal caches."""
+
+    def __init__(self, e: LLMEngine):
+        self.e, self.model, self.real = e, e.runner.model, e.runner.execute
+        self.steps = self.fused = 0
+        bound = self.model.fused_layers
+        real_run = bound.run
+
+        def counting(*a, **kw):
+            out = real_run(*a, **kw)
+            self.fused += out is not None
+            return out
+
+        bound.run = counting
+        e.runner.execute = self
+
+    def __call__(self, batch):
+        kv = self.e.runner.kv.layers
+        before = [(k.clone(), v.clone()) for k, v in kv]
+        self.model.fused_cpu_forward = False
+        want = self.real(batch)
+        want_kv = [(k.clone(), v.clone()) for k, v in kv]
+        for (k, v), (k0, v0) in zip(kv, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        self.model.fused_cpu_forward = True
+        got = self.real(batch)
+        self.steps += 1
+        assert torch.equal(got, want), f"step {self.steps}: logits differ by {(got - want).abs().max().item()}"
+        for layer, ((k, v), (k1, v1)) in enumerate(zip(kv, want_kv)):
+            assert torch.equal(k, k1) and torch.equal(v, v1), f"step {self.steps}: layer {layer}'s cache differs"
+        return got
+
+
+def _mixed_workload(e: LLMEngine, seed: int, n: int = 7):
+    rng = random.Random(seed)
+    shared = rand_ids(rng, 40)  # a common prefix: later requests hit the prefix cache
+    for i in range(n):
+        prompt = (shared if i % 2 else []) + rand_ids(rng, rng.randrange(1, 90))
+        e.add_request(f"r{i}", prompt, greedy(rng.randrange(1, 12)))
+    return run(e)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float16"])
+def test_identical_to_the_python_loop(tiny_model_dir, kv_cache_dtype):
+    e = dirty(LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64,
+                                     enable_prefix_caching=True, kv_cache_memory=128 * BLOCK_BYTES_TINY)))
+    assert e.runner.model.fused_layers is not None
+    c = Compare(e)
+    done = _mixed_workload(e, seed=1)
+    assert len(done) == 7 and all(r.error_code is None for r in done.values())
+    # every step went through the C loop (prefill chunks of 64 tokens mix with decodes)
+    assert c.steps > 10 and c.fused == c.steps
+
+
+def test_identical_on_the_real_model(model_dir):
+    e = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=64 << 20, max_num_batched_tokens=96))
+    c = Compare(e)
+    done = _mixed_workload(e, seed=2, n=5)
+    assert len(done) == 5 and c.steps > 5 and c.fused == c.steps
+
+
+@pytest.mark.parametrize("model_type,overrides", [("mistral", {}), ("qwen2", {"use_sliding_window": False})],
+                         ids=["mistral-window", "qwen2-biases"])
+def test_identical_with_a_window_or_biases(tmp_path, model_dir, model_type, overrides):
+    """Mistral's sliding window (one for all layers: the plain loop) and Qwen2's q/k/v biases."""
+    path = build_family_model(model_type, tmp_path / model_type, model_dir, **overrides)
+    e = dirty(LLMEngine(EngineConfig(model=str(path), kv_cache_memory=8 << 20, max_num_batched_tokens=48)))
+    assert e.runner.model.fused_layers is not None
+    c = Compare(e)
+    done = _mixed_workload(e, seed=3, n=5)
+    assert len(done) == 5 and c.steps > 5 and c.fused == c.steps
+
+
+def test_stands_aside_for_wrapped_projections_and_kernels_off(tiny_model_dir, monkeypatch):
+    e = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=64 * BLOCK_BYTES_TINY))
+    model = e.runner.model
+    c = Compare(e)
+    layer = model.layers[1]
+    real = layer.o
+
+    class Timed:  # what a benchmark's timer or an adapter wrapper does
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def __call__(self, x):
+            self.calls += 1
+            return self.inner(x)
+
+    layer.o = Timed(real)
+    e.add_request("a", list(range(100, 130)), greedy(3))
+    run(e)
+    assert c.fused == 0 and layer.o.calls > 0  # the Python loop ran, through the wrapper
+    layer.o = real
+    # a Linear replaced by another (new weights): the bound pointers are stale, so not fused either
+    layer.o = Linear(real.dense_out_in(), None, model.linear_backend)
+    e.add_request("b", list(range(100, 130)), greedy(3))
+    run(e)
+    assert c.fused == 0
+    layer.o = real
+    monkeypatch.setattr(kcpu, "EXTEND_KERNEL", False)  # prefill rows on the torch reference: the Python loop
+    e.add_request("c", list(range(200, 230)), greedy(1))
+    run(e)
+    assert c.fused == 0
+    monkeypatch.setattr(kcpu, "EXTEND_KERNEL", True)
+    steps = c.steps
+    e.add_request("d", list(range(300, 330)), greedy(2))
+    run(e)
+    assert c.fused == c.steps - steps == 2  # back on the C loop: a prefill step and a decode step
+
+
+def test_bad_slot_raises_like_the_kernels(tiny_model_dir):
+    """A slot outside the cache: IndexError from the C loop, as store_kv_cpu raises it."""
+    e = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=64 * BLOCK_BYTES_TINY))
+    model = e.runner.model
+    T = 3
+    h = torch.randn(T, model.embed.shape[1])
+    k0 = e.runner.kv.layers[0][0]
+    slots = torch.tensor([0, 1, k0.shape[0] * k0.shape[1]], dtype=torch.int64)
+    with pytest.raises(IndexError, match="slot"):
+        model.fused_layers.run(h, torch.arange(T), e.runner.kv.layers, slots,
+                               torch.zeros(1, 4, dtype=torch.int32), torch.tensor([T], dtype=torch.int32),
+                               torch.tensor([0, T], dtype=torch.int32), 0)
+    tables = torch.tensor([[0, 10**6]], dtype=torch.int32)  # a block outside the pool
+    with pytest.raises(IndexError, match="block"):
+        model.fused_layers.run(torch.randn(1, model.embed.shape[1]), torch.tensor([20]), e.runner.kv.layers,
+                               torch.tensor([5], dtype=torch.int64), tables, torch.tensor([21], dtype=torch.int32),
+                               torch.tensor([0, 1], dtype=torch.int32), 1)
+
+
+def test_uncovered_inputs_return_none(tiny_model_dir):
+    e = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=64 * BLOCK_BYTES_TINY))
+    bound, kv = e.runner.model.fused_layers, e.runner.kv.layers
+    H = e.runner.model.embed.shape[1]
+    args = dict(slot_mapping=torch.tensor([0], dtype=torch.int64), block_tables=torch.zeros(1, 2, dtype=torch.int32),
+                seq_lens=torch.tensor([1], dtype=torch.int32), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                num_decodes=0)
+    assert bound.run(torch.randn(1, H), torch.tensor([0]), kv, **args) is not None
+    assert bound.run(torch.randn(1, H).double(), torch.tensor([0]), kv, **args) is None  # not fp32
+    assert bound.run(torch.randn(1, H), torch.tensor([0], dtype=torch.int32), kv, **args) is None  # positions not int64
+    assert bound.run(torch.randn(1, H), torch.tensor([0]), kv[:1], **args) is None  # not one cache per layer
+    bad = dict(args, block_tables=torch.zeros(1, 4, dtype=torch.int32)[:, ::2])  # a column-strided table
+    assert bound.run(torch.randn(1, H), torch.tensor([0]), kv, **bad) is None
