@@ -64,7 +64,7 @@ def ab(engine: LLMEngine, batch, rounds: int, clock) -> tuple[float, float]:
     return statistics.median(times[True]), statistics.median(times[False])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "smollm2-135m"))
     ap.add_argument("--batches", default="1,4,16,48")
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     clock = time.perf_counter
     if args.clock == "thread":
         torch.set_num_threads(1)
@@ -89,8 +89,13 @@ def main() -> None:
     n = 0
     prefill = [rng.randrange(100, 30000) for _ in range(args.prefill_tokens)]
     engine.add_request("prefill", prefill, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    fused, python = ab(engine, capture_batch(engine), args.rounds, clock)
-    print(f"{'prefill ' + str(args.prefill_tokens):>10} {fused * 1e3:10.2f} {python * 1e3:10.2f} {python / fused:12.3f}x")
+    rows = []
+
+    def report(name: str, fused: float, python: float) -> None:
+        rows.append({"batch": name, "fused_ms": fused * 1e3, "python_ms": python * 1e3})
+        print(f"{name:>10} {fused * 1e3:10.2f} {python * 1e3:10.2f} {python / fused:12.3f}x")
+
+    report(f"prefill {args.prefill_tokens}", *ab(engine, capture_batch(engine), args.rounds, clock))
     while engine.has_unfinished():
         engine.step()
     for batch in batches:
@@ -101,12 +106,12 @@ def main() -> None:
             engine.step()
         decode = capture_batch(engine)
         assert len(decode.chunks) == batch and all(len(c.token_ids) == 1 for c in decode.chunks)
-        fused, python = ab(engine, decode, args.rounds, clock)
-        print(f"{batch:>10} {fused * 1e3:10.2f} {python * 1e3:10.2f} {python / fused:12.3f}x")
+        report(str(batch), *ab(engine, decode, args.rounds, clock))
         for rid in list(engine.requests):
             engine.abort(rid)
         while engine.has_unfinished():
             engine.step()
+    return rows
 
 
 if __name__ == "__main__":
