@@ -65,7 +65,7 @@ class DecoderLayers:
         self._tensors = layers  # kept alive: the structs hold their addresses
         self.ok = self._check(layers)
         self._weights = [{name: (t.data_ptr() if t is not None else None) for name, t in layer.items()} for layer in layers]
-        self._bound: tuple | None = None  # (key of the caches, the ctypes array)
+        self._bound: tuple | None = None  # (the caches' addresses, the ctypes array of layers)
 
     def _check(self, layers: list[dict]) -> bool:
         H, W, I, Q = self.H, self.W, self.I, self.Hq * self.D
@@ -87,6 +87,8 @@ class DecoderLayers:
                 and self.cos.shape == self.sin.shape and self.cos.dim() == 2 and self.cos.shape[1] == self.D)
 
     def _layer_array(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        # keyed by the caches' addresses, which are exactly what the array holds: it is only used
+        # while the caller's caches (alive for the call) sit at those addresses
         key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches)
         if self._bound is None or self._bound[0] != key:
             arr = (_Layer * len(self._weights))()
@@ -94,7 +96,7 @@ class DecoderLayers:
                 for name, ptr in w.items():
                     setattr(slot, name, ptr)
                 slot.k_cache, slot.v_cache = k.data_ptr(), v.data_ptr()
-            self._bound = (key, arr, list(kv_caches))  # the caches kept alive as long as they are bound
+            self._bound = (key, arr)
         return self._bound[1]
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

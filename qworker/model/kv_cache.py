@@ -8,7 +8,7 @@ When the device is the CPU, the pool lives on transparent huge pages where the k
 (:func:`huge_page_zeros`): decode attention reads every sequence's blocks scattered over the pool,
 a few KiB each, and with 4 KiB pages nearly every block read is a TLB miss. Measured on the 2-vCPU
 AVX2 EPYC (THP in ``madvise`` mode, so torch's own allocations get none): fp32 decode attention
-0.84-0.89x the time (docs/benchmarks.md).
+0.84-0.95x the time in the measurements in docs/benchmarks.md.
 """
 
 from __future__ import annotations
