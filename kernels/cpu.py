@@ -245,6 +245,9 @@ def paged_decode_attention_cpu(
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, **opts)
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
+    if seq_lens.shape[0] != B or block_tables.shape[0] < B:  # the kernel reads B of each
+        raise ValueError(f"decode attention: {B} query rows but {seq_lens.shape[0]} sequence lengths and "
+                         f"{block_tables.shape[0]} block-table rows")
     result = out if out is not None else torch.empty_like(q)
     if B == 0:
         return result

@@ -127,7 +127,12 @@ class DecoderLayers:
         B = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
         if not (_int_vector(seq_lens, torch.int32, B) and _int_vector(query_start_loc, torch.int32, B + 1)
                 and block_tables.dtype == torch.int32 and block_tables.device.type == "cpu" and block_tables.dim() == 2
-                and block_tables.shape[0] == B and (B == 0 or block_tables.stride(1) == 1) and 0 <= num_decodes <= B):
+                and block_tables.shape[0] == B and (B == 0 or block_tables.stride(1) == 1)
+                and 0 <= num_decodes <= min(B, T)):
+            return None
+        # the decode rows are [0, num_decodes) and the extend rows end at T: the kernels index the
+        # step's buffers by these, so metadata that disagrees with T is the Python loop's to refuse
+        if int(query_start_loc[num_decodes]) != num_decodes or int(query_start_loc[-1]) != T:
             return None
         extend_starts = query_start_loc[num_decodes:] - num_decodes  # the extend rows', from 0 (int32)
         buf = torch.empty(T * (2 * self.H + self.H + self.W + self.Hq * self.D + 3 * self.I) + T * self.H,

@@ -287,19 +287,25 @@ def _forced_gemm_isa() -> str:
 
 
 def self_check(dtype: torch.dtype) -> str:
-    """"" when :func:`gemm` equals torch on every tile shape the kernels have (1-3 rows widening
-    over panels, balanced row tiles of both main-tile heights, a partial last panel, odd K), else
-    why not. Run at start-up, because the micro-kernels of a build are only ever compiled for the
-    CPU they run on."""
+    """"" when :func:`gemm`'s kernel equals torch on every tile shape the builds have (1-3 rows
+    widening over up to 8 panels, balanced row tiles of both main-tile heights, a partial last
+    panel, odd K, several K blocks continuing from y), else why not. Run at start-up, because the
+    micro-kernels of a build are only ever compiled for the CPU they run on."""
+    if kernel_isa(dtype) is None:
+        return f"the CPU C kernels are unavailable (no compiler, QWORKER_CPU_KERNELS=0, or the {gemm_isa()} build failed)"
     gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(40, 33, generator=gen).to(dtype), torch.randn(40, generator=gen)
-    packed = pack_weight(w)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    for rows in (1, 2, 3, 5, 13, 25, 70):
-        x = torch.randn(rows, 33, generator=gen).to(dtype)
+    # (N, K, rows, kc): 40 = 2 panels + a partial one; 136 = 8 + a partial one (AVX-512's 1-row
+    # tile spans 8 panels, its 2-3-row ones 4); kc 16 cuts K = 33 into 3 blocks
+    cases = [(40, 33, rows, 0) for rows in (1, 2, 3, 5, 13, 25, 70)] + [(136, 33, rows, 0) for rows in (1, 2, 3, 13)]
+    cases += [(136, 33, rows, 16) for rows in (1, 3, 13)]
+    for N, K, rows, kc in cases:
+        w, b = torch.randn(N, K, generator=gen).to(dtype), torch.randn(N, generator=gen)
+        x = torch.randn(rows, K, generator=gen).to(dtype)
         want = x.float() @ w.float().t() + b
-        if not torch.allclose(gemm(x, packed, b, 40).float(), want, rtol=tol, atol=tol):
-            return f"the panels GEMM gave wrong results on the start-up check ({dtype}, {rows} rows, {gemm_isa()} build)"
+        if not torch.allclose(gemm(x, pack_weight(w), b, N, kc=kc).float(), want, rtol=tol, atol=tol):
+            return (f"the panels GEMM gave wrong results on the start-up check ({dtype}, {rows} rows, N={N}, kc={kc}, "
+                    f"{gemm_isa()} build)")
     return ""
 
 
@@ -316,7 +322,7 @@ def choose_gemm_isa(sample: list[torch.Tensor], rows=(1, 16, 128), rounds: int =
     candidates = []
     for isa in ("avx512", "avx2"):
         with using_gemm_isa(isa):
-            why = self_check(torch.float32)
+            why = self_check(torch.float32)  # also refuses a build whose library did not compile
         if why:
             log.warning("fp32 GEMM: the %s build fails its check, not used: %s", isa, why)
         else:

@@ -117,6 +117,7 @@ int qw_decoder_layers_f32(const qw_layer *layers, int num_layers, const qw_step 
     attn_decode_fn decode;
     attn_extend_fn extend;
     if (cache_kernels(s->cache_dtype, &store, &decode, &extend) != 0) return -3;
+    if (s->num_decodes < 0 || s->num_decodes > s->T || s->num_decodes > s->num_seqs) return -3;
     const int64_t T = s->T;
     const int H = s->H, Q = s->Hq * s->D, KV = s->Hkv * s->D, W = Q + 2 * KV, I = s->I;
     const int64_t num_slots = s->num_blocks * s->block_size;

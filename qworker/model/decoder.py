@@ -196,8 +196,8 @@ class DecoderModel:
             self.fused_layers = self._bind_fused_layers()
 
     def _bind_fused_layers(self) -> DecoderLayers | None:
-        """The layers' tensors bound for :class:`kernels.decoder_cpu.DecoderLayers`, and the
-        projections they were taken from (a wrapped or replaced projection turns it off)."""
+        """The layers' tensors bound for :class:`kernels.decoder_cpu.DecoderLayers` (None where it
+        does not cover the model's shapes), and the guard :meth:`_fused` checks them by."""
         tensors = [dict(input_norm=l.input_norm, post_norm=l.post_norm, qkv=l.qkv.weight, qkv_bias=l.qkv.bias,
                         o=l.o.weight, o_bias=l.o.bias, gate_up=l.gate_up.weight, down=l.down.weight) for l in self.layers]
         bound = DecoderLayers(tensors, self.embed.shape[1], self.num_heads, self.num_kv_heads, self.head_dim,
@@ -205,8 +205,21 @@ class DecoderModel:
                               self.attn.softcap, self.rope.cos, self.rope.sin)
         if not bound.ok:
             return None
-        self._fused_projections = [(l, name, getattr(l, name), getattr(l, name).weight)
-                                   for l in self.layers for name in ("qkv", "o", "gate_up", "down")]
+        # what the C loop reads, as (owner, attribute, object, address): the loop runs only while
+        # every attribute still holds that object at that address (a wrapped projection, a replaced
+        # norm or bias, or storage swapped under a weight with `.data =` turns it off)
+        guard = [(self, "rope", self.rope, None), (self, "attn", self.attn, None),
+                 (self.rope, "cos", self.rope.cos, self.rope.cos.data_ptr()),
+                 (self.rope, "sin", self.rope.sin, self.rope.sin.data_ptr())]
+        for l in self.layers:
+            guard += [(l, name, getattr(l, name), getattr(l, name).data_ptr()) for name in ("input_norm", "post_norm")]
+            for name in ("qkv", "o", "gate_up", "down"):
+                p = getattr(l, name)
+                guard.append((l, name, p, None))
+                guard += [(p, t, getattr(p, t), getattr(p, t).data_ptr()) for t in ("weight", "bias") if getattr(p, t) is not None]
+                if p.bias is None:
+                    guard.append((p, "bias", None, None))
+        self._fused_guard = guard
         return bound
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
@@ -262,11 +275,12 @@ class DecoderModel:
     def _fused(self, h, positions, kv_caches, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer loop below in one C call (:mod:`kernels.decoder_cpu`, bit for bit the same
         kernels), or None: turned off (``fused_cpu_forward``), a projection wrapped or replaced
-        since the model was built (LoRA, tensor parallelism, a benchmark's timers), or inputs it
-        does not cover."""
+        since the model was built (LoRA, tensor parallelism, a benchmark's timers), any tensor it
+        bound replaced or moved (see ``_fused_guard``), or inputs it does not cover."""
         if not self.fused_cpu_forward or type(self.lm_head) is not Linear:
             return None
-        if any(getattr(l, name) is not p or p.weight is not w for l, name, p, w in self._fused_projections):
+        if any(getattr(owner, name) is not obj or (ptr is not None and obj.data_ptr() != ptr)
+               for owner, name, obj, ptr in self._fused_guard):
             return None
         return self.fused_layers.run(h, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, meta.num_decodes)

@@ -13,6 +13,7 @@ AVX2 EPYC (THP in ``madvise`` mode, so torch's own allocations get none): fp32 d
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
@@ -24,9 +25,11 @@ HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor in its own private anonymous mapping, 2 MiB aligned and advised
     ``MADV_HUGEPAGE``, so that the kernel backs it with huge pages where THP is ``always`` or
-    ``madvise`` (as torch.zeros would otherwise only under ``always``). Pages are zero and become
-    resident on first touch, as with any anonymous memory. Falls back to ``torch.zeros`` for
-    tensors under 2 MiB or where ``madvise`` is unavailable (not Linux) or refused."""
+    ``madvise`` (torch's own allocations get them only under ``always``). Every page is touched
+    here, as ``torch.zeros`` would: a pool too large for the machine fails at start-up, not under
+    load. The tensor's storage is exactly its bytes (the alignment slack is not part of it).
+    Falls back to ``torch.zeros`` for tensors under 2 MiB or where ``madvise`` is unavailable (not
+    Linux) or refused."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_PAGE or advice is None:
@@ -37,9 +40,13 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         region.madvise(advice)
     except (OSError, ValueError):
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping as long as any view lives
-    start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    # a view of exactly nbytes at the first 2 MiB boundary; it keeps the mapping alive (ctypes
+    # holds the exporting object), and the tensor keeps the view
+    view = (ctypes.c_char * nbytes).from_buffer(region, -base % HUGE_PAGE)
+    raw = torch.frombuffer(view, dtype=torch.uint8)
+    raw[::mmap.PAGESIZE] = 0  # commit every page now (anonymous pages read as zero already)
+    return raw.view(dtype).view(shape)
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -179,8 +179,6 @@ def panels_supported(dtype: torch.dtype) -> tuple[bool, str]:
     """Whether qworker's own GEMM runs here for ``dtype`` weights, and why not."""
     if dtype not in PANELS_DTYPES:
         return False, f"the panels GEMM takes float32 or bfloat16 weights, not {dtype}"
-    if gemm_cpu.kernel_isa(dtype) is None:
-        return False, "the CPU C kernels are unavailable (no compiler, or QWORKER_CPU_KERNELS=0)"
     why = gemm_cpu.self_check(dtype)
     return not why, why
 

@@ -171,3 +171,49 @@ def test_uncovered_inputs_return_none(tiny_model_dir):
     assert bound.run(torch.randn(1, H), torch.tensor([0]), kv[:1], **args) is None  # not one cache per layer
     bad = dict(args, block_tables=torch.zeros(1, 4, dtype=torch.int32)[:, ::2])  # a column-strided table
     assert bound.run(torch.randn(1, H), torch.tensor([0]), kv, **bad) is None
+
+
+def _step_inputs(model, T: int):
+    H = model.embed.shape[1]
+    return torch.randn(T, H), torch.arange(T, dtype=torch.int64)
+
+
+def test_metadata_that_disagrees_with_the_rows_is_refused(tiny_model_dir):
+    """Review regression: 12 decode sequences over a 1-row step made the C decode write 12 rows
+    into a 1-row buffer (heap corruption); extend rows ending before or after T likewise."""
+    e = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=64 * BLOCK_BYTES_TINY))
+    bound, kv = e.runner.model.fused_layers, e.runner.kv.layers
+    h, pos = _step_inputs(e.runner.model, 1)
+    B = 12
+    common = dict(slot_mapping=torch.tensor([0], dtype=torch.int64), block_tables=torch.zeros(B, 1, dtype=torch.int32),
+                  seq_lens=torch.ones(B, dtype=torch.int32))
+    assert bound.run(h, pos, kv, query_start_loc=torch.arange(B + 1, dtype=torch.int32), num_decodes=B, **common) is None
+    h3, pos3 = _step_inputs(e.runner.model, 3)
+    one = dict(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int64), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+               seq_lens=torch.tensor([3], dtype=torch.int32))
+    for last in (2, 4):  # the extend rows must end at T = 3
+        assert bound.run(h3, pos3, kv, query_start_loc=torch.tensor([0, last], dtype=torch.int32), num_decodes=0, **one) is None
+    assert bound.run(h3, pos3, kv, query_start_loc=torch.tensor([0, 3], dtype=torch.int32), num_decodes=0, **one) is not None
+
+
+@pytest.mark.parametrize("change", ["norm replaced", "bias replaced", "weight storage swapped", "rope table replaced"])
+def test_any_bound_tensor_changed_turns_it_off(tmp_path, model_dir, change):
+    """Review regression: the guard checked only the projections and their weight objects, so a
+    replaced norm or bias, or `.data =` on a weight (its old storage freed under the C loop), kept
+    the C loop on with stale addresses. Now the Python loop runs, with the new tensors."""
+    path = build_family_model("qwen2", tmp_path / "qwen2", model_dir, use_sliding_window=False)
+    e = LLMEngine(EngineConfig(model=str(path), kv_cache_memory=8 << 20))
+    model = e.runner.model
+    c = Compare(e)
+    layer = model.layers[0]
+    if change == "norm replaced":
+        layer.post_norm = layer.post_norm * 2
+    elif change == "bias replaced":
+        layer.qkv.bias = layer.qkv.bias + 1
+    elif change == "weight storage swapped":
+        layer.o.weight.data = layer.o.weight.clone()
+    else:
+        model.rope.cos = model.rope.cos.clone()
+    e.add_request("a", list(range(100, 120)), greedy(3))
+    run(e)
+    assert c.steps == 3 and c.fused == 0

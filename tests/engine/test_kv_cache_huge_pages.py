@@ -22,6 +22,7 @@ def test_large_tensors_are_aligned_zero_and_writable(dtype):
     t = huge_page_zeros((600, 16, 3, 64), dtype)  # 3.5 MiB in a 16-bit dtype
     assert t.shape == (600, 16, 3, 64) and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
     assert t.data_ptr() % HUGE_PAGE == 0
+    assert t.untyped_storage().nbytes() == t.numel() * t.element_size()  # no alignment slack in it
     assert not t.any()
     t[7, 3] = 1.5
     assert t.sum().item() == 1.5 * 3 * 64
@@ -74,4 +75,14 @@ def test_the_kernel_backs_it_with_huge_pages():
     t = huge_page_zeros((64 << 20,), torch.uint8)
     t.fill_(1)
     assert anon_huge_kib() - before >= 2048
+    del t
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="no /proc here to read resident memory from")
+def test_every_page_is_committed_at_allocation():
+    """Review regression: the mapping was committed lazily, so an oversized pool would fail under
+    load instead of at start-up (torch.zeros writes every page)."""
+    before = _resident_mib()
+    t = huge_page_zeros((48 << 20,), torch.uint8)
+    assert _resident_mib() - before >= 40
     del t

@@ -101,3 +101,10 @@ def test_timing_helper_measures_each_build():
     w = torch.randn(40, 33)
     times = gemm_cpu._time_gemm_builds(builds, [gemm_cpu.pack_weight(w)], [40], rows=(1, 5), rounds=2)
     assert sorted(times) == sorted(builds) and all(t > 0 for t in times.values())
+
+
+def test_self_check_refuses_a_build_without_kernels(monkeypatch):
+    """Review regression: with a build's library missing, gemm() fell back to torch and the check
+    compared torch with torch, so the start-up choice could pick a build with no kernels."""
+    monkeypatch.setattr(kcpu, "_library_for", lambda isa: None)
+    assert "unavailable" in gemm_cpu.self_check(torch.float32)

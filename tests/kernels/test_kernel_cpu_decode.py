@@ -131,3 +131,16 @@ def test_out_of_range_block_ids_raise_before_reading(seed):
     bad[0, 1] = batch.k_cache.shape[0] + 5  # the second page of the 20-token sequence
     with pytest.raises(IndexError):
         paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, bad, batch.seq_lens, batch.scale)
+
+
+def test_rows_without_sequences_are_refused():
+    """Review regression: more query rows than sequence lengths or block-table rows made the C
+    kernel read past them (a segfault with 3 rows and no sequences); now a clear ValueError."""
+    q = torch.randn(3, 4, 16)
+    k = torch.zeros(8, 16, 2, 16)
+    with pytest.raises(ValueError, match="3 query rows but 0 sequence lengths"):
+        paged_decode_attention_cpu(q, k, k.clone(), torch.zeros(0, 1, dtype=torch.int32),
+                                           torch.zeros(0, dtype=torch.int32), 0.25)
+    with pytest.raises(ValueError, match="1 block-table rows"):
+        paged_decode_attention_cpu(q, k, k.clone(), torch.zeros(1, 1, dtype=torch.int32),
+                                           torch.ones(3, dtype=torch.int32), 0.25)
