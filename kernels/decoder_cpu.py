@@ -83,7 +83,7 @@ class DecoderLayers:
             for bias, n in (("qkv_bias", W), ("o_bias", H)):
                 if layer[bias] is not None and layer[bias].shape != (n,):
                     return False
-        return (self.Hq % self.Hkv == 0 and self.D % 8 == 0 and self.D % 2 == 0 and _fp32(self.cos) and _fp32(self.sin)
+        return (self.Hq % self.Hkv == 0 and self.D % 8 == 0 and _fp32(self.cos) and _fp32(self.sin)
                 and self.cos.shape == self.sin.shape and self.cos.dim() == 2 and self.cos.shape[1] == self.D)
 
     def _layer_array(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
