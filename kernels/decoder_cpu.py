@@ -44,7 +44,7 @@ class _Step(ctypes.Structure):
 
 
 def _fp32(t: torch.Tensor | None) -> bool:
-    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+    return t is None or _cpu._dense_fp32(t)
 
 
 class DecoderLayers:
@@ -135,10 +135,8 @@ class DecoderLayers:
         if int(query_start_loc[num_decodes]) != num_decodes or int(query_start_loc[-1]) != T:
             return None
         extend_starts = query_start_loc[num_decodes:] - num_decodes  # the extend rows', from 0 (int32)
-        buf = torch.empty(T * (2 * self.H + self.H + self.W + self.Hq * self.D + 3 * self.I) + T * self.H,
-                          dtype=torch.float32)
-        out_h, res0, res1, x, qkv, attn, gu, act = torch.split(
-            buf, [T * n for n in (self.H, self.H, self.H, self.H, self.W, self.Hq * self.D, 2 * self.I, self.I)])
+        sizes = [T * n for n in (self.H, self.H, self.H, self.H, self.W, self.Hq * self.D, 2 * self.I, self.I)]
+        out_h, res0, res1, x, qkv, attn, gu, act = torch.split(torch.empty(sum(sizes), dtype=torch.float32), sizes)
         out_h.copy_(h.reshape(-1))
         s = _Step(T=T, H=self.H, Hq=self.Hq, Hkv=self.Hkv, D=self.D, I=self.I, eps=self.eps, scale=self.scale,
                   softcap=self.softcap, window=self.window, threads=torch.get_num_threads(), cache_dtype=dtype,

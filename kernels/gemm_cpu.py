@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 
@@ -272,18 +273,14 @@ def using_gemm_isa(isa: str) -> Iterator[None]:
         _gemm_isa_override.pop()
 
 
-_forced_cache: list[str] = []
-
-
+@cache
 def _forced_gemm_isa() -> str:
     """``QWORKER_CPU_GEMM_ISA`` (read at first use; it must name a build this CPU runs), or ""."""
-    if not _forced_cache:
-        forced = os.environ.get("QWORKER_CPU_GEMM_ISA", "").strip().lower()
-        if forced and forced not in _cpu.available_isas():
-            raise ValueError(f"QWORKER_CPU_GEMM_ISA={forced}: not a kernels build this CPU runs "
-                             f"(available: {', '.join(_cpu.available_isas())})")
-        _forced_cache.append(forced)
-    return _forced_cache[0]
+    forced = os.environ.get("QWORKER_CPU_GEMM_ISA", "").strip().lower()
+    if forced and forced not in _cpu.available_isas():
+        raise ValueError(f"QWORKER_CPU_GEMM_ISA={forced}: not a kernels build this CPU runs "
+                         f"(available: {', '.join(_cpu.available_isas())})")
+    return forced
 
 
 def self_check(dtype: torch.dtype) -> str:

@@ -208,17 +208,15 @@ class DecoderModel:
         # what the C loop reads, as (owner, attribute, object, address): the loop runs only while
         # every attribute still holds that object at that address (a wrapped projection, a replaced
         # norm or bias, or storage swapped under a weight with `.data =` turns it off)
-        guard = [(self, "rope", self.rope, None), (self, "attn", self.attn, None),
-                 (self.rope, "cos", self.rope.cos, self.rope.cos.data_ptr()),
-                 (self.rope, "sin", self.rope.sin, self.rope.sin.data_ptr())]
+        def entry(owner, name):
+            obj = getattr(owner, name)
+            return owner, name, obj, obj.data_ptr() if isinstance(obj, torch.Tensor) else None
+
+        guard = [entry(self, "rope"), entry(self, "attn"), entry(self.rope, "cos"), entry(self.rope, "sin")]
         for l in self.layers:
-            guard += [(l, name, getattr(l, name), getattr(l, name).data_ptr()) for name in ("input_norm", "post_norm")]
+            guard += [entry(l, "input_norm"), entry(l, "post_norm")]
             for name in ("qkv", "o", "gate_up", "down"):
-                p = getattr(l, name)
-                guard.append((l, name, p, None))
-                guard += [(p, t, getattr(p, t), getattr(p, t).data_ptr()) for t in ("weight", "bias") if getattr(p, t) is not None]
-                if p.bias is None:
-                    guard.append((p, "bias", None, None))
+                guard += [entry(l, name), entry(getattr(l, name), "weight"), entry(getattr(l, name), "bias")]
         self._fused_guard = guard
         return bound
 
@@ -254,21 +252,20 @@ class DecoderModel:
         fused = self._fused(h, positions, kv_caches, meta) if self.fused_layers is not None else None
         if fused is not None:
             h, residual = fused
-            x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
-            return self.lm_head(x).float()
-        residual = None  # the running sum of the residual stream; h is the latest branch output
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = norm(h, layer.input_norm, self.eps, residual)
-            qkv = layer.qkv(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, self.num_heads, self.head_dim)
-            k = k.view(T, self.num_kv_heads, self.head_dim)
-            v = v.reshape(T, self.num_kv_heads, self.head_dim)
-            self.rope(positions, q, k)  # in place, in the qkv buffer
-            attn = self.attn(q, k, v, k_cache, v_cache, meta)
-            h = layer.o(attn.reshape(T, self.q_size))
-            x, residual = norm(h, layer.post_norm, self.eps, residual)
-            h = layer.down(self.swiglu(layer.gate_up(x)))
+        else:
+            residual = None  # the running sum of the residual stream; h is the latest branch output
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x, residual = norm(h, layer.input_norm, self.eps, residual)
+                qkv = layer.qkv(x)
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                q = q.view(T, self.num_heads, self.head_dim)
+                k = k.view(T, self.num_kv_heads, self.head_dim)
+                v = v.reshape(T, self.num_kv_heads, self.head_dim)
+                self.rope(positions, q, k)  # in place, in the qkv buffer
+                attn = self.attn(q, k, v, k_cache, v_cache, meta)
+                h = layer.o(attn.reshape(T, self.q_size))
+                x, residual = norm(h, layer.post_norm, self.eps, residual)
+                h = layer.down(self.swiglu(layer.gate_up(x)))
         x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
         return self.lm_head(x).float()
 
@@ -277,7 +274,7 @@ class DecoderModel:
         kernels), or None: turned off (``fused_cpu_forward``), a projection wrapped or replaced
         since the model was built (LoRA, tensor parallelism, a benchmark's timers), any tensor it
         bound replaced or moved (see ``_fused_guard``), or inputs it does not cover."""
-        if not self.fused_cpu_forward or type(self.lm_head) is not Linear:
+        if not self.fused_cpu_forward:
             return None
         if any(getattr(owner, name) is not obj or (ptr is not None and obj.data_ptr() != ptr)
                for owner, name, obj, ptr in self._fused_guard):

@@ -66,11 +66,10 @@ class KVCache:
         dtype: torch.dtype,
     ):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        if device.type == "cpu":
-            self.layers = [(huge_page_zeros(shape, dtype), huge_page_zeros(shape, dtype)) for _ in range(num_layers)]
-        else:
-            self.layers = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-                           for _ in range(num_layers)]
+        def zeros() -> torch.Tensor:
+            return huge_page_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, device=device, dtype=dtype)
+
+        self.layers = [(zeros(), zeros()) for _ in range(num_layers)]
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = device.type == "cuda"
         # empty, not zeros: a swap block is only read after a swap-out wrote it, and untouched
