@@ -1,14 +1,15 @@
-"""The plain fp32 CPU forward as one C call (``kernels/decoder_cpu.py``) vs the Python layer loop,
-on the same engine batches, alternating step by step.
+"""The plain CPU forward as one C call (``kernels/decoder_cpu.py``) vs the Python layer loop, on
+the same engine batches, alternating step by step.
 
-    python bench/fused_forward.py --batches 1,4,16,48 --context 250 --rounds 15
+    python bench/fused_forward.py --batches 1,4,16,48 --context 250 --rounds 15 [--dtype bfloat16]
 
 Per batch size: ``batch`` requests with ~``--context`` prompt tokens are prefilled, then one real
 decode batch is captured and its forward (``runner.execute``) run ``--rounds`` times per path,
 the paths alternating, with the K/V writes rewriting the same slots. Also a prefill batch
 (``--prefill-tokens``) the same way. Prints medians (ms) and the ratio; both paths' logits are
 checked bit for bit equal first. ``--clock thread`` times one thread's CPU time with torch and
-the kernels on one thread (for a shared, loaded machine).
+the kernels on one thread (for a shared, loaded machine). ``--dtype bfloat16`` runs the CPU bf16
+mode (bf16 weights on the panels GEMM).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args(argv)
     clock = time.perf_counter
     if args.clock == "thread":
@@ -79,11 +81,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         clock = time.thread_time
     batches = [int(b) for b in args.batches.split(",")]
     kv_bytes = (max(batches) * (args.context + 64) + args.prefill_tokens) * 48 * 1024  # ~46 KiB per token (fp32)
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=256, kv_cache_memory=max(kv_bytes, 256 << 20), swap_space=0))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=256,
+                                    kv_cache_memory=max(kv_bytes, 256 << 20), swap_space=0))
     if engine.runner.model.fused_layers is None:
-        raise SystemExit("this model/machine does not take the fused forward (not plain fp32 Llama on the panels GEMM)")
+        raise SystemExit("this model/machine does not take the fused forward (not a plain Llama on the panels GEMM)")
     rng = random.Random(0)
-    print(f"threads {torch.get_num_threads()}, clock {args.clock}, context ~{args.context}, rounds {args.rounds} (medians)")
+    print(f"{args.dtype}, threads {torch.get_num_threads()}, clock {args.clock}, context ~{args.context}, "
+          f"rounds {args.rounds} (medians)")
     print(f"{'batch':>10} {'fused ms':>10} {'python ms':>10} {'python/fused':>13}")
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     n = 0

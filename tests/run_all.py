@@ -47,8 +47,13 @@ def main(extra: list[str]) -> int:
         runs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=None if log is None else subprocess.STDOUT), log)
     failed = []
     for name, (proc, log) in runs.items():
-        rc = proc.wait()
-        sys.stdout.write(f"\n===== {name} (exit {rc}) =====\n")
+        # wait4 gives the group's CPU time (its own and its waited-for children's: workers, brokers),
+        # which says how much of the two cores each group keeps busy
+        _, status, usage = os.wait4(proc.pid, 0)
+        rc = os.waitstatus_to_exitcode(status)
+        proc.returncode = rc
+        cpu = usage.ru_utime + usage.ru_stime
+        sys.stdout.write(f"\n===== {name} (exit {rc}, {time.monotonic() - started:.0f} s wall, {cpu:.0f} s CPU) =====\n")
         sys.stdout.flush()
         if log is not None:
             log.seek(0)

@@ -186,13 +186,16 @@ class DecoderModel:
         # the plain loop reads these two; with one window and one rope table they are every layer's
         self.rope = self.layers[0].rope
         self.attn = self.layers[0].attn
-        self.fused_layers: DecoderLayers | None = None  # the plain fp32 CPU loop in one C call (see _fused)
+        self.fused_layers: DecoderLayers | None = None  # the plain CPU loop in one C call (see _fused)
+        fusable = backend == "cpu" and self.linear_backend == "panels" and type(self.rope) is RotaryEmbedding
         if not spec.is_plain() or len(self.ropes) != 1 or any(layer.gate_up is None for layer in self.layers):
             self.forward = self._forward_general
         elif backend == "cpu" and self.act_dtype != dtype:
             self.norm_bf16 = kernels.rms_norm_bf16_out_cpu
             self.forward = self._forward_cpu_bf16
-        elif backend == "cpu" and dtype == torch.float32 and self.linear_backend == "panels" and type(self.rope) is RotaryEmbedding:
+            if fusable:
+                self.fused_layers = self._bind_fused_layers()
+        elif fusable and dtype == torch.float32:
             self.fused_layers = self._bind_fused_layers()
 
     def _bind_fused_layers(self) -> DecoderLayers | None:
@@ -270,8 +273,8 @@ class DecoderModel:
         return self.lm_head(x).float()
 
     def _fused(self, h, positions, kv_caches, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer loop below in one C call (:mod:`kernels.decoder_cpu`, bit for bit the same
-        kernels), or None: turned off (``fused_cpu_forward``), a projection wrapped or replaced
+        """The caller's layer loop (:meth:`forward`'s, or :meth:`_forward_cpu_bf16`'s for bf16
+        weights) in one C call (:mod:`kernels.decoder_cpu`, bit for bit the same kernels), or None: turned off (``fused_cpu_forward``), a projection wrapped or replaced
         since the model was built (LoRA, tensor parallelism, a benchmark's timers), any tensor it
         bound replaced or moved (see ``_fused_guard``), or inputs it does not cover."""
         if not self.fused_cpu_forward:
@@ -302,19 +305,23 @@ class DecoderModel:
         norm = self.norm_bf16
         h = F.embedding(input_ids, self.embed)
         T = h.shape[0]
-        residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = norm(h, layer.input_norm, self.eps, residual)
-            qkv = layer.qkv(x)  # fp32: rope and attention read it
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, self.num_heads, self.head_dim)
-            k = k.view(T, self.num_kv_heads, self.head_dim)
-            v = v.reshape(T, self.num_kv_heads, self.head_dim)
-            self.rope(positions, q, k)
-            attn = self.attn(q, k, v, k_cache, v_cache, meta)
-            h = layer.o.lowp(attn.reshape(T, self.q_size))
-            x, residual = norm(h, layer.post_norm, self.eps, residual)
-            h = layer.down.lowp(self.swiglu(layer.gate_up.lowp(x)))
+        fused = self._fused(h, positions, kv_caches, meta) if self.fused_layers is not None else None
+        if fused is not None:
+            h, residual = fused
+        else:
+            residual = None
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                x, residual = norm(h, layer.input_norm, self.eps, residual)
+                qkv = layer.qkv(x)  # fp32: rope and attention read it
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                q = q.view(T, self.num_heads, self.head_dim)
+                k = k.view(T, self.num_kv_heads, self.head_dim)
+                v = v.reshape(T, self.num_kv_heads, self.head_dim)
+                self.rope(positions, q, k)
+                attn = self.attn(q, k, v, k_cache, v_cache, meta)
+                h = layer.o.lowp(attn.reshape(T, self.q_size))
+                x, residual = norm(h, layer.post_norm, self.eps, residual)
+                h = layer.down.lowp(self.swiglu(layer.gate_up.lowp(x)))
         x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
         return self.lm_head(x).float()
 

@@ -1,7 +1,8 @@
-"""The plain fp32 CPU forward in one C call (kernels/decoder_cpu.py) against the Python layer loop:
-bit for bit the same logits and the same K/V writes, step by step, over prefill, decode and mixed
-steps, prefix hits, fp32/bf16/fp16 caches, a sliding window and q/k/v biases; and the cases where it
-must stand aside (projections wrapped after the model was built, kernels off, inputs not covered)."""
+"""The plain CPU forward in one C call (kernels/decoder_cpu.py) against the Python layer loop, in
+fp32 and in the CPU bf16 mode: bit for bit the same logits and the same K/V writes, step by step,
+over prefill, decode and mixed steps, prefix hits, fp32/bf16/fp16 caches, a sliding window and
+q/k/v biases; and the cases where it must stand aside (projections wrapped after the model was
+built, kernels off, inputs not covered)."""
 
 from __future__ import annotations
 
@@ -83,19 +84,37 @@ def test_identical_to_the_python_loop(tiny_model_dir, kv_cache_dtype):
     assert c.steps > 10 and c.fused == c.steps
 
 
-def test_identical_on_the_real_model(model_dir):
-    e = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=64 << 20, max_num_batched_tokens=96))
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
+def test_bf16_mode_identical_to_its_python_loop(tiny_model_dir, kv_cache_dtype):
+    """The CPU bf16 mode (bf16 weights and GEMM inputs/outputs, fp32 residual stream and attention):
+    the C loop against DecoderModel._forward_cpu_bf16's loop."""
+    e = dirty(LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                                     max_num_batched_tokens=64, enable_prefix_caching=True,
+                                     kv_cache_memory=128 * BLOCK_BYTES_TINY)))
+    model = e.runner.model
+    assert model.fused_layers is not None and model.fused_layers.weight_dtype == torch.bfloat16
+    c = Compare(e)
+    done = _mixed_workload(e, seed=4)
+    assert len(done) == 7 and all(r.error_code is None for r in done.values())
+    assert c.steps > 10 and c.fused == c.steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_identical_on_the_real_model(model_dir, dtype):
+    e = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=96))
     c = Compare(e)
     done = _mixed_workload(e, seed=2, n=5)
     assert len(done) == 5 and c.steps > 5 and c.fused == c.steps
 
 
-@pytest.mark.parametrize("model_type,overrides", [("mistral", {}), ("qwen2", {"use_sliding_window": False})],
-                         ids=["mistral-window", "qwen2-biases"])
-def test_identical_with_a_window_or_biases(tmp_path, model_dir, model_type, overrides):
+@pytest.mark.parametrize("model_type,overrides,dtype", [("mistral", {}, "float32"),
+                                                        ("qwen2", {"use_sliding_window": False}, "float32"),
+                                                        ("qwen2", {"use_sliding_window": False}, "bfloat16")],
+                         ids=["mistral-window", "qwen2-biases", "qwen2-biases-bf16"])
+def test_identical_with_a_window_or_biases(tmp_path, model_dir, model_type, overrides, dtype):
     """Mistral's sliding window (one for all layers: the plain loop) and Qwen2's q/k/v biases."""
     path = build_family_model(model_type, tmp_path / model_type, model_dir, **overrides)
-    e = dirty(LLMEngine(EngineConfig(model=str(path), kv_cache_memory=8 << 20, max_num_batched_tokens=48)))
+    e = dirty(LLMEngine(EngineConfig(model=str(path), dtype=dtype, kv_cache_memory=8 << 20, max_num_batched_tokens=48)))
     assert e.runner.model.fused_layers is not None
     c = Compare(e)
     done = _mixed_workload(e, seed=3, n=5)
