@@ -54,6 +54,7 @@ class _Step(ctypes.Structure):
         ("tables", _P), ("seq_lens", _P), ("query_start_loc", _P), ("table_stride", _I64),
         ("num_decodes", _I32), ("num_seqs", _I32), ("gemm", _P),
         ("emb", _P), ("res", _P * 2), ("qkv", _P), ("attn", _P), ("h", _P), ("x", _P), ("gu", _P), ("act", _P),
+        ("attn_bf16", _P),
     ]
 
 
@@ -169,8 +170,9 @@ class DecoderLayers:
         extend_starts = query_start_loc[num_decodes:] - num_decodes  # the extend rows', from 0 (int32)
         sizes = [T * n for n in (self.H, self.H, self.W, self.Hq * self.D)]
         res0, res1, qkv, attn = torch.split(torch.empty(sum(sizes), dtype=torch.float32), sizes)
-        sizes = [T * n for n in (self.H, self.H, 2 * self.I, self.I)]  # in the weights' dtype
-        out_h, x, gu, act = torch.split(torch.empty(sum(sizes), dtype=self.weight_dtype), sizes)
+        bf16 = self.weight_dtype == torch.bfloat16
+        sizes = [T * n for n in (self.H, self.H, 2 * self.I, self.I, self.Hq * self.D * bf16)]  # the weights' dtype
+        out_h, x, gu, act, attn_bf16 = torch.split(torch.empty(sum(sizes), dtype=self.weight_dtype), sizes)
         h = h.contiguous()
         s = _Step(T=T, H=self.H, Hq=self.Hq, Hkv=self.Hkv, D=self.D, I=self.I, eps=self.eps, scale=self.scale,
                   softcap=self.softcap, window=self.window, threads=torch.get_num_threads(), cache_dtype=dtype,
@@ -179,7 +181,8 @@ class DecoderLayers:
                   tables=block_tables.data_ptr(), seq_lens=seq_lens.data_ptr(), query_start_loc=extend_starts.data_ptr(),
                   table_stride=block_tables.stride(0) if B else 0, num_decodes=num_decodes, num_seqs=B,
                   gemm=ctypes.cast(gemm, _P).value, emb=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
-                  h=out_h.data_ptr(), x=x.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr())
+                  h=out_h.data_ptr(), x=x.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr(),
+                  attn_bf16=attn_bf16.data_ptr() if bf16 else None)
         s.res[0], s.res[1] = res0.data_ptr(), res1.data_ptr()
         rc = fn(self._layer_array(kv_caches), len(self._weights), ctypes.byref(s))
         if rc == -1:

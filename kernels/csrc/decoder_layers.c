@@ -61,6 +61,7 @@ typedef struct {
     const float *emb;
     float *res[2], *qkv, *attn;
     void *h, *x, *gu, *act;
+    uint16_t *attn_bf16; /* the bf16 form's o input [T, Q] */
 } qw_step;
 
 /* the kernels of this library (elementwise.c, paged_decode.c, paged_extend.c) */
@@ -172,21 +173,30 @@ int qw_decoder_layers_f32(const qw_layer *layers, int num_layers, const qw_step 
     return 0;
 }
 
-/* fp32 values rounded to bf16 precision in place (round to nearest even, as torch's
- * .to(torch.bfloat16); NaN stays NaN): what the Python loop's bf16 round trip gives them. */
+/* fp32 -> bf16 bits, rounded to nearest even as torch's .to(torch.bfloat16) (NaN -> 0x7fc0) */
+static inline uint32_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+/* fp32 values rounded to bf16 precision in place: what the Python loop's bf16 round trip gives */
 static void round_to_bf16(float *v, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, &v[i], sizeof bits);
-        bits = (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+        const uint32_t bits = bf16_bits(v[i]) << 16;
         memcpy(&v[i], &bits, sizeof bits);
     }
 }
 
-/* The CPU bf16 mode's loop. Where the Python loop rounds an fp32 tensor to bf16 for a GEMM (the
- * attention output before o) or rounds a GEMM's bf16 output back to fp32 (qkv, for rotary and
- * attention), the values are rounded in place in fp32 instead: the same values, no bf16 copy (the
- * GEMM takes fp32 x and y as well as bf16, with the same fp32 arithmetic and one rounding). */
+static void to_bf16(const float *v, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = (uint16_t)bf16_bits(v[i]);
+}
+
+/* The CPU bf16 mode's loop. qkv's bf16 output, which the Python loop widens back to fp32 for
+ * rotary and attention, is written in fp32 and rounded in place (the same values: the GEMM rounds
+ * its fp32 sums once either way); the attention output is rounded into a bf16 o input, as the
+ * Python loop's .to(torch.bfloat16) does (the GEMM may take another path for fp32 x, see
+ * csrc/gemm_bf16.c's dot-product kernel). */
 int qw_decoder_layers_bf16(const qw_layer *layers, int num_layers, const qw_step *s) {
     store_fn store;
     attn_decode_fn decode;
@@ -205,8 +215,8 @@ int qw_decoder_layers_bf16(const qw_layer *layers, int num_layers, const qw_step
         round_to_bf16(s->qkv, T * W);
         int rc = rope_store_attend(s, l, store, decode, extend);
         if (rc != 0) return rc;
-        round_to_bf16(s->attn, T * Q);
-        if (gemm(s->attn, Q, 0, l->o, l->o_bias, l->o_bias_bf16, h, H, 1, T, H, Q, nt, 0, 0, 0) != 0) return -3;
+        to_bf16(s->attn, s->attn_bf16, T * Q);
+        if (gemm(s->attn_bf16, Q, 1, l->o, l->o_bias, l->o_bias_bf16, h, H, 1, T, H, Q, nt, 0, 0, 0) != 0) return -3;
         qw_add_rms_norm_bf16out(h, 1, s->res[0], l->post_norm, s->res[1], x, T, H, s->eps, nt);
         if (gemm(x, H, 1, l->gate_up, 0, 0, gu, 2 * I, 1, T, 2 * I, H, nt, 0, 0, 0) != 0) return -3;
         qw_silu_mul_bf16(gu, act, T, I, nt);

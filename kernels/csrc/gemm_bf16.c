@@ -29,7 +29,19 @@
  * panel ranges (and rows when panels are too few), each team thread taking every team-th share so
  * a smaller team than asked still computes everything; weight groups of ~1 MB, x blocks of ~128 kB,
  * K blocks of <= 2048; the next step's weights prefetched during a step (half the lines per k of
- * fp32). The "avx512" build runs the AVX2 kernel: there is no AVX-512 variant of this one.
+ * fp32).
+ *
+ * Dot-product kernel (AVX512_BF16, the "avx512" build on CPUs that have it: Zen 4, Sapphire Rapids
+ * and later): for bf16 x only, VDPBF16PS does 2 multiply-adds per fp32 lane, twice the FMA path's
+ * arithmetic per instruction, which is what a prefill chunk is bound by. The panel layout is the
+ * same; two panel rows (k, k + 1) are interleaved into bf16 pairs in a register (one VPERMT2W per
+ * 16 columns x 2 k, shared by the tile's rows), each row's (x[k], x[k + 1]) pair is broadcast as
+ * one 32-bit value, and an odd K's last row pairs with zeros. Each column then sums pairs
+ * (x[k + 1] w[k + 1] first, then x[k] w[k], as the instruction defines; products of bf16 values are
+ * exact in fp32), so results differ from the FMA path's in rounding only; the instruction treats
+ * bf16 denormals as zero. Tiles 6 x 16 (1-3 rows over 2-4 panels, as the AVX2 ones) with 16-column
+ * zmm accumulators (no even/odd split). fp32 x keeps the FMA path (its values are used unrounded).
+ * qw_gemm_bf16_isa() says 2 where the dot-product kernel is built in.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,6 +58,12 @@
 #define QW_BF_ISA 0
 #define MR_MAIN 4
 #define NP_MAX 2
+#endif
+
+#if QW_BF_ISA == 1 && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(QW_GEMM_AVX512)
+#define QW_BF_DOT 1
+#else
+#define QW_BF_DOT 0
 #endif
 
 #define NR 16 /* panel width in columns */
@@ -219,13 +237,15 @@ static inline void store_bf16x16(uint16_t *p, __m256 a, __m256 b) {
     }
 #endif
 
-typedef void (*tile_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t, const float *, void *, int64_t,
+/* x: fp32 for the FMA tiles, bf16 for the dot-product ones */
+typedef void (*tile_fn)(const void *, int64_t, const uint16_t *, int64_t, int64_t, const float *, void *, int64_t,
                         int, int, int, const char *, int64_t);
 
 #define DEF_TILE(MR, NP)                                                                                            \
-    static void tile_##MR##_##NP(const float *restrict x, int64_t ldx, const uint16_t *restrict w, int64_t pstride, \
+    static void tile_##MR##_##NP(const void *restrict xv, int64_t ldx, const uint16_t *restrict w, int64_t pstride, \
                                  int64_t K, const float *restrict bias, void *restrict y, int64_t ldy, int ybf,     \
                                  int ncols, int accum, const char *pf, int64_t pfrate) {                            \
+        const float *restrict x = (const float *)xv;                                                                \
         TILE_BODY(MR, NP)                                                                                           \
     }
 
@@ -244,11 +264,96 @@ static const tile_fn TILES[MR_MAIN + 1][NP_MAX + 1] = {
 };
 #endif
 
-/* Rows m0..m1 x panels p0..p1 of y (one thread's share); x fp32 (ldx), bias padded fp32 or NULL,
- * y fp32 or bf16 (ybf, ldy elements), nk balanced K blocks. */
-static void gemm_range(const float *x, int64_t ldx, const uint16_t *wp, const float *bias, void *y, int64_t ldy,
-                       int ybf, int64_t N, int64_t K, int64_t nk, int64_t m0, int64_t m1, int64_t p0, int64_t p1,
-                       int64_t mc, int64_t group) {
+#if QW_BF_DOT
+/* dot-product primitives (the test suite swaps this block for plain C to run the tiling anywhere) */
+typedef __m512 dvec;   /* 16 fp32 accumulators: one panel's columns */
+typedef __m512i dpair; /* 16 bf16 pairs */
+static inline dvec dvec_zero(void) { return _mm512_setzero_ps(); }
+static inline dvec dvec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void dvec_store(float *p, dvec v) { _mm512_storeu_ps(p, v); }
+/* panel rows k (r0) and k + 1 (r1; NULL: zeros) as pairs (r0[c], r1[c]) */
+static inline dpair w_pairs(const uint16_t *r0, const uint16_t *r1) {
+    const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                         36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0));
+    const __m512i b = r1 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r1)) : _mm512_setzero_si512();
+    return _mm512_permutex2var_epi16(a, idx, b);
+}
+static inline dpair x_pair(uint32_t bits) { return _mm512_set1_epi32((int)bits); }
+static inline dvec dot2(dvec acc, dpair x, dpair w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+/* end of the dot-product primitives */
+
+#define DOT_BODY(MR, NP)                                                                                            \
+    const int esz = ybf ? 2 : 4;                                                                                    \
+    dvec acc[MR][NP];                                                                                               \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                                          \
+        float tmp[NP * NR];                                                                                         \
+        const float *src = accum ? (const float *)y + i * ldy : bias;                                               \
+        if (accum && ncols < NP * NR) {                                                                             \
+            memset(tmp, 0, sizeof tmp);                                                                             \
+            memcpy(tmp, src, (size_t)ncols * sizeof(float));                                                        \
+            src = tmp;                                                                                              \
+        }                                                                                                           \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) acc[i][j] = src ? dvec_load(src + j * NR) : dvec_zero(); \
+    }                                                                                                               \
+    if (!accum) PREFETCH_Y(MR, NP);                                                                                 \
+    const uint16_t *wk = w;                                                                                         \
+    int64_t k = 0, pfpos = 0;                                                                                       \
+    for (; k + 1 < K; k += 2, wk += 2 * NR) {                                                                       \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) {                                                      \
+            PREFETCH(pf + j * pstride * 2 + (pfpos >> 16) * LINE);                                                  \
+            PREFETCH(pf + j * pstride * 2 + ((pfpos + pfrate) >> 16) * LINE);                                       \
+        }                                                                                                           \
+        pfpos += 2 * pfrate;                                                                                        \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) {                                                      \
+            const dpair wp2 = w_pairs(wk + j * pstride, wk + j * pstride + NR);                                     \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                                  \
+                uint32_t xp;                                                                                        \
+                memcpy(&xp, x + i * ldx + k, sizeof xp);                                                            \
+                acc[i][j] = dot2(acc[i][j], x_pair(xp), wp2);                                                       \
+            }                                                                                                       \
+        }                                                                                                           \
+    }                                                                                                               \
+    if (k < K) { /* odd K: the last row pairs with zeros */                                                         \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) {                                                      \
+            const dpair wp2 = w_pairs(wk + j * pstride, NULL);                                                      \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                                    \
+                acc[i][j] = dot2(acc[i][j], x_pair(x[i * ldx + k]), wp2);                                           \
+        }                                                                                                           \
+    }                                                                                                               \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                                          \
+        float ftmp[NP * NR];                                                                                        \
+        const int direct = !ybf && ncols == NP * NR;                                                                \
+        float *yf = direct ? (float *)y + i * ldy : ftmp;                                                           \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NP; j++) dvec_store(yf + j * NR, acc[i][j]);                    \
+        if (ybf)                                                                                                    \
+            for (int c = 0; c < ncols; c++) ((uint16_t *)y)[i * ldy + c] = f32_to_bf16(ftmp[c]);                    \
+        else if (!direct)                                                                                           \
+            memcpy((float *)y + i * ldy, ftmp, (size_t)ncols * 4);                                                  \
+    }
+
+#define DEF_DOT_TILE(MR, NP)                                                                                        \
+    static void dot_tile_##MR##_##NP(const void *restrict xv, int64_t ldx, const uint16_t *restrict w,              \
+                                     int64_t pstride, int64_t K, const float *restrict bias, void *restrict y,      \
+                                     int64_t ldy, int ybf, int ncols, int accum, const char *pf, int64_t pfrate) {  \
+        const uint16_t *restrict x = (const uint16_t *)xv;                                                          \
+        DOT_BODY(MR, NP)                                                                                            \
+    }
+DEF_DOT_TILE(1, 1) DEF_DOT_TILE(1, 2) DEF_DOT_TILE(1, 3) DEF_DOT_TILE(1, 4)
+DEF_DOT_TILE(2, 1) DEF_DOT_TILE(2, 2) DEF_DOT_TILE(3, 1) DEF_DOT_TILE(3, 2)
+DEF_DOT_TILE(4, 1) DEF_DOT_TILE(5, 1) DEF_DOT_TILE(6, 1)
+static const tile_fn DOT_TILES[MR_MAIN + 1][NP_MAX + 1] = {
+    [1] = {0, dot_tile_1_1, dot_tile_1_2, dot_tile_1_3, dot_tile_1_4}, [2] = {0, dot_tile_2_1, dot_tile_2_2},
+    [3] = {0, dot_tile_3_1, dot_tile_3_2}, [4] = {0, dot_tile_4_1}, [5] = {0, dot_tile_5_1}, [6] = {0, dot_tile_6_1},
+};
+#endif
+
+/* Rows m0..m1 x panels p0..p1 of y (one thread's share) with the table's tiles; x fp32 or bf16 as
+ * the table's tiles take it (xsz bytes an element, ldx elements a row), bias padded fp32 or NULL, y fp32
+ * or bf16 (ybf, ldy elements), nk balanced K blocks. */
+static void gemm_range(const tile_fn (*table)[NP_MAX + 1], const void *x, int xsz, int64_t ldx, const uint16_t *wp,
+                       const float *bias, void *y, int64_t ldy, int ybf, int64_t N, int64_t K, int64_t nk, int64_t m0,
+                       int64_t m1, int64_t p0, int64_t p1, int64_t mc, int64_t group) {
     const int64_t M = m1 - m0;
     if (M <= 0 || p1 <= p0) return;
     const int64_t pstride = K * NR, esz = ybf ? 2 : 4;
@@ -288,7 +393,7 @@ static void gemm_range(const float *x, int64_t ldx, const uint16_t *wp, const fl
                         const int mr = (int)(rows / tiles + (t < rows % tiles));
                         const int64_t lo = lines * t / tiles, hi = lines * (t + 1) / tiles;
                         const int64_t rate = kcur > 0 ? ((hi - lo) << 16) / kcur : 0; /* lines per k, 16.16 */
-                        TILES[mr][npp](x + r * ldx + k0, ldx, wp + p * pstride + k0 * NR, pstride, kcur,
+                        table[mr][npp]((const char *)x + (r * ldx + k0) * xsz, ldx, wp + p * pstride + k0 * NR, pstride, kcur,
                                        bias ? bias + c0 : NULL, (char *)y + (r * ldy + c0) * esz, ldy, ybf, ncols,
                                        kb > 0, pf + lo * LINE, rate);
                         r += mr;
@@ -332,13 +437,17 @@ int qw_gemm_bf16(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, con
     const int np = panels_for_rows(M < MR_MAIN ? M : MR_MAIN);
     if (group % np) group += np - group % np;
 
-    /* scratch: x widened to fp32, bias padded to whole panels, an fp32 y for bf16 output over
-     * several K blocks (a partial sum must not be rounded) */
+    /* scratch: x widened to fp32 (the FMA path), bias padded to whole panels, an fp32 y for bf16
+     * output over several K blocks (a partial sum must not be rounded) */
     float *xf = NULL, *bf = NULL, *yt = NULL;
-    const float *xs = (const float *)x;
+    const void *xs = x;
     int64_t ldxs = ldx;
-    int rc = 0;
-    if (x_bf16 && K > 0) {
+    int xsz = 4, rc = 0;
+    const tile_fn(*table)[NP_MAX + 1] = TILES;
+#if QW_BF_DOT
+    if (x_bf16) table = DOT_TILES, xsz = 2; /* bf16 x as it is */
+#endif
+    if (x_bf16 && xsz == 4 && K > 0) {
         xf = malloc((size_t)(M * K) * sizeof(float));
         if (!xf) { rc = -2; goto done; }
         for (int64_t i = 0; i < M; i++)
@@ -383,7 +492,7 @@ int qw_gemm_bf16(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, con
             m1 = row_tiles * (jt + 1) / tm * MR_MAIN;
             if (m1 > M) m1 = M;
         }
-        gemm_range(xs, ldxs, wp, bf, yk, ldyk, ybf, N, K, nk, m0, m1, p0, p1, mc, group);
+        gemm_range(table, xs, xsz, ldxs, wp, bf, yk, ldyk, ybf, N, K, nk, m0, m1, p0, p1, mc, group);
     }
     if (yt)
         for (int64_t i = 0; i < M; i++)
@@ -395,5 +504,6 @@ done:
     return rc;
 }
 
-/* The build's kernel: 1 = AVX2+FMA, 0 = generic C. */
-int qw_gemm_bf16_isa(void) { return QW_BF_ISA; }
+/* The build's kernel: 2 = AVX512_BF16 dot products for bf16 x (AVX2+FMA for fp32 x), 1 = AVX2+FMA,
+ * 0 = generic C. */
+int qw_gemm_bf16_isa(void) { return QW_BF_DOT ? 2 : QW_BF_ISA; }

@@ -1,7 +1,8 @@
 """The packed GEMM with bf16 weights (kernels/gemm_cpu.py, csrc/gemm_bf16.c): y = x @ W^T (+ bias)
 with W packed in bf16, x fp32 or bf16, fp32 accumulation, fp32 or bf16 (round to nearest even)
 output. Against a float64 reference of the same operands and against the fp32 panels kernel on
-the widened weights (same tiles, same summation order: equal bit for bit), under each ISA build
+the widened weights (same tiles, same summation order: equal bit for bit, except the AVX512_BF16
+dot-product kernel's pairwise sums for bf16 x), under each ISA build
 this CPU runs; every tile height and panel tail, odd K and K = 1, leading dims, strided x and out,
 the blocking knobs (K blocks with bf16 output), NaN/Inf, the rounding itself (ties, overflow,
 NaN, -0, denormals), fewer OpenMP threads than asked, the torch fallback, bad inputs, each ISA
@@ -30,6 +31,16 @@ SOURCE = Path(kcpu.__file__).with_name("csrc") / "gemm_bf16.c"
 BF, F32 = torch.bfloat16, torch.float32
 ROWS = (1, 2, 3, 5, 6, 7, 13, 70, 130)
 NK = [(37, 33), (16, 1), (1, 7), (50, 64), (129, 19), (33, 200), (13, 300)]  # N off the panel, odd K, K = 1; one panel: threads split rows
+
+
+def _cpu_flags() -> set[str]:
+    return set(kcpu._cpu_features().split())
+
+
+def _dot_kernel(isa: str) -> bool:
+    """Whether ``isa``'s build runs the AVX512_BF16 dot-product kernel for bf16 x (pairwise sums:
+    not the FMA kernel's order, so not bit for bit the fp32 kernel's)."""
+    return isa == "avx512" and "avx512_bf16" in _cpu_flags()
 
 
 def _ref64(x, w, b):
@@ -89,7 +100,8 @@ def test_pack_layout_and_unpack():
 @pytest.mark.parametrize("bias", [None, F32, BF], ids=["nobias", "bias32", "bias16"])
 def test_every_tile_shape_under_each_isa(isa, bias):
     g = torch.Generator().manual_seed(1)
-    assert gemm_cpu.kernel_isa(BF) == {"avx512": 1, "avx2": 1, "generic": 0}[isa]
+    dot = _dot_kernel(isa)
+    assert gemm_cpu.kernel_isa(BF) == {"avx512": 2 if dot else 1, "avx2": 1, "generic": 0}[isa]
     for N, K in NK:
         for M in ROWS:
             x, w, b = _data(g, M, N, K, bias)
@@ -99,14 +111,17 @@ def test_every_tile_shape_under_each_isa(isa, bias):
             for threads in (1, 2):
                 y = gemm_cpu.gemm(x, packed, b, N, out_dtype=F32, threads=threads)
                 _check_f32(y, ref, K)
-                # the fp32 kernel on the widened operands: same tiles, same order, same bits
-                assert torch.equal(y, gemm_cpu.gemm(x.float(), packed32, None if b is None else b.float(), N,
-                                                    threads=threads)), (M, N, K)
+                # fp32 x holding the same (bf16) values: the FMA kernel (the dot-product kernel
+                # takes bf16 x only), which is the fp32 kernel on the widened operands: same
+                # tiles, same order, same bits
+                y32 = gemm_cpu.gemm(x.float(), packed, b, N, out_dtype=F32, threads=threads)
+                _check_f32(y32, ref, K)
+                assert torch.equal(y32, gemm_cpu.gemm(x.float(), packed32, None if b is None else b.float(), N,
+                                                      threads=threads)), (M, N, K)
+                assert dot or torch.equal(y, y32), (M, N, K)
                 yb = gemm_cpu.gemm(x, packed, b, N, threads=threads)  # default: bf16 out
                 _check_bf16(yb, ref, K)
                 assert torch.equal(yb, y.to(BF)), "bf16 output is not the fp32 accumulator rounded"
-                # fp32 x holding the same (bf16) values: identical
-                assert torch.equal(gemm_cpu.gemm(x.float(), packed, b, N, out_dtype=F32, threads=threads), y)
 
 
 def test_fp32_x_used_as_is(isa):
@@ -317,11 +332,15 @@ def test_bad_inputs_raise():
     assert torch.equal(y, b.expand(2, 3, 20))
 
 
-@pytest.mark.parametrize("flags", [["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"], ["-mno-avx512f"], ["-mno-avx"]],
-                         ids=["avx512", "avx2", "generic"])
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+
+
+@pytest.mark.parametrize("flags", [_AVX512, [*_AVX512, "-mavx512bf16", "-DQW_GEMM_AVX512"], ["-mno-avx512f"], ["-mno-avx"]],
+                         ids=["avx512", "avx512-bf16", "avx2", "generic"])
 def test_every_isa_path_compiles(tmp_path, flags):
     """Each build's flags, warnings as errors; the AVX2 kernel (FMA on ymm) in the avx512 and avx2
-    builds, no AVX at all in the generic one."""
+    builds, no AVX at all in the generic one; the dot-product kernel (VDPBF16PS on zmm) only in an
+    avx512 build for a CPU with AVX512_BF16."""
     probe = subprocess.run([CC, *flags, "-x", "c", "-c", "-o", os.devnull, "-"], input=b"int x;", capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"{CC} does not take {' '.join(flags)}")
@@ -336,6 +355,7 @@ def test_every_isa_path_compiles(tmp_path, flags):
         assert "ymm" not in asm and "zmm" not in asm and "vfmadd" not in asm
     else:
         assert "ymm" in asm and "vfmadd231ps" in asm
+    assert ("vdpbf16ps" in asm) == ("-mavx512bf16" in flags)
 
 
 # ---- memory-checked run of the C kernel (AddressSanitizer + UBSan) ----
@@ -429,19 +449,70 @@ int main(int argc, char **argv) {
 """
 
 
-@pytest.mark.parametrize("variant", ["avx2", "generic"])
+# The dot-product kernel's primitives (AVX512_BF16) in plain C, with the instruction's order (the
+# odd pair's product first) and its bf16 denormals-as-zero: its tiling, pairing and odd-K tail run,
+# memory-checked, on a CPU without AVX512_BF16.
+_DOT_GUARD = "#if QW_BF_ISA == 1 && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(QW_GEMM_AVX512)\n"
+_DOT_BEGIN = "/* dot-product primitives (the test suite swaps this block for plain C to run the tiling anywhere) */\n"
+_DOT_END = "/* end of the dot-product primitives */\n"
+_EMU_DOT = r"""
+typedef struct { float v[16]; } dvec;
+typedef struct { uint16_t h[32]; } dpair;
+static inline dvec dvec_zero(void) { dvec r; memset(&r, 0, sizeof r); return r; }
+static inline dvec dvec_load(const float *p) { dvec r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline void dvec_store(float *p, dvec v) { memcpy(p, v.v, sizeof v.v); }
+static inline dpair w_pairs(const uint16_t *r0, const uint16_t *r1) {
+    dpair r;
+    for (int c = 0; c < 16; c++) r.h[2 * c] = r0[c], r.h[2 * c + 1] = r1 ? r1[c] : 0;
+    return r;
+}
+static inline dpair x_pair(uint32_t bits) {
+    dpair r;
+    for (int c = 0; c < 16; c++) r.h[2 * c] = (uint16_t)bits, r.h[2 * c + 1] = (uint16_t)(bits >> 16);
+    return r;
+}
+static inline float daz(uint16_t h) { return (h & 0x7f80) ? bf16_to_f32(h) : bf16_to_f32(h & 0x8000); }
+static inline dvec dot2(dvec acc, dpair x, dpair w) {
+    for (int c = 0; c < 16; c++) {
+        acc.v[c] = fmaf(daz(x.h[2 * c + 1]), daz(w.h[2 * c + 1]), acc.v[c]);
+        acc.v[c] = fmaf(daz(x.h[2 * c]), daz(w.h[2 * c]), acc.v[c]);
+    }
+    return acc;
+}
+"""
+
+
+def _dot_emulated_source(tmp_path: Path) -> Path:
+    text = SOURCE.read_text()
+    assert text.count(_DOT_GUARD) == 1 and text.count(_DOT_BEGIN) == 1 and text.count(_DOT_END) == 1, \
+        "gemm_bf16.c's dot-product block changed: update this test"
+    head, rest = text.split(_DOT_BEGIN)
+    _, tail = rest.split(_DOT_END)
+    out = tmp_path / "gemm_bf16_dot_emulated.c"
+    out.write_text((head + "#include <math.h>\n" + _EMU_DOT + tail).replace(_DOT_GUARD, "#if QW_BF_ISA == 1\n"))
+    return out
+
+
+@pytest.mark.parametrize("variant", ["avx2", "generic", "dot-emulated", "dot"])
 def test_kernel_under_address_sanitizer(tmp_path, variant):
     """Exact-size heap buffers for x, the packed weight, bias and y (rows ldx/ldy apart, sentinels
     in the row gaps), every combination of fp32/bf16 x, bias and y: no out-of-bounds access, no
     undefined behaviour, values within fp32 (or bf16) rounding of a float64 reference, NaN/Inf
-    where it has them, over odd M, N, K, strides, threads and blocking knobs."""
-    if variant == "avx2" and "avx2" not in kcpu.available_isas():
+    where it has them, over odd M, N, K, strides, threads and blocking knobs. "dot": the real
+    AVX512_BF16 kernel, where the CPU has it; "dot-emulated": its tiling on any AVX2 CPU."""
+    if variant in ("avx2", "dot-emulated") and "avx2" not in kcpu.available_isas():
         pytest.skip("no AVX2 on this CPU")
-    flags = {"avx2": ["-march=native", "-mno-avx512f"], "generic": ["-march=native", "-mno-avx"]}[variant]
+    if variant == "dot" and not ("avx512" in kcpu.available_isas() and _dot_kernel("avx512")):
+        pytest.skip("this CPU has no AVX512_BF16 (the dot-emulated build checks the kernel's tiling)")
+    flags = {"avx2": ["-march=native", "-mno-avx512f"], "generic": ["-march=native", "-mno-avx"],
+             "dot-emulated": ["-march=native", "-mno-avx512f"], "dot": ["-march=native", "-DQW_GEMM_AVX512"]}[variant]
+    source = _dot_emulated_source(tmp_path) if variant == "dot-emulated" else SOURCE
     (tmp_path / "driver.c").write_text(_DRIVER)
     exe = tmp_path / "driver"
-    cmd = [CC, "-O1", "-g", *flags, "-fno-trapping-math", "-fopenmp", "-std=gnu11", "-fsanitize=address,undefined",
-           "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-o", str(exe), str(SOURCE), str(tmp_path / "driver.c"), "-lm"]
+    # -O0 for the emulated build: gcc takes ~60 s to optimise its unrolled struct-vector tiles
+    opt = "-O0" if variant == "dot-emulated" else "-O1"
+    cmd = [CC, opt, "-g", *flags, "-fno-trapping-math", "-fopenmp", "-std=gnu11", "-fsanitize=address,undefined",
+           "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-o", str(exe), str(source), str(tmp_path / "driver.c"), "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if r.returncode != 0 and "sanitize" in r.stderr:
         pytest.skip(f"{CC} cannot build with -fsanitize=address: {r.stderr[-300:]}")
@@ -450,7 +521,7 @@ def test_kernel_under_address_sanitizer(tmp_path, variant):
     env.pop("LD_PRELOAD", None)
     r = subprocess.run([str(exe), "300"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "fails 0" in r.stdout, (r.stdout + r.stderr)[-3000:]
-    assert f"isa {1 if variant == 'avx2' else 0}" in r.stdout
+    assert f"isa {dict(avx2=1, generic=0).get(variant, 2)}" in r.stdout
 
 
 def test_bench_bf16_runs_small():
