@@ -222,9 +222,9 @@ def _check_out(out: torch.Tensor, dtype: torch.dtype, M: int, n_out: int) -> Non
 
 
 def kernel_isa(dtype: torch.dtype = torch.float32) -> int | None:
-    """The GEMM path :func:`gemm` runs for ``dtype`` weights (float32 or bfloat16): 2 = AVX-512,
-    1 = AVX2+FMA, 0 = generic C; None without kernels. The bf16-weight kernel has no AVX-512 path
-    (1 in the avx512 build)."""
+    """The GEMM path :func:`gemm` runs for ``dtype`` weights (float32 or bfloat16): 2 = AVX-512
+    (for bf16 weights: AVX512_BF16 dot products for bf16 x, the AVX2 kernel for fp32 x),
+    1 = AVX2+FMA, 0 = generic C; None without kernels."""
     lib = _gemm_library()
     name = "qw_gemm_bf16_isa" if dtype == torch.bfloat16 else "qw_gemm_f32_isa"
     fn = getattr(lib, name, None) if lib is not None else None

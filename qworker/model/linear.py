@@ -16,14 +16,15 @@ Four paths:
   was 1.4-1.5x slower at 8-32 rows.
 * ``"panels"`` (CPU, fp32 or bf16 weights): qworker's own GEMM (:mod:`kernels.gemm_cpu`,
   ``csrc/gemm_f32.c`` and ``csrc/gemm_bf16.c``): the weight packed once into 16-column panels, an
-  AVX2+FMA micro-kernel (the AVX-512 one is opt-in until it has run on AVX-512 hardware, see the C
-  file). It exists for decode batches (1-128 rows: 1.3-1.8x oneDNN on the 2-core AVX2 VM, about
+  AVX2+FMA micro-kernel (on AVX-512 CPUs also an AVX-512 one, weighed against it at start-up by
+  ``gemm_cpu.choose_gemm_isa``). It exists for decode batches (1-128 rows: 1.3-1.8x oneDNN on the 2-core AVX2 VM, about
   even on prefill chunks), where oneDNN's small-M GEMMs run well below both the weight-streaming
   floor and the FMA peak, and for its per-call cost (one ctypes call, no primitive lookup). fp32
   results match the other paths up to rounding (a different summation order). bf16 weights are
   widened to fp32 in registers (bf16 x in, fp32 sums, bf16 out, as oneDNN's bf16 linear), so the
   CPU bf16 mode needs no bf16 GEMM hardware and streams half the bytes: 1.6-2x the fp32 panels at
-  1-4 rows, level from 16 rows (the FMAs are then the limit).
+  1-4 rows, level from 16 rows (the FMAs are then the limit). Where the CPU has AVX512_BF16, bf16
+  x goes to a dot-product kernel instead (VDPBF16PS: twice the multiply-adds per instruction).
 * ``"matmul"`` (the CPU fallback): ``x @ w`` with ``w`` a materialised row-major ``[in, out]``
   copy (for 8-64 rows MKL's sgemm is 2-4x faster with it than with ``F.linear``'s transposed
   operand).
