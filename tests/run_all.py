@@ -1,38 +1,81 @@
-"""``make test``: the whole suite as two pytest processes running at the same time.
+"""``make test``: the whole suite as three pytest processes running at the same time.
 
-Why two: on the 2-core machines CI runs on, ``tests/worker`` (about 45% of a serial run) spends
-most of its time waiting on the broker (group joins, rebalances, outages, deadlines) and keeps
-about half a core busy, while the engine and kernel tests are CPU-bound. Side by side they finish
-in about the time of the longer one (idle 2-core AVX2 EPYC: 18 min serially, 13 min so).
+Why several: on the 2-core machines CI runs on, one serial run takes ~30 minutes. ``tests/worker``
+and the other broker-bound directories wait on the broker part of the time (group joins,
+rebalances, outages, deadlines); the engine and kernel tests are CPU-bound on one thread each.
+With the broker-bound group beside one CPU-bound group, the CPU-bound one ran ~250 s alone at the
+end with a core idle (idle 2-core AVX2 EPYC: 1105 s wall; 1010 s and 719 s of CPU). So the
+CPU-bound files are split over two processes, balanced by their recorded times
+(``tests/durations.json``), and all three run side by side.
 
-Why one intra-op thread each (``OMP_NUM_THREADS=1`` unless already set): two OpenMP teams of two
-threads on two cores make every parallel region wait for a preempted partner thread (barriers
+Why one intra-op thread each (``OMP_NUM_THREADS=1`` unless already set): several OpenMP teams of
+two threads on two cores make every parallel region wait for a preempted partner thread (barriers
 then cost a scheduler slice; CPU-heavy tests ran ~10x slower so). Tests that are about threads
 set their own counts (the GEMM kernels' 2-thread tests pass ``threads=2``).
 
-The first group's output streams as it runs (CI sees progress); the second's is kept and printed
-whole after it. The exit status is non-zero when either group fails. ``python -m pytest`` on its
-own still runs everything serially.
+The first group's output streams as it runs (CI sees progress); the others' is kept and printed
+whole after it, each with its wall and CPU time. The exit status is non-zero when any group
+fails. ``python -m pytest`` on its own still runs everything serially.
+
+``python tests/run_all.py --weights-from junit.xml`` rewrites ``tests/durations.json`` from a
+pytest ``--junitxml`` report of the CPU-bound files.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# the broker-bound group takes the smaller directories too (bench smoke runs, telemetry, chart), so
-# both finish at about the same time (serial, idle 2-core EPYC: worker 458 s, engine 405 s,
-# kernels 119 s, bench 65 s, telemetry 14 s, deploy 8 s); a new directory joins the first group
+DURATIONS = ROOT / "tests" / "durations.json"
+# the broker-bound group takes the smaller directories too (bench smoke runs, telemetry, chart)
 BROKER_BOUND = ["tests/worker", "tests/bench", "tests/telemetry", "tests/deploy"]
-GROUPS = {
-    "engine, kernels and the rest": ["tests", *(f"--ignore={d}" for d in BROKER_BOUND)],
-    " ".join(BROKER_BOUND): BROKER_BOUND,
-}
+
+
+def cpu_bound_files() -> list[str]:
+    """Every test file outside the broker-bound directories, relative to the root."""
+    skip = tuple(d + "/" for d in BROKER_BOUND)
+    files = (p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py"))
+    return sorted(f for f in files if not f.startswith(skip))
+
+
+def balance(files: list[str], seconds: dict[str, float], bins: int = 2) -> list[list[str]]:
+    """Longest first into the least-loaded bin; a file without a recorded time counts as the
+    median one (new files)."""
+    default = statistics.median(seconds.values()) if seconds else 1.0
+    loads, out = [0.0] * bins, [[] for _ in range(bins)]
+    for f in sorted(files, key=lambda f: (-seconds.get(f, default), f)):
+        i = loads.index(min(loads))
+        loads[i] += seconds.get(f, default)
+        out[i].append(f)
+    return [sorted(b) for b in out]
+
+
+def groups() -> dict[str, list[str]]:
+    seconds = json.loads(DURATIONS.read_text())["seconds"] if DURATIONS.exists() else {}
+    a, b = balance(cpu_bound_files(), seconds)
+    return {"engine and kernels, part 1": a, "engine and kernels, part 2": b, " ".join(BROKER_BOUND): BROKER_BOUND}
+
+
+def weights_from(junit: Path) -> None:
+    """Per-file seconds (setup, call and teardown) from a pytest junit report into DURATIONS."""
+    per_file: Counter[str] = Counter()
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        parts = case.get("classname", "").split(".")
+        while parts and not parts[-1].startswith("test_"):  # drop test classes
+            parts.pop()
+        if parts:
+            per_file["/".join(parts) + ".py"] += float(case.get("time", 0))
+    note = json.loads(DURATIONS.read_text())["note"] if DURATIONS.exists() else ""
+    DURATIONS.write_text(json.dumps({"note": note, "seconds": {f: round(s) for f, s in sorted(per_file.items())}}, indent=1) + "\n")
 
 
 def main(extra: list[str]) -> int:
@@ -40,7 +83,7 @@ def main(extra: list[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     started = time.monotonic()
     runs = {}
-    for i, (name, args) in enumerate(GROUPS.items()):
+    for i, (name, args) in enumerate(groups().items()):
         log = None if i == 0 else tempfile.TemporaryFile()  # the first streams to our stdout
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, *extra]
         print(f"===== {name}: {' '.join(cmd[1:])}", flush=True)
@@ -53,7 +96,7 @@ def main(extra: list[str]) -> int:
         rc = os.waitstatus_to_exitcode(status)
         proc.returncode = rc
         cpu = usage.ru_utime + usage.ru_stime
-        sys.stdout.write(f"\n===== {name} (exit {rc}, {time.monotonic() - started:.0f} s wall, {cpu:.0f} s CPU) =====\n")
+        sys.stdout.write(f"\n===== {name} (exit {rc}, done by {time.monotonic() - started:.0f} s, {cpu:.0f} s CPU) =====\n")
         sys.stdout.flush()
         if log is not None:
             log.seek(0)
@@ -67,4 +110,7 @@ def main(extra: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--weights-from"]:
+        weights_from(Path(sys.argv[2]))
+        sys.exit(0)
     sys.exit(main(sys.argv[1:]))

@@ -72,30 +72,20 @@ def _mixed_workload(e: LLMEngine, seed: int, n: int = 7):
     return run(e)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "float16"])
-def test_identical_to_the_python_loop(tiny_model_dir, kv_cache_dtype):
-    e = dirty(LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64,
-                                     enable_prefix_caching=True, kv_cache_memory=128 * BLOCK_BYTES_TINY)))
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("float32", "bfloat16"), ("float32", "float16"),
+                                                  ("bfloat16", "auto"), ("bfloat16", "float32")])
+def test_identical_to_the_python_loop(tiny_model_dir, dtype, kv_cache_dtype):
+    """fp32, and the CPU bf16 mode (bf16 weights and GEMM inputs/outputs, fp32 residual stream and
+    attention: the C loop against DecoderModel._forward_cpu_bf16's loop)."""
+    e = dirty(LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                     max_num_batched_tokens=64, enable_prefix_caching=True,
+                                     kv_cache_memory=128 * BLOCK_BYTES_TINY)))
     assert e.runner.model.fused_layers is not None
+    assert e.runner.model.fused_layers.weight_dtype == getattr(torch, dtype)
     c = Compare(e)
     done = _mixed_workload(e, seed=1)
     assert len(done) == 7 and all(r.error_code is None for r in done.values())
     # every step went through the C loop (prefill chunks of 64 tokens mix with decodes)
-    assert c.steps > 10 and c.fused == c.steps
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
-def test_bf16_mode_identical_to_its_python_loop(tiny_model_dir, kv_cache_dtype):
-    """The CPU bf16 mode (bf16 weights and GEMM inputs/outputs, fp32 residual stream and attention):
-    the C loop against DecoderModel._forward_cpu_bf16's loop."""
-    e = dirty(LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
-                                     max_num_batched_tokens=64, enable_prefix_caching=True,
-                                     kv_cache_memory=128 * BLOCK_BYTES_TINY)))
-    model = e.runner.model
-    assert model.fused_layers is not None and model.fused_layers.weight_dtype == torch.bfloat16
-    c = Compare(e)
-    done = _mixed_workload(e, seed=4)
-    assert len(done) == 7 and all(r.error_code is None for r in done.values())
     assert c.steps > 10 and c.fused == c.steps
 
 
