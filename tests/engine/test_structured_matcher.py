@@ -302,3 +302,25 @@ def test_cuda_apply_matches_cpu(svc):
     bm = StructuredBitmask(VOCAB, device="cuda")
     bm.apply(gpu, [(1, states[0]), (2, states[1])])
     assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_tokenizer_info_is_built_once_per_tokenizer_folder(tmp_path):
+    """An engine made again in the same process reuses the info of its tokenizer folder; other
+    stops, another width, or a tokenizer file changed on disk build it again."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    src = tokenizer().name_or_path
+    folder = tmp_path / "tok"
+    shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf", "*.bin"))
+    size = len(tokenizer())
+    eos = [tokenizer().eos_token_id]
+    first = build_tokenizer_info(AutoTokenizer.from_pretrained(folder), size, eos)
+    assert build_tokenizer_info(AutoTokenizer.from_pretrained(folder), size, eos) is first
+    assert build_tokenizer_info(AutoTokenizer.from_pretrained(folder), size, [0]) is not first
+    assert build_tokenizer_info(AutoTokenizer.from_pretrained(folder), size + 64, eos) is not first
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")  # same tokens, but a file changed: not trusted
+    again = build_tokenizer_info(AutoTokenizer.from_pretrained(folder), size, eos)
+    assert again is not first and again.vocab_size == first.vocab_size
