@@ -1,8 +1,8 @@
 """``make test``: the whole suite as three pytest processes running at the same time.
 
 Why several: on the 2-core machines CI runs on, one serial run takes ~30 minutes. ``tests/worker``
-and the other broker-bound directories wait on the broker part of the time (group joins,
-rebalances, outages, deadlines); the engine and kernel tests are CPU-bound on one thread each.
+and the other broker-bound tests wait on the broker part of the time (group joins, rebalances,
+outages, deadlines); the engine, kernel, bench and chart tests are CPU-bound on one thread each.
 With the broker-bound group beside one CPU-bound group, the CPU-bound one ran ~250 s alone at the
 end with a core idle (idle 2-core AVX2 EPYC: 1105 s wall; 1010 s and 719 s of CPU). So the
 CPU-bound files are split over two processes, balanced by their recorded times
@@ -36,15 +36,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DURATIONS = ROOT / "tests" / "durations.json"
-# the broker-bound group takes the smaller directories too (bench smoke runs, telemetry, chart)
-BROKER_BOUND = ["tests/worker", "tests/bench", "tests/telemetry", "tests/deploy"]
+# what talks to the broker (folders and files); the rest is CPU-bound
+BROKER_BOUND = ["tests/worker", "tests/telemetry", "tests/bench/test_bench_smoke.py"]
 
 
 def cpu_bound_files() -> list[str]:
-    """Every test file outside the broker-bound directories, relative to the root."""
-    skip = tuple(d + "/" for d in BROKER_BOUND)
+    """Every test file outside BROKER_BOUND, relative to the root."""
     files = (p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py"))
-    return sorted(f for f in files if not f.startswith(skip))
+    return sorted(f for f in files if not any(f == b or f.startswith(b + "/") for b in BROKER_BOUND))
 
 
 def balance(files: list[str], seconds: dict[str, float], bins: int = 2) -> list[list[str]]:
@@ -62,7 +61,7 @@ def balance(files: list[str], seconds: dict[str, float], bins: int = 2) -> list[
 def groups() -> dict[str, list[str]]:
     seconds = json.loads(DURATIONS.read_text())["seconds"] if DURATIONS.exists() else {}
     a, b = balance(cpu_bound_files(), seconds)
-    return {"engine and kernels, part 1": a, "engine and kernels, part 2": b, " ".join(BROKER_BOUND): BROKER_BOUND}
+    return {"CPU-bound tests, part 1": a, "CPU-bound tests, part 2": b, " ".join(BROKER_BOUND): BROKER_BOUND}
 
 
 def weights_from(junit: Path) -> None:
