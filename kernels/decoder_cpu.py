@@ -142,7 +142,7 @@ class DecoderLayers:
         form = _FORMS.get(self.weight_dtype)
         lib = _cpu._library()
         fn = getattr(lib, form.layers, None) if lib is not None and form else None
-        gemm_lib = gemm_cpu._gemm_library()
+        gemm_lib = gemm_cpu._gemm_library(self.weight_dtype)
         gemm = getattr(gemm_lib, form.gemm, None) if gemm_lib is not None and form else None
         T = h.shape[0] if h.dim() == 2 else 0
         if fn is None or gemm is None or not self.ok or T == 0 or not _cpu.EXTEND_KERNEL or len(kv_caches) != len(self._weights):

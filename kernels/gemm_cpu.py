@@ -140,7 +140,7 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
     if odt not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32 for bf16 weights, got {odt}")
     lead = x.shape[:-1]
-    lib = _gemm_library()
+    lib = _gemm_library(torch.bfloat16)
     fn = getattr(lib, "qw_gemm_bf16", None) if lib is not None else None
     covered = (
         fn is not None
@@ -225,7 +225,7 @@ def kernel_isa(dtype: torch.dtype = torch.float32) -> int | None:
     """The GEMM path :func:`gemm` runs for ``dtype`` weights (float32 or bfloat16): 2 = AVX-512
     (for bf16 weights: AVX512_BF16 dot products for bf16 x, the AVX2 kernel for fp32 x),
     1 = AVX2+FMA, 0 = generic C; None without kernels."""
-    lib = _gemm_library()
+    lib = _gemm_library(dtype)
     name = "qw_gemm_bf16_isa" if dtype == torch.bfloat16 else "qw_gemm_f32_isa"
     fn = getattr(lib, name, None) if lib is not None else None
     return None if fn is None else int(fn())
@@ -233,7 +233,8 @@ def kernel_isa(dtype: torch.dtype = torch.float32) -> int | None:
 
 # Which kernels build's GEMM runs. By default the active build's (kernels.cpu.cpu_isa()); on an
 # AVX-512 CPU that build has its own fp32 micro-kernel (12 x 32 tiles), which choose_gemm_isa
-# weighs against the avx2 build's (6 x 16) once per process. QWORKER_CPU_GEMM_ISA (read once)
+# weighs against the avx2 build's (6 x 16) once per process, for fp32 weights only (bf16 weights
+# keep the active build: its AVX512_BF16 dot-product kernel, where the CPU has one). QWORKER_CPU_GEMM_ISA (read once)
 # forces a build; using_gemm_isa(), and kernels.cpu.using_isa() for every kernel, override both
 # (tests, benchmarks).
 _gemm_isa_override: list[str] = []
@@ -242,9 +243,9 @@ _gemm_isa_choice: dict[str, str] = {}  # active kernels ISA -> the build whose G
 _KEEP_AVX512_UNLESS_SLOWER = 1.05
 
 
-def gemm_isa() -> str | None:
-    """The kernels build ("avx512", "avx2" or "generic") whose GEMM :func:`gemm` runs, or None
-    without kernels (``QWORKER_CPU_KERNELS=0``, no compiler)."""
+def gemm_isa(dtype: torch.dtype = torch.float32) -> str | None:
+    """The kernels build ("avx512", "avx2" or "generic") whose GEMM :func:`gemm` runs for
+    ``dtype`` weights, or None without kernels (``QWORKER_CPU_KERNELS=0``, no compiler)."""
     if _cpu._library() is None:
         return None
     if _gemm_isa_override:
@@ -252,11 +253,13 @@ def gemm_isa() -> str | None:
     if _cpu._isa_override:  # kernels.cpu.using_isa(): that build, its GEMM included
         return _cpu.cpu_isa()
     active = _cpu.cpu_isa()
+    if dtype != torch.float32:
+        return _forced_gemm_isa() or active
     return _forced_gemm_isa() or _gemm_isa_choice.get(active, active)
 
 
-def _gemm_library():
-    isa = gemm_isa()
+def _gemm_library(dtype: torch.dtype = torch.float32):
+    isa = gemm_isa(dtype)
     return None if isa is None else _cpu._library_for(isa)
 
 
@@ -289,7 +292,7 @@ def self_check(dtype: torch.dtype) -> str:
     panel, odd K, several K blocks continuing from y), else why not. Run at start-up, because the
     micro-kernels of a build are only ever compiled for the CPU they run on."""
     if kernel_isa(dtype) is None:
-        return f"the CPU C kernels are unavailable (no compiler, QWORKER_CPU_KERNELS=0, or the {gemm_isa()} build failed)"
+        return f"the CPU C kernels are unavailable (no compiler, QWORKER_CPU_KERNELS=0, or the {gemm_isa(dtype)} build failed)"
     gen = torch.Generator().manual_seed(0)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     # (N, K, rows, kc): 40 = 2 panels + a partial one; 136 = 8 + a partial one (AVX-512's 1-row
@@ -302,7 +305,7 @@ def self_check(dtype: torch.dtype) -> str:
         want = x.float() @ w.float().t() + b
         if not torch.allclose(gemm(x, pack_weight(w), b, N, kc=kc).float(), want, rtol=tol, atol=tol):
             return (f"the panels GEMM gave wrong results on the start-up check ({dtype}, {rows} rows, N={N}, kc={kc}, "
-                    f"{gemm_isa()} build)")
+                    f"{gemm_isa(dtype)} build)")
     return ""
 
 

@@ -173,7 +173,9 @@ int qw_decoder_layers_f32(const qw_layer *layers, int num_layers, const qw_step 
     return 0;
 }
 
-/* fp32 -> bf16 bits, rounded to nearest even as torch's .to(torch.bfloat16) (NaN -> 0x7fc0) */
+/* fp32 -> bf16 bits, rounded to nearest even as torch's .to(torch.bfloat16); NaN -> 0x7fc0 (torch's
+ * vectorised conversion writes 0xffff, but the GEMMs that read these write every NaN as 0x7fc0 and
+ * the qkv values are NaN either way, so nothing downstream differs) */
 static inline uint32_t bf16_bits(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);

@@ -14,7 +14,7 @@
  * x: fp32, or bf16 (widened once per call into an fp32 copy, so the tiles broadcast fp32 as the
  * fp32 kernel does; an M x K copy is small next to the N x K weights). bias: fp32, bf16 or NULL
  * (copied into a zero-padded fp32 row). y: fp32, or bf16 rounded to nearest even from the fp32
- * accumulator (NaN -> 0x7fc0, as torch's float -> bfloat16 conversion); with more than one K block
+ * accumulator (NaN -> 0x7fc0, as torch's scalar float -> bfloat16 conversion); with more than one K block
  * a bf16 y is accumulated in an fp32 scratch first and rounded once at the end.
  *
  * Widening (AVX2): a panel row is 16 bf16 = one 32-byte load. Seen as 8 32-bit lanes, lane j holds

@@ -39,6 +39,18 @@ def test_using_gemm_isa_switches_only_the_gemm(other):
     assert gemm_cpu.gemm_isa() in kcpu.available_isas()
 
 
+def test_the_fp32_choice_leaves_bf16_weights_on_the_active_build(monkeypatch):
+    """choose_gemm_isa weighs fp32 kernels only; bf16 weights keep the active build (on AVX512_BF16
+    CPUs its dot-product kernel, which the avx2 build lacks)."""
+    active = kcpu.cpu_isa()
+    other = next((i for i in kcpu.available_isas() if i != active), None)
+    if other is None:
+        pytest.skip("one kernels build on this CPU")
+    monkeypatch.setitem(gemm_cpu._gemm_isa_choice, active, other)
+    assert gemm_cpu.gemm_isa() == other and gemm_cpu.gemm_isa(torch.bfloat16) == active
+    assert gemm_cpu.kernel_isa(torch.bfloat16) == kcpu._library_for(active).qw_gemm_bf16_isa()
+
+
 def test_using_gemm_isa_refuses_a_build_the_cpu_lacks():
     with pytest.raises(ValueError, match="not available"):
         with gemm_cpu.using_gemm_isa("sse9"):
