@@ -130,7 +130,7 @@ static int attention(const qw_step *s, const qw_layer *l, attn_decode_fn decode,
     return 0;
 }
 
-/* The checks and per-layer steps both forms share: the cache's kernels, the rows' consistency. */
+/* What both forms check first: the cache dtype has kernels here, the decode rows fit the step. */
 static int prepare(const qw_step *s, store_fn *store, attn_decode_fn *decode, attn_extend_fn *extend) {
     if (cache_kernels(s->cache_dtype, store, decode, extend) != 0) return -3;
     if (s->num_decodes < 0 || s->num_decodes > s->T || s->num_decodes > s->num_seqs) return -3;
