@@ -426,8 +426,10 @@ int qw_gemm_bf16(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, con
     }
     if (kc > K) kc = K > 0 ? K : 1;
     const int64_t nk = K > 0 ? (K + kc - 1) / kc : 1; /* K = 0: one empty block, the bias */
+    /* the tiles read x as fp32 (the FMA path: bf16 x widened first) or as bf16 (the dot path) */
+    const int xsz = QW_BF_DOT && x_bf16 ? 2 : 4;
     if (mc <= 0) {
-        mc = QW_X_BLOCK_BYTES / (kc * 4);
+        mc = QW_X_BLOCK_BYTES / (kc * xsz);
         mc = mc < MR_MAIN ? MR_MAIN : mc / MR_MAIN * MR_MAIN;
     }
     if (group <= 0) {
@@ -442,10 +444,10 @@ int qw_gemm_bf16(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, con
     float *xf = NULL, *bf = NULL, *yt = NULL;
     const void *xs = x;
     int64_t ldxs = ldx;
-    int xsz = 4, rc = 0;
+    int rc = 0;
     const tile_fn(*table)[NP_MAX + 1] = TILES;
 #if QW_BF_DOT
-    if (x_bf16) table = DOT_TILES, xsz = 2; /* bf16 x as it is */
+    if (x_bf16) table = DOT_TILES; /* bf16 x as it is */
 #endif
     if (x_bf16 && xsz == 4 && K > 0) {
         xf = malloc((size_t)(M * K) * sizeof(float));
