@@ -274,7 +274,8 @@ class DecoderModel:
 
     def _fused(self, h, positions, kv_caches, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The caller's layer loop (:meth:`forward`'s, or :meth:`_forward_cpu_bf16`'s for bf16
-        weights) in one C call (:mod:`kernels.decoder_cpu`, bit for bit the same kernels), or None: turned off (``fused_cpu_forward``), a projection wrapped or replaced
+        weights) in one C call (:mod:`kernels.decoder_cpu`, bit for bit the same kernels), or None:
+        turned off (``fused_cpu_forward``), a projection wrapped or replaced
         since the model was built (LoRA, tensor parallelism, a benchmark's timers), any tensor it
         bound replaced or moved (see ``_fused_guard``), or inputs it does not cover."""
         if not self.fused_cpu_forward:

@@ -35,6 +35,7 @@ def model_vocab_size(config: object) -> int | None:
 # engine) reuses the info (immutable) instead of spending ~0.75 s of CPU on a 50k vocabulary again
 _built: dict[tuple, xgr.TokenizerInfo] = {}
 _built_lock = threading.Lock()
+_BUILT_KEPT = 4  # the oldest goes beyond this (a process that loads many models keeps the last few)
 
 
 def build_tokenizer_info(tokenizer: object, vocab_size: int | None = None, stop_token_ids: Iterable[int] | None = None) -> xgr.TokenizerInfo:
@@ -53,6 +54,8 @@ def build_tokenizer_info(tokenizer: object, vocab_size: int | None = None, stop_
         info = _build(tokenizer, size, stops)
         with _built_lock:
             _built[key] = info
+            while len(_built) > _BUILT_KEPT:
+                del _built[next(iter(_built))]
     return info
 
 
