@@ -253,9 +253,8 @@ def gemm_isa(dtype: torch.dtype = torch.float32) -> str | None:
     if _cpu._isa_override:  # kernels.cpu.using_isa(): that build, its GEMM included
         return _cpu.cpu_isa()
     active = _cpu.cpu_isa()
-    if dtype != torch.float32:
-        return _forced_gemm_isa() or active
-    return _forced_gemm_isa() or _gemm_isa_choice.get(active, active)
+    chosen = _gemm_isa_choice.get(active, active) if dtype == torch.float32 else active  # the choice weighs fp32 only
+    return _forced_gemm_isa() or chosen
 
 
 def _gemm_library(dtype: torch.dtype = torch.float32):

@@ -26,6 +26,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef int (*qw_gemm_fn)(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy,
                           int64_t M, int64_t N, int64_t K, int num_threads, int64_t mc, int64_t group, int64_t kc);
 /* csrc/gemm_bf16.c's qw_gemm_bf16: bf16-packed weights; x, bias and y each fp32 or bf16 */
@@ -88,21 +90,28 @@ DECLARE(f16)
 #define QW_HAVE_F16_STORE 1
 #endif
 
-static int cache_kernels(int dtype, store_fn *store, attn_decode_fn *decode, attn_extend_fn *extend) {
+/* The KV write and attention kernels for the cache's dtype. */
+typedef struct {
+    store_fn store;
+    attn_decode_fn decode;
+    attn_extend_fn extend;
+} cache_kernels;
+
+static int cache_kernels_for(int dtype, cache_kernels *ck) {
     switch (dtype) {
     case 0:
-        *store = (store_fn)qw_store_kv_f32, *decode = (attn_decode_fn)qw_paged_decode_f32;
-        *extend = (attn_extend_fn)qw_paged_extend_f32;
+        *ck = (cache_kernels){(store_fn)qw_store_kv_f32, (attn_decode_fn)qw_paged_decode_f32,
+                              (attn_extend_fn)qw_paged_extend_f32};
         return 0;
 #ifdef QW_HAVE_F16_STORE
     case 1:
-        *store = (store_fn)qw_store_kv_f16, *decode = (attn_decode_fn)qw_paged_decode_f16;
-        *extend = (attn_extend_fn)qw_paged_extend_f16;
+        *ck = (cache_kernels){(store_fn)qw_store_kv_f16, (attn_decode_fn)qw_paged_decode_f16,
+                              (attn_extend_fn)qw_paged_extend_f16};
         return 0;
 #endif
     case 2:
-        *store = (store_fn)qw_store_kv_bf16, *decode = (attn_decode_fn)qw_paged_decode_bf16;
-        *extend = (attn_extend_fn)qw_paged_extend_bf16;
+        *ck = (cache_kernels){(store_fn)qw_store_kv_bf16, (attn_decode_fn)qw_paged_decode_bf16,
+                              (attn_extend_fn)qw_paged_extend_bf16};
         return 0;
     default:
         return -3;
@@ -111,47 +120,45 @@ static int cache_kernels(int dtype, store_fn *store, attn_decode_fn *decode, att
 
 /* Decode rows [0, num_decodes) with the decode kernel, the rest with the extend kernel (as
  * qworker/model/attention.py PagedAttention does). */
-static int attention(const qw_step *s, const qw_layer *l, attn_decode_fn decode, attn_extend_fn extend) {
+static int attention(const qw_step *s, const qw_layer *l, const cache_kernels *ck) {
     const int64_t qkv_row = (int64_t)(s->Hq + 2 * s->Hkv) * s->D, out_row = (int64_t)s->Hq * s->D;
     const int nd = s->num_decodes, rest = s->num_seqs - nd;
     if (nd > 0) {
-        int rc = decode(s->qkv, qkv_row, l->k_cache, l->v_cache, s->tables, s->table_stride, s->seq_lens, s->attn,
-                        out_row, nd, s->Hq, s->Hkv, s->D, s->block_size, s->scale, s->threads, s->num_blocks,
-                        s->window, s->softcap);
+        int rc = ck->decode(s->qkv, qkv_row, l->k_cache, l->v_cache, s->tables, s->table_stride, s->seq_lens, s->attn,
+                            out_row, nd, s->Hq, s->Hkv, s->D, s->block_size, s->scale, s->threads, s->num_blocks,
+                            s->window, s->softcap);
         if (rc != 0) return rc == -2 ? -2 : -3;
     }
     if (rest > 0 && s->T > nd) {
-        int rc = extend(s->qkv + nd * qkv_row, qkv_row, l->k_cache, l->v_cache, s->tables + nd * s->table_stride,
-                        s->table_stride, s->query_start_loc, s->seq_lens + nd, s->attn + nd * out_row, out_row, rest,
-                        s->Hq, s->Hkv, s->D, s->block_size, s->scale, s->threads, s->num_blocks, s->window,
-                        s->softcap);
+        int rc = ck->extend(s->qkv + nd * qkv_row, qkv_row, l->k_cache, l->v_cache, s->tables + nd * s->table_stride,
+                            s->table_stride, s->query_start_loc, s->seq_lens + nd, s->attn + nd * out_row, out_row,
+                            rest, s->Hq, s->Hkv, s->D, s->block_size, s->scale, s->threads, s->num_blocks, s->window,
+                            s->softcap);
         if (rc != 0) return rc == -2 ? -2 : -3;
     }
     return 0;
 }
 
 /* What both forms check first: the cache dtype has kernels here, the decode rows fit the step. */
-static int prepare(const qw_step *s, store_fn *store, attn_decode_fn *decode, attn_extend_fn *extend) {
-    if (cache_kernels(s->cache_dtype, store, decode, extend) != 0) return -3;
+static int prepare(const qw_step *s, cache_kernels *ck) {
+    if (cache_kernels_for(s->cache_dtype, ck) != 0) return -3;
     if (s->num_decodes < 0 || s->num_decodes > s->T || s->num_decodes > s->num_seqs) return -3;
     return 0;
 }
 
 /* rotary on q and k in the qkv buffer, their K/V rows into the layer's cache, then attention */
-static int rope_store_attend(const qw_step *s, const qw_layer *l, store_fn store, attn_decode_fn decode,
-                             attn_extend_fn extend) {
+static int rope_store_attend(const qw_step *s, const qw_layer *l, const cache_kernels *ck) {
     const int Q = s->Hq * s->D, KV = s->Hkv * s->D, W = Q + 2 * KV;
     float *q = s->qkv, *k = s->qkv + Q, *v = s->qkv + Q + KV;
     qw_rope_f32(q, k, W, s->positions, s->cos, s->sin, s->T, s->Hq, s->Hkv, s->D, s->threads);
-    if (store(k, v, W, W, l->k_cache, l->v_cache, s->slots, s->T, KV, s->num_blocks * s->block_size) != 0) return -1;
-    return attention(s, l, decode, extend);
+    if (ck->store(k, v, W, W, l->k_cache, l->v_cache, s->slots, s->T, KV, s->num_blocks * s->block_size) != 0)
+        return -1;
+    return attention(s, l, ck);
 }
 
 int qw_decoder_layers_f32(const qw_layer *layers, int num_layers, const qw_step *s) {
-    store_fn store;
-    attn_decode_fn decode;
-    attn_extend_fn extend;
-    if (prepare(s, &store, &decode, &extend) != 0) return -3;
+    cache_kernels ck;
+    if (prepare(s, &ck) != 0) return -3;
     const qw_gemm_fn gemm = (qw_gemm_fn)s->gemm;
     const int64_t T = s->T;
     const int H = s->H, Q = s->Hq * s->D, W = Q + 2 * s->Hkv * s->D, I = s->I, nt = s->threads;
@@ -161,7 +168,7 @@ int qw_decoder_layers_f32(const qw_layer *layers, int num_layers, const qw_step 
         const qw_layer *l = &layers[i];
         qw_add_rms_norm_f32(i == 0 ? s->emb : h, residual, l->input_norm, s->res[0], x, T, H, s->eps, nt);
         if (gemm(x, H, l->qkv, l->qkv_bias, s->qkv, W, T, W, H, nt, 0, 0, 0) != 0) return -3;
-        int rc = rope_store_attend(s, l, store, decode, extend);
+        int rc = rope_store_attend(s, l, &ck);
         if (rc != 0) return rc;
         if (gemm(s->attn, Q, l->o, l->o_bias, h, H, T, H, Q, nt, 0, 0, 0) != 0) return -3;
         qw_add_rms_norm_f32(h, s->res[0], l->post_norm, s->res[1], x, T, H, s->eps, nt);
@@ -173,25 +180,15 @@ int qw_decoder_layers_f32(const qw_layer *layers, int num_layers, const qw_step 
     return 0;
 }
 
-/* fp32 -> bf16 bits, rounded to nearest even as torch's .to(torch.bfloat16); NaN -> 0x7fc0 (torch's
- * vectorised conversion writes 0xffff, but the GEMMs that read these write every NaN as 0x7fc0 and
- * the qkv values are NaN either way, so nothing downstream differs) */
-static inline uint32_t bf16_bits(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-}
-
-/* fp32 values rounded to bf16 precision in place: what the Python loop's bf16 round trip gives */
+/* fp32 values rounded to bf16 precision in place: what the Python loop's bf16 round trip gives
+ * (NaN becomes 0x7fc0, not torch's vectorised 0xffff: the values are NaN either way, and the GEMMs
+ * that read the bf16 ones below write every NaN as 0x7fc0, so nothing downstream differs) */
 static void round_to_bf16(float *v, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t bits = bf16_bits(v[i]) << 16;
-        memcpy(&v[i], &bits, sizeof bits);
-    }
+    for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
 }
 
 static void to_bf16(const float *v, uint16_t *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = (uint16_t)bf16_bits(v[i]);
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(v[i]);
 }
 
 /* The CPU bf16 mode's loop. qkv's bf16 output, which the Python loop widens back to fp32 for
@@ -200,10 +197,8 @@ static void to_bf16(const float *v, uint16_t *out, int64_t n) {
  * Python loop's .to(torch.bfloat16) does (the GEMM may take another path for fp32 x, see
  * csrc/gemm_bf16.c's dot-product kernel). */
 int qw_decoder_layers_bf16(const qw_layer *layers, int num_layers, const qw_step *s) {
-    store_fn store;
-    attn_decode_fn decode;
-    attn_extend_fn extend;
-    if (prepare(s, &store, &decode, &extend) != 0) return -3;
+    cache_kernels ck;
+    if (prepare(s, &ck) != 0) return -3;
     const qw_gemm_bf16_fn gemm = (qw_gemm_bf16_fn)s->gemm;
     const int64_t T = s->T;
     const int H = s->H, Q = s->Hq * s->D, W = Q + 2 * s->Hkv * s->D, I = s->I, nt = s->threads;
@@ -215,7 +210,7 @@ int qw_decoder_layers_bf16(const qw_layer *layers, int num_layers, const qw_step
                                 s->eps, nt);
         if (gemm(x, H, 1, l->qkv, l->qkv_bias, l->qkv_bias_bf16, s->qkv, W, 0, T, W, H, nt, 0, 0, 0) != 0) return -3;
         round_to_bf16(s->qkv, T * W);
-        int rc = rope_store_attend(s, l, store, decode, extend);
+        int rc = rope_store_attend(s, l, &ck);
         if (rc != 0) return rc;
         to_bf16(s->attn, s->attn_bf16, T * Q);
         if (gemm(s->attn_bf16, Q, 1, l->o, l->o_bias, l->o_bias_bf16, h, H, 1, T, H, Q, nt, 0, 0, 0) != 0) return -3;

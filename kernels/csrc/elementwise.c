@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp.h"
 
 /* out = weight * (h / sqrt(mean(h^2) + eps)) with h = x + residual (or x when residual is NULL);
@@ -100,23 +101,6 @@ static void silu_mul_row(const float *restrict g, const float *restrict u, float
 void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= (1 << 16))
     for (int64_t t = 0; t < T; t++) silu_mul_row(gate_up + t * 2 * I, gate_up + t * 2 * I + I, out + t * I, I);
-}
-
-/* fp32 -> bf16, rounded to nearest even as torch's .to(torch.bfloat16) (NaN stays a quiet NaN) */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* bf16 -> fp32 is exact: the bf16 bits are the fp32's upper half */
-static inline float bf16_to_f32(uint16_t b) {
-    const uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 }
 
 /* qw_add_rms_norm_f32 for the CPU bf16 mode: x is a bf16 GEMM's output (x_bf16 != 0) or fp32, out
