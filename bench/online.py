@@ -153,6 +153,7 @@ def _records(jobs, sent, deltas, finals) -> dict:
                 "tpot": (t_done - first) / (n_out - 1) if n_out > 1 else None,
                 "itl": [b - a for a, b in zip(times, times[1:])],
                 "deltas": len(run),
+                "token_ids": msg["choices"][0]["token_ids"],
                 "worker_ttft": msg["timings"].get("ttft_s"),
                 "worker_queue": msg["timings"].get("queue_s"),
             }
