@@ -48,12 +48,12 @@ def items_for(model: str, num: int, seed: int, outputs: str = "32,256") -> list[
     return workloads.mixed(AutoTokenizer.from_pretrained(model), num=num, seed=seed, output_range=tuple(int(x) for x in outputs.split(",")))
 
 
-def engine_side(model: str, num: int, seed: int, outputs: str, kv_mib: float, dtype: str) -> dict:
+def engine_side(model: str, num: int, seed: int, outputs: str, kv_mib: float, device: str, dtype: str) -> dict:
     """In this (fresh) process: the jobs through AsyncEngine, all submitted at once."""
     from qworker.engine import AsyncEngine
 
     items = items_for(model, num, seed, outputs)
-    engine = drive.new_engine(model, "cpu", dtype, kv_mib)
+    engine = drive.new_engine(model, device, dtype, kv_mib)
     drive.warm_up(engine)
     aeng = AsyncEngine(engine)
 
@@ -92,7 +92,7 @@ def kafka_side(args, seed: int, logs: Path) -> dict:
         env = dict(os.environ, QWORKER_BOOTSTRAP_SERVERS=broker.bootstrap, QWORKER_MODEL=args.model, QWORKER_ENABLE_IDEMPOTENCE="false",
                    # as bench/online.py: a short session, so the group's first join does not wait ~30 s on the broker
                    QWORKER_SESSION_TIMEOUT_MS="6000", QWORKER_HEARTBEAT_INTERVAL_MS="1000", QWORKER_HTTP_PORT=str(port), QWORKER_HTTP_HOST="127.0.0.1", QWORKER_KV_CACHE_MEMORY=f"{int(args.kv_memory_mib)}MiB",
-                   QWORKER_LOG_LEVEL="WARNING", QWORKER_DTYPE=args.dtype)
+                   QWORKER_LOG_LEVEL="WARNING", QWORKER_DEVICE=args.device, QWORKER_DTYPE=args.dtype)
         with open(logs / "worker.log", "ab") as out:
             worker = subprocess.Popen([sys.executable, "-m", "qworker.cli", "run"], env=env, stdout=out, stderr=subprocess.STDOUT)
         wait_ready(port, worker, 300)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.engine_side:
         num, seed = (int(x) for x in args.engine_side.split(","))
-        print(json.dumps(engine_side(args.model, num, seed, args.output_range, args.kv_memory_mib, args.dtype)))
+        print(json.dumps(engine_side(args.model, num, seed, args.output_range, args.kv_memory_mib, args.device, args.dtype)))
         return {}
     if args.quick:
         args.num_requests, args.rounds, args.output_range = 4, 1, "4,12"
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
                 sides[side] = kafka_side(args, seed, logs)
             else:
                 cmd = [sys.executable, __file__, "--engine-side", f"{args.num_requests},{seed}", "--model", args.model,
-                       "--kv-memory-mib", str(args.kv_memory_mib), "--dtype", args.dtype, "--output-range", args.output_range]
+                       "--kv-memory-mib", str(args.kv_memory_mib), "--device", args.device, "--dtype", args.dtype,
+                       "--output-range", args.output_range]
                 sides[side] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
         kaf, eng = sides["kafka"], sides["engine"]
         differ = sum(kaf["tokens"].get(str(i)) != toks for i, toks in enumerate(eng["tokens"]))
