@@ -18,6 +18,15 @@ export PYTHONUNBUFFERED=1
 # The repo itself on the path instead of `pip install -e .`: the GPU image has
 # torch/triton but cannot reach a registry to resolve the other dependencies.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# What bench/gpu_prepare.sh put in .gpu/ (carried: run(..., carry=[".gpu"])): wheels of the
+# packages the engine imports that the image lacks, and the test model's config and tokenizer.
+if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/qw-site .gpu/wheels/*.whl \
+    && export PYTHONPATH="/tmp/qw-site:$PYTHONPATH"
+fi
+MODEL=models/smollm2-135m
+[[ -f $MODEL/config.json || ! -f .gpu/smollm2-135m/config.json ]] || MODEL=.gpu/smollm2-135m
+export QWORKER_TEST_MODEL=${QWORKER_TEST_MODEL:-$MODEL}
 LOG="$RES/gpu_check.log"
 : >"$LOG"
 status=()
@@ -32,14 +41,18 @@ run_step() {  # name, seconds, command...
 }
 
 run_step env 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv; \
+  grep -m1 'model name' /proc/cpuinfo; nproc; grep -o -w -E 'avx512f|avx512_bf16|amx_tile|amx_bf16' /proc/cpuinfo | sort -u | tr '\\n' ' '; echo; \
   $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.cuda.get_device_name())'"
-run_step kernel-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/kernels --junitxml="$RES/kernel_tests.xml"
-run_step kernel-bench 210 "$PY" bench/kernel_bench.py --skip lora --json "$RES/kernel_bench.json"
+# Spread over the host's cores where pytest-xdist is there (the CPU kernel tests are most of the count)
+xdist=()
+"$PY" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
+run_step kernel-tests 150 env OMP_NUM_THREADS=2 "$PY" -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} tests/kernels \
+  --junitxml="$RES/kernel_tests.xml"
+run_step kernel-bench 180 "$PY" bench/kernel_bench.py --skip lora --json "$RES/kernel_bench.json"
 # Multi-LoRA shrink/expand at Llama-3-8B's qkv shape: each case checked against the torch
 # reference (the step fails on a mismatch) and timed, with a K-split shrink beside the default.
 run_step lora 60 "$PY" bench/kernel_bench.py --only lora --json "$RES/lora_bench.json"
 
-MODEL=models/smollm2-135m
 if [[ ! -f bench/throughput.py ]]; then
   msg="SKIPPED engine throughput: bench/throughput.py is not in this tree (the lead's script)"
   echo "$msg" | tee -a "$LOG"; status+=("$msg")
