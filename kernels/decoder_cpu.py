@@ -77,7 +77,8 @@ class DecoderLayers:
     """The layers of one model, bound for :meth:`run`. ``layers``: per layer a dict with
     ``input_norm``, ``post_norm`` ``[H]`` (fp32) and the packed projections ``qkv`` (``[*, H, 16]``,
     with ``qkv_bias`` or None), ``o`` (with ``o_bias``), ``gate_up``, ``down``, all fp32 (the fp32
-    form) or all bf16 (the CPU bf16 mode's form); the tensors must outlive this object (it keeps
+    form) or all bf16 (the CPU bf16 mode's form; all in the panels layout or all in the amx one,
+    ``[*, K / 2, 32]``, whose GEMM is then ``csrc/gemm_amx.c``'s); the tensors must outlive this object (it keeps
     references). Shapes: ``H`` hidden, ``Hq``/``Hkv`` heads of ``D``, ``I`` the MLP's
     intermediate size."""
 
@@ -91,6 +92,8 @@ class DecoderLayers:
         self.cos, self.sin = cos, sin
         self._tensors = layers  # kept alive: the structs hold their addresses
         self.weight_dtype = layers[0]["qkv"].dtype if layers else torch.float32
+        # bf16 weights packed for AMX (kernels/gemm_cpu.py): every projection, or none
+        self.amx = bool(layers) and gemm_cpu.is_amx_packed(layers[0]["qkv"])
         self.ok = self.weight_dtype in _FORMS and self._check(layers)
         self._weights = [{**{name: (t.data_ptr() if t is not None else None) for name, t in layer.items()},
                           "qkv_bias_bf16": _is_bf16(layer["qkv_bias"]), "o_bias_bf16": _is_bf16(layer["o_bias"])}
@@ -103,7 +106,9 @@ class DecoderLayers:
         for layer in layers:
             for name, (K, N) in want.items():
                 p = layer[name]
-                if not (p.dtype == self.weight_dtype and p.dim() == 3 and p.shape[1:] == (K, gemm_cpu.NR)
+                shape = (K // 2, 2 * gemm_cpu.NR) if self.amx else (K, gemm_cpu.NR)
+                if not (p.dtype == self.weight_dtype and p.dim() == 3 and p.shape[1:] == shape
+                        and gemm_cpu.is_amx_packed(p) == self.amx and (not self.amx or K % gemm_cpu.AMX_K == 0)
                         and p.shape[0] == -(-N // gemm_cpu.NR) and p.is_contiguous() and p.device.type == "cpu"):
                     return False
             if not (_fp32(layer["input_norm"]) and _fp32(layer["post_norm"])
@@ -143,7 +148,10 @@ class DecoderLayers:
         lib = _cpu._library()
         fn = getattr(lib, form.layers, None) if lib is not None and form else None
         gemm_lib = gemm_cpu._gemm_library(self.weight_dtype)
-        gemm = getattr(gemm_lib, form.gemm, None) if gemm_lib is not None and form else None
+        gemm_name = "qw_gemm_bf16_amx" if self.amx else form.gemm if form else None
+        gemm = getattr(gemm_lib, gemm_name, None) if gemm_lib is not None and gemm_name else None
+        if self.amx and not gemm_cpu.amx_ready():
+            gemm = None
         T = h.shape[0] if h.dim() == 2 else 0
         if fn is None or gemm is None or not self.ok or T == 0 or not _cpu.EXTEND_KERNEL or len(kv_caches) != len(self._weights):
             return None

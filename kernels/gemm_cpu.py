@@ -2,10 +2,15 @@
 into 16-column panels: fp32 weights (``csrc/gemm_f32.c``) or bf16 weights (``csrc/gemm_bf16.c``,
 the CPU bf16 mode: half the weight bytes to stream, fp32 arithmetic, no bf16 hardware needed).
 
-Packed layout: ``[ceil(N / 16), K, 16]`` in the weight's dtype (fp32, or bf16 for a bf16 weight),
-panel ``p`` row ``k`` holding ``W[16p:16p+16, k]`` (columns past ``N`` zero), so the kernel
-streams each panel contiguously. The layout is the same for every ISA build (AVX-512, AVX2+FMA,
-generic C), so one packed copy serves whichever build :func:`kernels.cpu.cpu_isa` selects.
+Packed layout ("panels"): ``[ceil(N / 16), K, 16]`` in the weight's dtype (fp32, or bf16 for a
+bf16 weight), panel ``p`` row ``k`` holding ``W[16p:16p+16, k]`` (columns past ``N`` zero), so the
+kernel streams each panel contiguously. The layout is the same for every ISA build (AVX-512,
+AVX2+FMA, generic C), so one packed copy serves whichever build :func:`kernels.cpu.cpu_isa` selects.
+
+On CPUs with AMX (where the OS grants it: :func:`amx_ready`), bf16 weights whose K is a multiple
+of 32 are packed instead in AMX's tile layout ("amx", ``csrc/gemm_amx.c``): ``[ceil(N / 16), K / 2,
+32]``, element ``[p, k2, 2c + j]`` = ``W[16p + c, 2 k2 + j]``; bf16 x then runs on AMX tiles (fp32 x,
+which that kernel does not take, on torch). ``QWORKER_CPU_AMX=0`` keeps the panels layout.
 
 Usage::
 
@@ -40,32 +45,74 @@ from . import cpu as _cpu
 log = logging.getLogger(__name__)
 
 NR = 16  # panel width (floats); csrc/gemm_f32.c's NR
+AMX_K = 32  # k per AMX tile: the amx layout needs K to be a multiple of it
+LAYOUTS = ("panels", "amx")
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """``w [N, K]`` (``nn.Linear.weight``: out x in) -> packed ``[ceil(N / 16), K, 16]``,
-    contiguous, a new tensor (``w`` is not kept): bf16 for a bf16 ``w`` (the bf16-weight kernel),
-    else fp32."""
+def amx_ready() -> bool:
+    """Whether bf16 weights are packed for AMX here: the GEMM build has the AMX kernel, the OS
+    grants this process AMX state, and ``QWORKER_CPU_AMX`` is not ``0``."""
+    if os.environ.get("QWORKER_CPU_AMX", "1") == "0":
+        return False
+    isa = gemm_isa(torch.bfloat16)
+    return isa is not None and _amx_built(isa)
+
+
+@cache
+def _amx_built(isa: str) -> bool:
+    lib = _cpu._library_for(isa)
+    fn = getattr(lib, "qw_gemm_bf16_amx_ready", None) if lib is not None else None
+    return fn is not None and bool(fn())
+
+
+def is_amx_packed(packed: torch.Tensor) -> bool:
+    """Whether ``packed`` is in the amx layout (else the panels one)."""
+    return packed.dim() == 3 and packed.shape[2] == 2 * NR and packed.dtype == torch.bfloat16
+
+
+def pack_weight(w: torch.Tensor, layout: str | None = None) -> torch.Tensor:
+    """``w [N, K]`` (``nn.Linear.weight``: out x in) -> packed, contiguous, a new tensor (``w`` is
+    not kept): bf16 for a bf16 ``w`` (the bf16-weight kernels), else fp32. ``layout``: "panels"
+    (``[ceil(N / 16), K, 16]``), "amx" (bf16 only, K a multiple of 32: ``[ceil(N / 16), K / 2,
+    32]``), or None: amx where :func:`amx_ready` and the weight allows it, else panels."""
     if w.dim() != 2:
         raise ValueError(f"pack_weight expects a 2-D [out, in] weight, got shape {tuple(w.shape)}")
     N, K = w.shape
     panels = -(-N // NR)
     dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32
+    if layout is None:
+        layout = "amx" if dtype == torch.bfloat16 and K % AMX_K == 0 and K > 0 and amx_ready() else "panels"
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "amx" and (dtype != torch.bfloat16 or K % AMX_K):
+        raise ValueError(f"the amx layout takes bf16 weights with K a multiple of {AMX_K}, got {w.dtype} K={K}")
     padded = torch.zeros((panels * NR, K), dtype=dtype, device=w.device)
     padded[:N] = w.detach()
+    if layout == "amx":
+        return padded.view(panels, NR, K // 2, 2).permute(0, 2, 1, 3).reshape(panels, K // 2, 2 * NR).contiguous()
     return padded.view(panels, NR, K).transpose(1, 2).contiguous()
 
 
 def unpack_weight(packed: torch.Tensor, n_out: int) -> torch.Tensor:
-    """The ``[n_out, K]`` weight back from its packed form (a copy, in the packed dtype)."""
+    """The ``[n_out, K]`` weight back from its packed form, either layout (a copy, in the packed
+    dtype)."""
+    if is_amx_packed(packed):
+        panels, k2, _ = packed.shape
+        return packed.view(panels, k2, NR, 2).permute(0, 2, 1, 3).reshape(panels * NR, 2 * k2)[:n_out].contiguous()
     panels, K, nr = packed.shape
     return packed.transpose(1, 2).reshape(panels * nr, K)[:n_out].contiguous()
 
 
+def packed_k(packed: torch.Tensor) -> int:
+    """The K (input features) of a packed weight, either layout."""
+    return 2 * packed.shape[1] if is_amx_packed(packed) else packed.shape[1]
+
+
 def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> int:
-    if packed.dim() != 3 or packed.shape[2] != NR:
-        raise ValueError(f"packed weight must be [panels, K, {NR}] (see pack_weight), got shape {tuple(packed.shape)}")
-    panels, K, _ = packed.shape
+    if packed.dim() != 3 or not (packed.shape[2] == NR or is_amx_packed(packed)):
+        raise ValueError(f"packed weight must be [panels, K, {NR}] or bf16 [panels, K / 2, {2 * NR}] (see pack_weight), "
+                         f"got shape {tuple(packed.shape)}")
+    panels, K = packed.shape[0], packed_k(packed)
     if not (panels - 1) * NR < n_out <= panels * NR and not (n_out == 0 and panels == 0):
         raise ValueError(f"n_out={n_out} does not match a packed weight of {panels} panels of {NR} columns")
     if x.dim() < 1 or x.shape[-1] != K:
@@ -141,10 +188,11 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32 for bf16 weights, got {odt}")
     lead = x.shape[:-1]
     lib = _gemm_library(torch.bfloat16)
-    fn = getattr(lib, "qw_gemm_bf16", None) if lib is not None else None
+    amx = is_amx_packed(packed)
+    fn = getattr(lib, "qw_gemm_bf16_amx" if amx else "qw_gemm_bf16", None) if lib is not None else None
     covered = (
         fn is not None
-        and x.dtype in (torch.float32, torch.bfloat16)
+        and (x.dtype == torch.bfloat16 and amx_ready() if amx else x.dtype in (torch.float32, torch.bfloat16))
         and x.is_cpu and packed.is_cpu and packed.is_contiguous()
         and (bias is None or (bias.dtype in (torch.float32, torch.bfloat16) and bias.is_cpu))
     )
@@ -166,10 +214,11 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
                 None if b is None else b.data_ptr(), int(b is not None and b.dtype == torch.bfloat16),
                 y.data_ptr(), y.stride(0) if M > 1 else n_out, int(odt == torch.bfloat16), M, n_out, K,
                 torch.get_num_threads() if threads is None else int(threads), int(mc), int(group), int(kc))
+        name = "qw_gemm_bf16_amx" if amx else "qw_gemm_bf16"
         if rc == -2:
-            raise MemoryError(f"qw_gemm_bf16: no scratch memory for M={M} N={n_out} K={K}")
+            raise MemoryError(f"{name}: no scratch memory for M={M} N={n_out} K={K}")
         if rc != 0:
-            raise ValueError(f"qw_gemm_bf16 rejected M={M} N={n_out} K={K}")
+            raise ValueError(f"{name} rejected M={M} N={n_out} K={K} (rc {rc})")
     return y if out is not None or x.dim() == 2 else y.reshape(*lead, n_out)
 
 
@@ -298,12 +347,17 @@ def self_check(dtype: torch.dtype) -> str:
     # tile spans 8 panels, its 2-3-row ones 4); kc 16 cuts K = 33 into 3 blocks
     cases = [(40, 33, rows, 0) for rows in (1, 2, 3, 5, 13, 25, 70)] + [(136, 33, rows, 0) for rows in (1, 2, 3, 13)]
     cases += [(136, 33, rows, 16) for rows in (1, 3, 13)]
-    for N, K, rows, kc in cases:
+    cases = [(*case, "panels") for case in cases]
+    if dtype == torch.bfloat16 and amx_ready():
+        # AMX: one row tile by 1-3 panels (N = 40: 2 + a partial one), 2 x 2 row tiles by panels
+        # with an odd last row tile and panel (N = 136: 8 + a partial one), ragged last rows
+        cases += [(N, 64, rows, 0, "amx") for N in (40, 136) for rows in (1, 3, 16, 17, 33, 70)]
+    for N, K, rows, kc, layout in cases:
         w, b = torch.randn(N, K, generator=gen).to(dtype), torch.randn(N, generator=gen)
         x = torch.randn(rows, K, generator=gen).to(dtype)
         want = x.float() @ w.float().t() + b
-        if not torch.allclose(gemm(x, pack_weight(w), b, N, kc=kc).float(), want, rtol=tol, atol=tol):
-            return (f"the panels GEMM gave wrong results on the start-up check ({dtype}, {rows} rows, N={N}, kc={kc}, "
+        if not torch.allclose(gemm(x, pack_weight(w, layout), b, N, kc=kc).float(), want, rtol=tol, atol=tol):
+            return (f"the {layout} GEMM gave wrong results on the start-up check ({dtype}, {rows} rows, N={N}, kc={kc}, "
                     f"{gemm_isa(dtype)} build)")
     return ""
 

@@ -39,8 +39,10 @@
  * one 32-bit value, and an odd K's last row pairs with zeros. Each column then sums pairs
  * (x[k + 1] w[k + 1] first, then x[k] w[k], as the instruction defines; products of bf16 values are
  * exact in fp32), so results differ from the FMA path's in rounding only; the instruction treats
- * bf16 denormals as zero. Tiles 6 x 16 (1-3 rows over 2-4 panels, as the AVX2 ones) with 16-column
- * zmm accumulators (no even/odd split). fp32 x keeps the FMA path (its values are used unrounded).
+ * bf16 denormals as zero. The pairs are (k, k + 1) for even k counted from 0 over the whole of K:
+ * K blocks start at even k (kstep 2), as a pair split over two blocks would be summed in another
+ * order (x[k] w[k] first) and a row's bits would then depend on the blocking knobs. Tiles 6 x 16
+ * (1-3 rows over 2-4 panels, as the AVX2 ones) with 16-column zmm accumulators (no even/odd split). fp32 x keeps the FMA path (its values are used unrounded).
  * qw_gemm_bf16_isa() says 2 where the dot-product kernel is built in.
  */
 #include <stdint.h>
@@ -348,12 +350,19 @@ static const tile_fn DOT_TILES[MR_MAIN + 1][NP_MAX + 1] = {
 };
 #endif
 
+/* Start of K block kb of nk over K, in whole steps of kstep k (the last block ends at K): balanced,
+ * none empty when nk <= ceil(K / kstep) */
+static inline int64_t k_bound(int64_t K, int64_t kstep, int64_t nk, int64_t kb) {
+    const int64_t k = (K + kstep - 1) / kstep * kb / nk * kstep;
+    return k < K ? k : K;
+}
+
 /* Rows m0..m1 x panels p0..p1 of y (one thread's share) with the table's tiles; x fp32 or bf16 as
  * the table's tiles take it (xsz bytes an element, ldx elements a row), bias padded fp32 or NULL, y fp32
- * or bf16 (ybf, ldy elements), nk balanced K blocks. */
+ * or bf16 (ybf, ldy elements), nk balanced K blocks starting at multiples of kstep (k_bound). */
 static void gemm_range(const tile_fn (*table)[NP_MAX + 1], const void *x, int xsz, int64_t ldx, const uint16_t *wp,
-                       const float *bias, void *y, int64_t ldy, int ybf, int64_t N, int64_t K, int64_t nk, int64_t m0,
-                       int64_t m1, int64_t p0, int64_t p1, int64_t mc, int64_t group) {
+                       const float *bias, void *y, int64_t ldy, int ybf, int64_t N, int64_t K, int64_t kstep, int64_t nk,
+                       int64_t m0, int64_t m1, int64_t p0, int64_t p1, int64_t mc, int64_t group) {
     const int64_t M = m1 - m0;
     if (M <= 0 || p1 <= p0) return;
     const int64_t pstride = K * NR, esz = ybf ? 2 : 4;
@@ -370,7 +379,7 @@ static void gemm_range(const tile_fn (*table)[NP_MAX + 1], const void *x, int xs
             const int64_t rows = b1 - b0;
             const int64_t tiles = (rows + MR_MAIN - 1) / MR_MAIN;
             for (int64_t kb = 0; kb < nk; kb++) {
-                const int64_t k0 = K * kb / nk, k1 = K * (kb + 1) / nk, kcur = k1 - k0;
+                const int64_t k0 = k_bound(K, kstep, nk, kb), k1 = k_bound(K, kstep, nk, kb + 1), kcur = k1 - k0;
                 for (int64_t p = g0; p < g1; p += np) {
                     const int npp = (int)(g1 - p < np ? g1 - p : np);
                     const int64_t c0 = p * NR;
@@ -382,9 +391,9 @@ static void gemm_range(const tile_fn (*table)[NP_MAX + 1], const void *x, int xs
                      * to the hardware prefetcher */
                     int64_t next_p = p, next_k0 = k0, next_k1 = k1;
                     if (p + np < g1) next_p = p + np;
-                    else if (kb + 1 < nk) next_p = g0, next_k0 = k1, next_k1 = K * (kb + 2) / nk;
-                    else if (b1 < m1) next_p = g0, next_k0 = 0, next_k1 = K / nk;
-                    else if (g1 < p1) next_p = g1, next_k0 = 0, next_k1 = K / nk;
+                    else if (kb + 1 < nk) next_p = g0, next_k0 = k1, next_k1 = k_bound(K, kstep, nk, kb + 2);
+                    else if (b1 < m1) next_p = g0, next_k0 = 0, next_k1 = k_bound(K, kstep, nk, 1);
+                    else if (g1 < p1) next_p = g1, next_k0 = 0, next_k1 = k_bound(K, kstep, nk, 1);
                     const int pf_on = tiles > 1 || np <= 2;
                     const int64_t lines = pf_on ? (next_k1 - next_k0 + 1) / 2 : 0; /* 2 panel rows per 64-byte line */
                     const char *pf = (const char *)(wp + next_p * pstride + next_k0 * NR);
@@ -420,14 +429,19 @@ int qw_gemm_bf16(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, con
     if (M < 0 || N < 0 || K < 0 || (M > 0 && (ldx < K || ldy < N))) return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t npanels = (N + NR - 1) / NR;
+    /* the tiles read x as fp32 (the FMA path: bf16 x widened first) or as bf16 (the dot path) */
+    const int xsz = QW_BF_DOT && x_bf16 ? 2 : 4;
+    /* K blocks in whole steps: the dot path sums k in pairs (2j, 2j + 1), and a block starting at an
+     * odd k would split a pair, summing its two products in the other order (the row's bits would
+     * then depend on the K blocking); the FMA path sums k one at a time */
+    const int64_t kstep = xsz == 2 ? 2 : 1, ksteps = (K + kstep - 1) / kstep;
     if (kc <= 0) {
         const int64_t n = (K + QW_K_BLOCK - 1) / QW_K_BLOCK;
         kc = n > 0 ? (K + n - 1) / n : 1;
     }
     if (kc > K) kc = K > 0 ? K : 1;
-    const int64_t nk = K > 0 ? (K + kc - 1) / kc : 1; /* K = 0: one empty block, the bias */
-    /* the tiles read x as fp32 (the FMA path: bf16 x widened first) or as bf16 (the dot path) */
-    const int xsz = QW_BF_DOT && x_bf16 ? 2 : 4;
+    kc = (kc + kstep - 1) / kstep * kstep;                       /* whole steps */
+    const int64_t nk = K > 0 ? (ksteps + kc / kstep - 1) / (kc / kstep) : 1; /* K = 0: one empty block, the bias */
     if (mc <= 0) {
         mc = QW_X_BLOCK_BYTES / (kc * xsz);
         mc = mc < MR_MAIN ? MR_MAIN : mc / MR_MAIN * MR_MAIN;
@@ -494,7 +508,7 @@ int qw_gemm_bf16(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, con
             m1 = row_tiles * (jt + 1) / tm * MR_MAIN;
             if (m1 > M) m1 = M;
         }
-        gemm_range(table, xs, xsz, ldxs, wp, bf, yk, ldyk, ybf, N, K, nk, m0, m1, p0, p1, mc, group);
+        gemm_range(table, xs, xsz, ldxs, wp, bf, yk, ldyk, ybf, N, K, kstep, nk, m0, m1, p0, p1, mc, group);
     }
     if (yt)
         for (int64_t i = 0; i < M; i++)

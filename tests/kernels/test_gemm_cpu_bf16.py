@@ -83,7 +83,7 @@ def test_pack_layout_and_unpack():
     g = torch.Generator().manual_seed(0)
     for N, K in [(37, 5), (16, 3), (1, 1), (40, 0)]:
         w = torch.randn(N, K, generator=g).to(BF)
-        p = gemm_cpu.pack_weight(w)
+        p = gemm_cpu.pack_weight(w, "panels")
         P = -(-N // 16)
         assert p.dtype == BF and p.shape == (P, K, 16) and p.is_contiguous()
         for n in range(P * 16):
@@ -93,8 +93,8 @@ def test_pack_layout_and_unpack():
         back = gemm_cpu.unpack_weight(p, N)
         assert back.dtype == BF and torch.equal(back, w)
     # fp32 (and other dtypes) pack to fp32 as before
-    assert gemm_cpu.pack_weight(torch.randn(20, 3)).dtype == F32
-    assert gemm_cpu.pack_weight(torch.randn(20, 3).half()).dtype == F32
+    assert gemm_cpu.pack_weight(torch.randn(20, 3), "panels").dtype == F32
+    assert gemm_cpu.pack_weight(torch.randn(20, 3).half(), "panels").dtype == F32
 
 
 @pytest.mark.parametrize("bias", [None, F32, BF], ids=["nobias", "bias32", "bias16"])
@@ -105,8 +105,8 @@ def test_every_tile_shape_under_each_isa(isa, bias):
     for N, K in NK:
         for M in ROWS:
             x, w, b = _data(g, M, N, K, bias)
-            packed = gemm_cpu.pack_weight(w)
-            packed32 = gemm_cpu.pack_weight(w.float())
+            packed = gemm_cpu.pack_weight(w, "panels")
+            packed32 = gemm_cpu.pack_weight(w.float(), "panels")
             ref = _ref64(x, w, b)
             for threads in (1, 2):
                 y = gemm_cpu.gemm(x, packed, b, N, out_dtype=F32, threads=threads)
@@ -130,7 +130,7 @@ def test_fp32_x_used_as_is(isa):
     g = torch.Generator().manual_seed(2)
     N, K = 70, 45
     w = torch.randn(N, K, generator=g).to(BF)
-    packed, packed32 = gemm_cpu.pack_weight(w), gemm_cpu.pack_weight(w.float())
+    packed, packed32 = gemm_cpu.pack_weight(w, "panels"), gemm_cpu.pack_weight(w.float(), "panels")
     for M in (1, 6, 13):
         x = torch.randn(M, K, generator=g)
         assert not torch.equal(x, x.to(BF).float())
@@ -144,7 +144,7 @@ def test_leading_dims_strided_x_and_out(isa):
     g = torch.Generator().manual_seed(3)
     N, K = 45, 40
     w, b = torch.randn(N, K, generator=g).to(BF), torch.randn(N, generator=g)
-    packed = gemm_cpu.pack_weight(w)
+    packed = gemm_cpu.pack_weight(w, "panels")
     for xdt in (BF, F32):
         x3 = torch.randn(3, 5, K, generator=g).to(BF).to(xdt)
         for odt in (BF, F32):
@@ -179,7 +179,7 @@ def test_blocking_knobs_and_k_blocks(isa):
     g = torch.Generator().manual_seed(4)
     M, N, K = 77, 150, 45
     x, w, b = _data(g, M, N, K, BF)
-    packed = gemm_cpu.pack_weight(w)
+    packed = gemm_cpu.pack_weight(w, "panels")
     ref = _ref64(x, w, b)
     for mc, group, kc in [(1, 1, 0), (7, 2, 5), (13, 3, 1), (0, 0, 0), (0, 0, 44), (100, 9, 1000), (0, 0, 7)]:
         for threads in (1, 2):
@@ -190,7 +190,7 @@ def test_blocking_knobs_and_k_blocks(isa):
             _check_bf16(yb, ref, K)
     # the default K block (2048): K = 4100 is three blocks
     x, w, b = _data(g, 3, 40, 4100, F32)
-    y = gemm_cpu.gemm(x, gemm_cpu.pack_weight(w), b, 40)
+    y = gemm_cpu.gemm(x, gemm_cpu.pack_weight(w, "panels"), b, 40)
     _check_bf16(y, _ref64(x, w, b), 4100)
 
 
@@ -206,7 +206,7 @@ def test_bf16_rounding_is_torchs(isa):
     bias = torch.tensor(vals + torch.randn(40 - len(vals), generator=g).tolist(), dtype=F32)
     bias[-5:] = bias[-5:].to(BF).float() + bias[-5:].to(BF).float() * 2 ** -8  # exact ties
     N = bias.numel()
-    packed = gemm_cpu.pack_weight(torch.empty(N, 0, dtype=BF))
+    packed = gemm_cpu.pack_weight(torch.empty(N, 0, dtype=BF), "panels")
     # NaN: the kernel writes 0x7fc0 (torch's scalar conversion); torch's vectorised one writes 0xffff
     nan = torch.isnan(bias)
     expect = bias.to(BF).view(torch.int16).clone()
@@ -218,8 +218,8 @@ def test_bf16_rounding_is_torchs(isa):
         assert torch.equal(y.view(torch.int16), expect[:17].expand(M, 17))
     # through the FMA path too: x = 1 against one weight of 1 plus a tie-making bias
     w = torch.ones(N, 1, dtype=BF)
-    y = gemm_cpu.gemm(torch.ones(3, 1, dtype=BF), gemm_cpu.pack_weight(w), bias - 1.0, N)
-    ref32 = gemm_cpu.gemm(torch.ones(3, 1, dtype=BF), gemm_cpu.pack_weight(w), bias - 1.0, N, out_dtype=F32)
+    y = gemm_cpu.gemm(torch.ones(3, 1, dtype=BF), gemm_cpu.pack_weight(w, "panels"), bias - 1.0, N)
+    ref32 = gemm_cpu.gemm(torch.ones(3, 1, dtype=BF), gemm_cpu.pack_weight(w, "panels"), bias - 1.0, N, out_dtype=F32)
     assert torch.equal(torch.isnan(y), torch.isnan(ref32))
     assert torch.equal(y[~torch.isnan(y)].view(torch.int16), ref32[~torch.isnan(ref32)].to(BF).view(torch.int16))
 
@@ -234,7 +234,7 @@ def test_nan_inf_propagation(isa, bias):
         w = torch.randn(N, K, generator=g).to(BF)
         w[::3, :] = 0.0
         b = torch.randn(N, generator=g) if bias else None
-        packed = gemm_cpu.pack_weight(w)
+        packed = gemm_cpu.pack_weight(w, "panels")
         x = torch.randn(M, K, generator=g).to(BF)
         x[0, K // 2] = float("inf")
         if M > 1:
@@ -267,7 +267,7 @@ for M, N, K, threads in [(40, 100, 64, 2), (40, 100, 64, 4), (3, 40, 300, 4), (1
     ref = x.float() @ w.float().T + b
     for odt in (torch.float32, torch.bfloat16):
         out = torch.full((M, N), float("nan"), dtype=odt)
-        gemm_cpu.gemm(x, gemm_cpu.pack_weight(w), b, N, out=out, out_dtype=odt, threads=threads)
+        gemm_cpu.gemm(x, gemm_cpu.pack_weight(w, "panels"), b, N, out=out, out_dtype=odt, threads=threads)
         if not torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-3):
             bad.append((M, N, K, threads, str(odt), int(torch.isnan(out).sum())))
 print("BAD", bad)
@@ -290,7 +290,7 @@ def test_torch_fallback_and_other_dtypes(monkeypatch):
     M, N, K = 6, 35, 19
     x, w, b = _data(g, M, N, K, BF)
     x[2, 3] = float("nan")
-    packed = gemm_cpu.pack_weight(w)
+    packed = gemm_cpu.pack_weight(w, "panels")
     kern = {odt: gemm_cpu.gemm(x, packed, b, N, out_dtype=odt) for odt in (F32, BF)}
     y16 = gemm_cpu.gemm(x.half(), packed, b, N)  # fp16 x: torch
     assert y16.dtype == BF
@@ -308,12 +308,12 @@ def test_torch_fallback_and_other_dtypes(monkeypatch):
 
 
 def test_bad_inputs_raise():
-    packed = gemm_cpu.pack_weight(torch.randn(20, 8).to(BF))
+    packed = gemm_cpu.pack_weight(torch.randn(20, 8).to(BF), "panels")
     x = torch.randn(3, 8).to(BF)
     with pytest.raises(ValueError, match="out_dtype"):
         gemm_cpu.gemm(x, packed, None, 20, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="out_dtype"):  # fp32 weights give fp32 only
-        gemm_cpu.gemm(x.float(), gemm_cpu.pack_weight(torch.randn(20, 8)), None, 20, out_dtype=BF)
+        gemm_cpu.gemm(x.float(), gemm_cpu.pack_weight(torch.randn(20, 8), "panels"), None, 20, out_dtype=BF)
     with pytest.raises(ValueError, match="out"):
         gemm_cpu.gemm(x, packed, None, 20, out=torch.empty(3, 20))  # fp32 out for a bf16 result
     with pytest.raises(ValueError, match="out"):
@@ -327,7 +327,7 @@ def test_bad_inputs_raise():
     # empty inputs
     assert gemm_cpu.gemm(torch.empty(0, 8, dtype=BF), packed, None, 20).shape == (0, 20)
     b = torch.randn(20)
-    y = gemm_cpu.gemm(torch.empty(2, 3, 0, dtype=BF), gemm_cpu.pack_weight(torch.empty(20, 0, dtype=BF)), b, 20,
+    y = gemm_cpu.gemm(torch.empty(2, 3, 0, dtype=BF), gemm_cpu.pack_weight(torch.empty(20, 0, dtype=BF), "panels"), b, 20,
                       out_dtype=F32)
     assert torch.equal(y, b.expand(2, 3, 20))
 
@@ -422,6 +422,25 @@ static void run(int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, int t
                 special);
     free(xv); free(x); free(w); free(wp); free(bv); free(b); free(y);
 }
+/* each row's bits are the same alone (M = 1, one thread, default knobs) as in a batch of M on th
+ * threads with the knobs (K blocks starting at odd k included): bf16 or fp32 x, fp32 bias and y */
+static void run_rows(int64_t M, int64_t N, int64_t K, int th, int64_t mc, int64_t group, int64_t kc, int xb) {
+    const int64_t P = (N + 15) / 16;
+    void *x = malloc((size_t)(M * K) * 4 + 1);
+    for (int64_t i = 0; i < M * K; i++) { if (xb) ((uint16_t *)x)[i] = brand(); else ((float *)x)[i] = tof(brand()); }
+    uint16_t *wp = malloc((size_t)(P * K * 16) * 2 + 1);
+    for (int64_t i = 0; i < P * K * 16; i++) wp[i] = (i % 16) + (i / (K * 16)) * 16 < N ? brand() : 0;
+    float *b = malloc((size_t)N * 4 + 1), *y = malloc((size_t)(M * N) * 4 + 1), *y1 = malloc((size_t)N * 4 + 1);
+    for (int64_t n = 0; n < N; n++) b[n] = tof(brand());
+    int bad = qw_gemm_bf16(x, K, xb, wp, b, 0, y, N, 0, M, N, K, th, mc, group, kc) != 0;
+    for (int64_t i = 0; i < M && !bad; i++)
+        bad = qw_gemm_bf16((char *)x + i * K * (xb ? 2 : 4), K, xb, wp, b, 0, y1, N, 0, 1, N, K, 1, 0, 0, 0) != 0 ||
+              memcmp(y1, y + i * N, (size_t)N * 4) != 0;
+    if (bad && fails++ < 10)
+        fprintf(stderr, "FAIL rows M=%ld N=%ld K=%ld th=%d mc=%ld group=%ld kc=%ld xb=%d: a row's bits depend on the batch\n",
+                (long)M, (long)N, (long)K, th, (long)mc, (long)group, (long)kc, xb);
+    free(x); free(wp); free(b); free(y); free(y1);
+}
 #define PICK(a) a[rnd() % (sizeof a / sizeof a[0])]
 int main(int argc, char **argv) {
     long iters = argc > 1 ? atol(argv[1]) : 300;
@@ -443,6 +462,13 @@ int main(int argc, char **argv) {
     run(1500, 17, 3, 3, 17, 2, 0, 0, 0, 1, 1, 1, 1, 2);
     run(100, 17, 40, 41, 19, 16, 0, 0, 0, 1, 1, 0, 1, 0);   /* more threads than panels: rows split */
     run(7, 40, 64, 64, 40, 8, 0, 0, 0, 1, 0, 0, 1, 3);      /* uneven row ranges per thread */
+    static const int64_t rknobs[][4] = {{1, 0, 0, 1}, {2, 0, 0, 3}, {3, 7, 1, 5}, {2, 13, 3, 0}, {3, 0, 2, 2}};
+    for (int r = 0; r < 5; r++)
+        for (int xb = 0; xb < 2; xb++) {
+            const int64_t *kn = rknobs[r];
+            run_rows(13, 70, 33, (int)kn[0], kn[1], kn[2], kn[3], xb);
+            run_rows(5, 33, 64, (int)kn[0], kn[1], kn[2], kn[3], xb);
+        }
     printf("fails %ld\n", fails);
     return fails != 0;
 }

@@ -37,7 +37,7 @@ BF, F32 = torch.bfloat16, torch.float32
 
 def _weights(g, N, K, wdtype):
     w = torch.randn(N, K, generator=g).to(BF).to(wdtype)
-    return w, gemm_cpu.pack_weight(w), torch.randn(N, generator=g).to(BF).to(wdtype)
+    return w, gemm_cpu.pack_weight(w, "panels"), torch.randn(N, generator=g).to(BF).to(wdtype)
 
 
 @pytest.mark.parametrize("wdtype", [F32, BF], ids=["w32", "w16"])

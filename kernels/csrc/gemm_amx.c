@@ -1,0 +1,266 @@
+/*
+ * GEMM with bf16 WEIGHTS on AMX (Sapphire Rapids and later): y[M, N] = x[M, K] @ W[N, K]^T (+ bias),
+ * the same call as csrc/gemm_bf16.c's qw_gemm_bf16 (which kernels/gemm_cpu.py and the bf16 layer
+ * loop in csrc/decoder_layers.c take as a function pointer), for bf16 x. AMX multiplies 16 x 32
+ * bf16 tiles into 16 x 16 fp32 tiles (TDPBF16PS: 8192 multiply-adds an instruction), many times
+ * the AVX512_BF16 dot-product kernel's rate, which is what prefill chunks and large decode batches
+ * are bound by; at small batches the call streams the weights once, as every path does.
+ *
+ * Weights are packed once at load in AMX's B-operand layout (kernels/gemm_cpu.py pack_weight):
+ *
+ *   wp [P = ceil(N / 16)][K / 2][16][2] uint16 (bf16 bits)   wp[p][k2][c][j] = W[16p + c][2 k2 + j]
+ *                                                              (columns past N are zero)
+ *
+ * so the B tile of panel p, K block kb (32 k) is the 1 KiB at wp + (p * K / 2 + kb * 16) * 32,
+ * 16 rows of 64 bytes. K must be a multiple of 32 (the packer keeps the panels layout otherwise).
+ *
+ * x (bf16, rows ldx apart) is copied once per call into a zero-padded [ceil(M / 16) * 16][K]
+ * buffer, so every A tile is whole and no tile reads past x. bias: fp32, bf16 or NULL (copied into
+ * a zero-padded fp32 row, added once to the finished sums). y: fp32, or bf16 rounded to nearest
+ * even (NaN -> 0x7fc0, as the other kernels). Each output is one fp32 sum over all of K in the C
+ * tile (no K blocks), so results differ from the other kernels' in rounding only, and a row's
+ * result depends on nothing else in the batch (the tiles' rows are independent; threads split the
+ * columns).
+ *
+ * Blocking (8 tile registers): up to 16 rows, one A tile and three panels (3 C + 1 A + 3 B);
+ * more rows, two A tiles by two panels (4 C + 2 A + 2 B). Threads take contiguous panel ranges;
+ * each configures its tiles and releases them when done. The process asks the kernel for AMX
+ * state once (arch_prctl ARCH_REQ_XCOMP_PERM): qw_gemm_bf16_amx_ready() says whether that worked.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "bf16.h"
+
+#if defined(QW_GEMM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define QW_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define QW_AMX 0
+#endif
+
+#define NR 16     /* columns per panel (a C tile's width) */
+#define KT 32     /* k per tile */
+#define MT 16     /* rows per tile */
+
+#if QW_AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state = -1; /* -1 not asked yet, 0 refused, 1 granted */
+
+static int amx_ready(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (s < 0) { /* asking twice is harmless, so a race here costs one more syscall */
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* all eight tiles 16 rows x 64 bytes: C (fp32 16 x 16), A (bf16 16 x 32), B (16 k pairs x 16 columns) */
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* the finished 16 x 16 sums (c, 16 floats a row) + bias -> rows [0, rows) x columns [0, ncols) of y */
+static void store_tile(const float *c, const float *bias, void *y, int64_t ldy, int ybf, int rows, int ncols) {
+    const __mmask16 m = (__mmask16)((1u << ncols) - 1u);
+    const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int i = 0; i < rows; i++) {
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * NR), b);
+        if (!ybf) {
+            _mm512_mask_storeu_ps((float *)y + i * ldy, m, v);
+            continue;
+        }
+        /* round to nearest even, NaN -> 0x7fc0 (bf16.h's f32_to_bf16, 16 at a time) */
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+        _mm256_mask_storeu_epi16((uint16_t *)y + i * ldy, m, _mm512_cvtepi32_epi16(r));
+    }
+}
+
+/* One row tile (16 rows of xp at a) by NP (1-3) panels from p: C tiles 0..NP-1, A tile 4, B 5..7. */
+#define ROW_TILE_BY_PANELS(NP)                                                                                      \
+    static void rows16_by_##NP(const uint16_t *a, int64_t K, const uint16_t *wp, int64_t p, float *c) {            \
+        const int64_t pstride = K * NR; /* bf16 elements per panel */                                               \
+        const uint16_t *b = wp + p * pstride;                                                                       \
+        _tile_zero(0);                                                                                              \
+        if (NP > 1) _tile_zero(1);                                                                                  \
+        if (NP > 2) _tile_zero(2);                                                                                  \
+        for (int64_t k = 0; k < K; k += KT, b += KT * NR) {                                                         \
+            _tile_loadd(4, a + k, K * 2);                                                                           \
+            _tile_loadd(5, b, 64);                                                                                  \
+            _tile_dpbf16ps(0, 4, 5);                                                                                \
+            if (NP > 1) {                                                                                           \
+                _tile_loadd(6, b + pstride, 64);                                                                    \
+                _tile_dpbf16ps(1, 4, 6);                                                                            \
+            }                                                                                                       \
+            if (NP > 2) {                                                                                           \
+                _tile_loadd(7, b + 2 * pstride, 64);                                                                \
+                _tile_dpbf16ps(2, 4, 7);                                                                            \
+            }                                                                                                       \
+        }                                                                                                           \
+        _tile_stored(0, c, 64);                                                                                     \
+        if (NP > 1) _tile_stored(1, c + MT * NR, 64);                                                               \
+        if (NP > 2) _tile_stored(2, c + 2 * MT * NR, 64);                                                           \
+    }
+ROW_TILE_BY_PANELS(1)
+ROW_TILE_BY_PANELS(2)
+ROW_TILE_BY_PANELS(3)
+
+/* Two row tiles (32 rows of xp at a) by two panels: C tiles 0-3 (row tile r, panel j at 2r + j),
+ * A tiles 4-5, B tiles 6-7. */
+static void rows32_by_2(const uint16_t *a, int64_t K, const uint16_t *wp, int64_t p, float *c) {
+    const int64_t pstride = K * NR;
+    const uint16_t *b = wp + p * pstride;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += KT, b += KT * NR) {
+        _tile_loadd(4, a + k, K * 2);
+        _tile_loadd(5, a + MT * K + k, K * 2);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + pstride, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + MT * NR, 64);
+    _tile_stored(2, c + 2 * MT * NR, 64);
+    _tile_stored(3, c + 3 * MT * NR, 64);
+}
+
+/* panels [p0, p1) of y for all rows: xp is [Mp][K] bf16, zero-padded; bias padded fp32 or NULL */
+static void amx_range(const uint16_t *xp, int64_t M, int64_t Mp, int64_t K, const uint16_t *wp, const float *bias,
+                      void *y, int64_t ldy, int ybf, int64_t N, int64_t p0, int64_t p1) {
+    const int esz = ybf ? 2 : 4;
+    float c[4 * MT * NR] __attribute__((aligned(64)));
+    configure_tiles();
+    if (Mp == MT) { /* one row tile: three panels at a time */
+        for (int64_t p = p0; p < p1; p += 3) {
+            const int np = (int)(p1 - p < 3 ? p1 - p : 3);
+            if (np == 3) rows16_by_3(xp, K, wp, p, c);
+            else if (np == 2) rows16_by_2(xp, K, wp, p, c);
+            else rows16_by_1(xp, K, wp, p, c);
+            for (int j = 0; j < np; j++) {
+                const int64_t c0 = (p + j) * NR;
+                const int ncols = (int)(N - c0 < NR ? N - c0 : NR);
+                store_tile(c + j * MT * NR, bias ? bias + c0 : NULL, (char *)y + c0 * esz, ldy, ybf, (int)M, ncols);
+            }
+        }
+    } else {
+        for (int64_t p = p0; p < p1; p += 2) {
+            const int np = (int)(p1 - p < 2 ? p1 - p : 2);
+            for (int64_t r = 0; r < Mp; r += 2 * MT) {
+                const int nr = Mp - r >= 2 * MT ? 2 : 1;
+                const uint16_t *a = xp + r * K;
+                if (nr == 2 && np == 2) rows32_by_2(a, K, wp, p, c);
+                else { /* an odd last row tile or panel: one row tile at a time */
+                    for (int t = 0; t < nr; t++) {
+                        if (np == 2) rows16_by_2(a + t * MT * K, K, wp, p, c + 2 * t * MT * NR);
+                        else rows16_by_1(a + t * MT * K, K, wp, p, c + 2 * t * MT * NR);
+                    }
+                }
+                /* c holds tile (row tile t, panel j) at 2t + j */
+                for (int t = 0; t < nr; t++) {
+                    const int64_t r0 = r + t * MT;
+                    if (r0 >= M) break;
+                    const int rows = (int)(M - r0 < MT ? M - r0 : MT);
+                    for (int j = 0; j < np; j++) {
+                        const int64_t c0 = (p + j) * NR;
+                        const int ncols = (int)(N - c0 < NR ? N - c0 : NR);
+                        store_tile(c + (2 * t + j) * MT * NR, bias ? bias + c0 : NULL,
+                                   (char *)y + (r0 * ldy + c0) * esz, ldy, ybf, rows, ncols);
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+/*
+ * The same arguments as qw_gemm_bf16 (csrc/gemm_bf16.c), W packed as above; x must be bf16
+ * (x_bf16 = 1) and K a multiple of 32; mc/group/kc are ignored. Returns 0; -1 for invalid sizes
+ * or fp32 x; -2 when scratch memory cannot be allocated; -3 where AMX is not built in or the OS
+ * refused its state.
+ */
+int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, const void *bias, int bias_bf16,
+                     void *y, int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads, int64_t mc,
+                     int64_t group, int64_t kc) {
+    (void)mc, (void)group, (void)kc;
+    if (M < 0 || N < 0 || K < 0 || K % KT || !x_bf16 || (M > 0 && (ldx < K || ldy < N))) return -1;
+#if QW_AMX
+    if (!amx_ready()) return -3;
+    if (M == 0 || N == 0) return 0;
+    const int64_t P = (N + NR - 1) / NR, Mp = (M + MT - 1) / MT * MT;
+    uint16_t *xp = aligned_alloc(64, (size_t)((Mp * K * 2 + 63) / 64 * 64) + 64);
+    float *bp = bias ? calloc((size_t)(P * NR), sizeof(float)) : NULL;
+    if (!xp || (bias && !bp)) {
+        free(xp), free(bp);
+        return -2;
+    }
+    for (int64_t i = 0; i < M; i++) memcpy(xp + i * K, (const uint16_t *)x + i * ldx, (size_t)K * 2);
+    memset(xp + M * K, 0, (size_t)((Mp - M) * K) * 2);
+    if (bias)
+        for (int64_t n = 0; n < N; n++) bp[n] = bias_bf16 ? bf16_to_f32(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+    if (K == 0) { /* no products: the bias (or zeros) */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < N; n++) {
+                const float v = bp ? bp[n] : 0.0f;
+                if (y_bf16) ((uint16_t *)y)[i * ldy + n] = f32_to_bf16(v);
+                else ((float *)y)[i * ldy + n] = v;
+            }
+        free(xp), free(bp);
+        return 0;
+    }
+    int nt = num_threads < 1 ? 1 : num_threads;
+    if (nt > P) nt = (int)P;
+    if ((double)M * (double)N * (double)K < 65536.0) nt = 1; /* fork/join would cost more */
+    /* panel shares in whole blocks of the row-tile kernel's width, so no thread gets a ragged one */
+    const int width = Mp == MT ? 3 : 2;
+    const int64_t units = (P + width - 1) / width;
+    if (nt > units) nt = (int)units;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    for (int t = omp_get_thread_num(), team = omp_get_num_threads(); t < nt; t += team) {
+        const int64_t p0 = units * t / nt * width, p1e = units * (t + 1) / nt * width;
+        amx_range(xp, M, Mp, K, wp, bp, y, ldy, y_bf16 != 0, N, p0, p1e < P ? p1e : P);
+    }
+    free(xp), free(bp);
+    return 0;
+#else
+    (void)x, (void)wp, (void)bias, (void)bias_bf16, (void)y, (void)y_bf16, (void)num_threads;
+    return -3;
+#endif
+}
+
+/* 1 where this build has the AMX kernel and the OS grants this process AMX state, else 0 */
+int qw_gemm_bf16_amx_ready(void) {
+#if QW_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
