@@ -53,8 +53,12 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("panels", "onednn", "matmul")  # also the order of preference, see _prefer
 PANELS_DTYPES = (torch.float32, torch.bfloat16)
-# rows timed by the start-up comparison: a decode batch and a prefill chunk
-_PROBE_ROWS = (16, 128)
+# rows timed by the start-up comparison (summed): decode batches of 1, 16 and 48 and a prefill chunk.
+# Decode steps are most of a run's time (a 48-request run is ~80% decode, much of it at small,
+# shrinking batches); probing 16 and 128 rows only let the prefill chunk decide, and on Sapphire
+# Rapids picked oneDNN's bf16 linear (1.18x the AMX panels GEMM there) while the panels GEMM and
+# the one-call layer loop it enables ran the 48-request run 1.38x as fast (docs/benchmarks.md)
+_PROBE_ROWS = (1, 16, 48, 128)
 # a path is kept over the ones after it in BACKENDS unless it is this much slower than the fastest:
 # measurement noise on a shared machine must not flip the choice (and the float rounding that
 # comes with it) from run to run
