@@ -266,15 +266,18 @@ def worker_qworker(job: dict) -> dict:
     llm = LLM(job["model"], dtype=job["dtype"], kv_cache_memory=int(job["kv_memory_mib"] * MiB), **job.get("engine_args", {}))
     load = time.perf_counter() - start
     warm = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2
-    llm.generate(job["warmup"], warm)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in job["max_tokens"]]
 
-    def timed():
+    def warm_then_timed():
+        # the warm-up in the same thread: one that ran in the main thread would leave an OpenMP
+        # pool there, and this thread's parallel regions would then run throttled
+        # (qworker/engine/transient_thread.py); the worker steps its engine in one thread too
+        llm.generate(job["warmup"], warm)
         t = time.perf_counter()
         outs = llm.generate(job["prompts"], params)
         return time.perf_counter() - t, outs
 
-    seconds, outs = report.run_threaded(timed)  # the engine steps in its own thread, as in the worker
+    seconds, outs = report.run_threaded(warm_then_timed)  # the engine steps in its own thread, as in the worker
     m = llm.engine.runner.model
     return {"seconds": seconds, "load_s": load, "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "detail": {"linear_backend": getattr(m, "linear_backend", ""), "dtype": str(m.dtype), "kv_memory_mib": job["kv_memory_mib"],

@@ -25,6 +25,7 @@ from qworker.engine.lora_request import LoRARequest
 from qworker.engine.output_processor import delta_output, final_output
 from qworker.engine.outputs import ERR_ENGINE, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
+from qworker.engine.transient_thread import in_transient_thread
 from qworker.model.parallel.errors import ExecutorFailed
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,9 @@ class AsyncEngine:
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Loads and validates an adapter (on a worker thread) into the engine's CPU cache; raises
         ``InvalidRequestError`` ("invalid_lora") with the loader's reason."""
-        adapter = await asyncio.to_thread(self.engine.loras.load, lora_request)
+        # a thread that ends: the executor's would keep the load's OpenMP pool and throttle the
+        # engine thread's parallel regions from then on (transient_thread.py)
+        adapter = await asyncio.to_thread(in_transient_thread, self.engine.loras.load, lora_request)
         return await self._on_engine_thread(lambda: self.engine.add_lora_loaded(lora_request, adapter))
 
     async def remove_lora(self, lora_id: int) -> bool:

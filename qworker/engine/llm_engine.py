@@ -38,6 +38,7 @@ from qworker.engine.spec_decode.speculator import Speculator
 from qworker.engine.step_batch import prepare, sampling_rows
 from qworker.engine.step_recovery import clear_suspect, recover, withdraw
 from qworker.engine.structured.outputs import StepMasks, StructuredOutputs
+from qworker.engine.transient_thread import in_transient_thread
 from qworker.model.parallel.errors import ExecutorFailed
 from qworker.model.runner import ModelRunner
 
@@ -46,6 +47,12 @@ __all__ = ["Capacity", "LLMEngine", "Prompt"]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        # in a thread of its own: the OpenMP pool start-up creates must not outlive it in the
+        # caller's thread, or the thread that steps the engine runs its regions throttled
+        # (see transient_thread.py)
+        in_transient_thread(self._start, config)
+
+    def _start(self, config: EngineConfig) -> None:
         self.config = config
         if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group: the followers start here
             from qworker.model.parallel.leader import ParallelRunner
