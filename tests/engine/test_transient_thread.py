@@ -39,7 +39,7 @@ def test_the_openmp_pool_ends_with_the_thread():
     """Counted in a fresh process: a parallel torch op run through in_transient_thread leaves no
     threads behind; the same op run directly leaves its pool (the control: the count can grow)."""
     script = """
-import os, torch
+import os, time, torch
 from qworker.engine.transient_thread import in_transient_thread
 torch.set_num_threads(2)
 def work():
@@ -48,11 +48,16 @@ def work():
         a = torch.tanh(a @ a / 1024)
 def threads():
     return len(os.listdir('/proc/self/task'))
+def settled(want, timeout=5.0):  # pool threads end a moment after their thread
+    end = time.monotonic() + timeout
+    while threads() != want and time.monotonic() < end:
+        time.sleep(0.01)
+    return threads()
 before = threads()
 in_transient_thread(work)
-after_transient = threads()
+after_transient = settled(before)
 work()
-print(before, after_transient, threads())
+print(before, after_transient, settled(-1, timeout=0.5))
 """
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "2"})
