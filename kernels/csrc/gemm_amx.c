@@ -75,14 +75,17 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* all eight tiles 16 rows x 64 bytes: C (fp32 16 x 16), A (bf16 16 x 32), B (16 k pairs x 16 columns) */
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
-}
+/* all eight tiles 16 rows x 64 bytes: C (fp32 16 x 16), A (bf16 16 x 32), B (16 k pairs x 16
+ * columns). A constant in memory: gcc does not see that LDTILECFG reads its operand, and dropped
+ * the stores of a configuration built on the stack (found when the function was not inlined: a
+ * garbage configuration, #GP, a segfault) */
+static const tile_config TILES_16x64 __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+static void configure_tiles(void) { _tile_loadconfig(&TILES_16x64); }
 
 /* the finished 16 x 16 sums (c, 16 floats a row) + bias -> rows [0, rows) x columns [0, ncols) of y */
 static void store_tile(const float *c, const float *bias, void *y, int64_t ldy, int ybf, int rows, int ncols) {
