@@ -176,20 +176,9 @@ def run_threaded(fn, *args):
     the worker runs the engine: ``AsyncEngine`` steps it in its own thread. On the loaded 2-core
     machine these figures come from, the same decode steps ran 2.5-4x slower in the main thread
     than in a second thread (see docs/benchmarks.md), so the choice must be the same for all.
+    Warm up inside ``fn``: parallel work run in another thread first leaves an OpenMP pool there
+    that throttles this one's (qworker/engine/transient_thread.py).
     """
-    import threading
+    from qworker.engine.transient_thread import in_transient_thread
 
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-
-    t = threading.Thread(target=target, name="bench")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("result")
+    return in_transient_thread(fn, *args, name="bench")

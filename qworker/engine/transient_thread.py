@@ -14,6 +14,8 @@ the start-up's pool ends with its thread, and the thread that steps the engine h
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,19 +25,56 @@ T = TypeVar("T")
 
 def in_transient_thread(fn: Callable[..., T], *args, name: str = "qworker-start-up") -> T:
     """``fn(*args)`` in a new thread, joined before returning: its result, or its exception
-    re-raised here. The thread is a daemon, so a signal that ends the caller while it waits
-    (Ctrl-C, the worker's SIGTERM) does not leave the process waiting for it."""
+    re-raised here. An exception that interrupts the wait (Ctrl-C's KeyboardInterrupt, a signal
+    handler's SystemExit) is raised in the thread as well, which is then waited for, so the work
+    stops and cleans up (its ``except``/``finally`` blocks run: a tensor-parallel start-up stops its
+    followers) as it did when it ran in the caller's thread; a second interrupt stops waiting. The
+    thread is a daemon, so the process never waits for it at exit."""
     box: dict = {}
+    done = threading.Event()
+    device = _current_cuda_device()
 
     def target() -> None:
         try:
+            if device is not None:  # the current CUDA device is per thread: the caller's choice holds
+                import torch
+
+                torch.cuda.set_device(device)
             box["result"] = fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
+        finally:
+            done.set()
 
     thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+        # done.wait(), not thread.join(): an interrupted join marks the thread stopped while it
+        # runs on (CPython's bpo-45274 handling), after which join() returns at once
+        done.wait()
+    except BaseException as interrupt:
+        if not done.is_set() and thread.ident is not None:  # raised at its next Python instruction
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(type(interrupt)))
+            thread.join()  # to its end, even where the interrupt lands after fn (a second one stops waiting)
+        box.clear()  # the interrupt is what the caller sees
+        raise
     thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    error = box.pop("error", None)
+    if error is not None:
+        # raised without a reference cycle (error -> its traceback -> target's frame -> box ->
+        # error, and this frame's `error`): a failed start-up's half-built engine (its weights,
+        # a KV cache) is freed once the caller drops the exception, not at the next cyclic GC
+        try:
+            raise error
+        finally:
+            del error
+    return box.pop("result")
+
+
+def _current_cuda_device() -> int | None:
+    """The caller's current CUDA device where torch is loaded and CUDA started, else None (no
+    CUDA initialisation for a CPU caller)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()

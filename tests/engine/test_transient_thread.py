@@ -82,3 +82,21 @@ def test_the_engine_starts_in_a_thread_of_its_own(tiny_model_dir, monkeypatch):
     e = llm_engine.LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=4 << 20))
     assert threads and threads[0] is not threading.current_thread() and not threads[0].is_alive()
     assert e.max_model_len > 0
+
+
+def test_the_callers_cuda_device_holds_in_the_thread(monkeypatch):
+    """The current CUDA device is per thread: a caller that chose device 3 must get its engine
+    built there. (No GPU here: torch.cuda's device queries are stood in for; the thread's
+    set_device call is what is checked.)"""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((d, threading.current_thread())))
+    assert in_transient_thread(lambda: "built") == "built"
+    assert len(calls) == 1 and calls[0][0] == 3 and calls[0][1] is not threading.current_thread()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU caller: CUDA is not started
+    in_transient_thread(lambda: None)
+    assert len(calls) == 1
