@@ -87,6 +87,10 @@ static const tile_config TILES_16x64 __attribute__((aligned(64))) = {
 
 static void configure_tiles(void) { _tile_loadconfig(&TILES_16x64); }
 
+/* gcc 12's tile intrinsics do not declare the memory they touch (TILESTORED's writes, TILELOADD's
+ * reads): after the stores, a barrier, so that the sums are read back only once written */
+#define TILES_STORED() __asm__ volatile("" ::: "memory")
+
 /* the finished 16 x 16 sums (c, 16 floats a row) + bias -> rows [0, rows) x columns [0, ncols) of y */
 static void store_tile(const float *c, const float *bias, void *y, int64_t ldy, int ybf, int rows, int ncols) {
     const __mmask16 m = (__mmask16)((1u << ncols) - 1u);
@@ -130,6 +134,7 @@ static void store_tile(const float *c, const float *bias, void *y, int64_t ldy, 
         _tile_stored(0, c, 64);                                                                                     \
         if (NP > 1) _tile_stored(1, c + MT * NR, 64);                                                               \
         if (NP > 2) _tile_stored(2, c + 2 * MT * NR, 64);                                                           \
+        TILES_STORED();                                                                                             \
     }
 ROW_TILE_BY_PANELS(1)
 ROW_TILE_BY_PANELS(2)
@@ -159,6 +164,7 @@ static void rows32_by_2(const uint16_t *a, int64_t K, const uint16_t *wp, int64_
     _tile_stored(1, c + MT * NR, 64);
     _tile_stored(2, c + 2 * MT * NR, 64);
     _tile_stored(3, c + 3 * MT * NR, 64);
+    TILES_STORED();
 }
 
 /* panels [p0, p1) of y for all rows: xp is [Mp][K] bf16, zero-padded; bias padded fp32 or NULL */
