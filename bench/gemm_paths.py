@@ -6,7 +6,9 @@
 
 Paths: ``x @ w`` with ``w`` row-major ``[in, out]``; ``F.linear`` with ``[out, in]``; oneDNN with
 each weight packed once (``torch.ops.mkldnn._reorder_linear_weight(w, batch_size_hint)``) for
-each ``--hints`` value. Weights are fresh random tensors of the model's shapes (values do not
+each ``--hints`` value; ``panels``, qworker's own GEMM (``kernels.gemm_cpu``) with the weights as
+the engine packs them here (on an AMX CPU, bf16 weights in AMX's tile layout), where the C kernels
+build. Weights are fresh random tensors of the model's shapes (values do not
 change GEMM time; all of them together are far larger than the caches, as in a real step).
 The paths alternate round by round; medians; the fastest per row count in bold.
 
@@ -29,6 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench import report  # noqa: E402
+from kernels import gemm_cpu  # noqa: E402
 
 
 def shapes(model_dir: str) -> list[tuple[int, int]]:
@@ -62,6 +65,7 @@ def main(argv=None) -> dict:
     out_in = [(torch.randn(o, i, generator=gen) * 0.02).to(dtype) for o, i in shapes(args.model)]
     in_out = [w.t().contiguous() for w in out_in]
     packed = {h: [torch.ops.mkldnn._reorder_linear_weight(w, h) for w in out_in] for h in hints}
+    panels = [gemm_cpu.pack_weight(w) for w in out_in] if not gemm_cpu.self_check(dtype) else None
     widths = sorted({w.shape[1] for w in out_in})
 
     def paths(n: int) -> dict:
@@ -76,6 +80,12 @@ def main(argv=None) -> dict:
                 F.linear(xs[w.shape[1]], w)
 
         fns = {"x @ w": matmul, "F.linear": linear}
+        if panels is not None:
+            def qworker_panels():
+                for w, w0 in zip(panels, out_in):
+                    gemm_cpu.gemm(xs[w0.shape[1]], w, None, w0.shape[0])
+
+            fns["panels"] = qworker_panels
         for h, ws in packed.items():
             def onednn(ws=ws):
                 for w, w0 in zip(ws, out_in):
