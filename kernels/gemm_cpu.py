@@ -52,16 +52,18 @@ LAYOUTS = ("panels", "amx")
 def amx_ready() -> bool:
     """Whether bf16 weights are packed for AMX here: the GEMM build has the AMX kernel, the OS
     grants this process AMX state, and ``QWORKER_CPU_AMX`` is not ``0``."""
-    if os.environ.get("QWORKER_CPU_AMX", "1") == "0":
-        return False
-    isa = gemm_isa(torch.bfloat16)
-    return isa is not None and _amx_built(isa)
+    return amx_usable(_gemm_library(torch.bfloat16))
+
+
+def amx_usable(lib) -> bool:
+    """:func:`amx_ready` for a bf16 GEMM library the caller already holds (the per-call paths:
+    no second lookup of the build)."""
+    return lib is not None and os.environ.get("QWORKER_CPU_AMX", "1") != "0" and _amx_granted(lib)
 
 
 @cache
-def _amx_built(isa: str) -> bool:
-    lib = _cpu._library_for(isa)
-    fn = getattr(lib, "qw_gemm_bf16_amx_ready", None) if lib is not None else None
+def _amx_granted(lib) -> bool:
+    fn = getattr(lib, "qw_gemm_bf16_amx_ready", None)
     return fn is not None and bool(fn())
 
 
@@ -192,7 +194,7 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
     fn = getattr(lib, "qw_gemm_bf16_amx" if amx else "qw_gemm_bf16", None) if lib is not None else None
     covered = (
         fn is not None
-        and (x.dtype == torch.bfloat16 and amx_ready() if amx else x.dtype in (torch.float32, torch.bfloat16))
+        and (x.dtype == torch.bfloat16 and amx_usable(lib) if amx else x.dtype in (torch.float32, torch.bfloat16))
         and x.is_cpu and packed.is_cpu and packed.is_contiguous()
         and (bias is None or (bias.dtype in (torch.float32, torch.bfloat16) and bias.is_cpu))
     )

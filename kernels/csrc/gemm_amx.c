@@ -27,11 +27,10 @@
  * each configures its tiles and releases them when done. The process asks the kernel for AMX
  * state once (arch_prctl ARCH_REQ_XCOMP_PERM): qw_gemm_bf16_amx_ready() says whether that worked.
  *
- * Against oneDNN's AMX linear (one thread, SmolLM2's four projections of a layer, Sapphire
- * Rapids class): 1.15x as fast at 1-16 rows, even at 48, 0.9x at 128, 0.75x at 512. Neither
- * contiguous A tiles nor K chunks that keep the weights in L1 moved the many-row figures by more
- * than the noise; the loads' order in the 2 x 2 kernel (each product as soon as its operands are
- * in) gave ~5%.
+ * Against oneDNN's packed AMX linear (docs/benchmarks.md, `bench/gemm_paths.py --dtype bfloat16`):
+ * ahead at 1-48 rows, 0.75-0.82x at 128-512. Neither contiguous A tiles nor K chunks that keep
+ * the weights in L1 moved the many-row figures by more than the noise; the loads' order in the
+ * 2 x 2 kernel (each product as soon as its operands are in) gave ~5%.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -231,6 +230,15 @@ int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp,
 #if QW_AMX
     if (!amx_ready()) return -3;
     if (M == 0 || N == 0) return 0;
+    if (K == 0) { /* no products: the bias (or zeros), before any scratch is allocated */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < N; n++) {
+                const float v = !bias ? 0.0f : bias_bf16 ? bf16_to_f32(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
+                if (y_bf16) ((uint16_t *)y)[i * ldy + n] = f32_to_bf16(v);
+                else ((float *)y)[i * ldy + n] = v;
+            }
+        return 0;
+    }
     const int64_t P = (N + NR - 1) / NR, Mp = (M + MT - 1) / MT * MT;
     uint16_t *xp = aligned_alloc(64, (size_t)((Mp * K * 2 + 63) / 64 * 64) + 64);
     float *bp = bias ? calloc((size_t)(P * NR), sizeof(float)) : NULL;
@@ -248,16 +256,6 @@ int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp,
     }
     if (bias)
         for (int64_t n = 0; n < N; n++) bp[n] = bias_bf16 ? bf16_to_f32(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
-    if (K == 0) { /* no products: the bias (or zeros) */
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t n = 0; n < N; n++) {
-                const float v = bp ? bp[n] : 0.0f;
-                if (y_bf16) ((uint16_t *)y)[i * ldy + n] = f32_to_bf16(v);
-                else ((float *)y)[i * ldy + n] = v;
-            }
-        free(xp), free(bp);
-        return 0;
-    }
     int nt = num_threads < 1 ? 1 : num_threads;
     if (nt > P) nt = (int)P;
     if ((double)M * (double)N * (double)K < 65536.0) nt = 1; /* fork/join would cost more */
