@@ -6,8 +6,7 @@ Every kernel ``f`` has a reference ``f_ref`` with the same signature in
 :mod:`kernels.reference`; the engine runs the Triton versions on CUDA and the
 references on CPU, except where the CPU has its own C kernels (:mod:`kernels.cpu`:
 decode and prefill attention, the KV write, RMSNorm, rotary embedding, SwiGLU), which fall
-back to the references where they cannot build. Rotary embedding and SwiGLU
-have no Triton kernels: their torch references serve CUDA. The layout they share (cache shape, what a slot is,
+back to the references where they cannot build. The layout they share (cache shape, what a slot is,
 block tables, GQA head mapping) is documented in :mod:`kernels.reference`.
 
 The Triton versions here are thin wrappers that import their module on first
@@ -71,6 +70,8 @@ __all__ = [
     "paged_attention_ref",
     "rms_norm",
     "rms_norm_ref",
+    "rotary_embedding",
+    "silu_and_mul",
     "moe_experts",
     "moe_experts_ref",
     "moe_align",
@@ -165,6 +166,20 @@ def rms_norm(
     from .rmsnorm import rms_norm as impl
 
     return impl(x, weight, eps, residual)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place on ``q [T, Hq, D]`` and ``k [T, Hk, D]``. See :mod:`kernels.rotary`."""
+    from .rotary import rotary_embedding as impl
+
+    impl(positions, q, k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a fused gate/up projection ``[..., 2I]`` -> ``[..., I]``. See :mod:`kernels.swiglu`."""
+    from .swiglu import silu_and_mul as impl
+
+    return impl(gate_up)
 
 
 def moe_experts(

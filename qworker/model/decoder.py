@@ -151,7 +151,7 @@ class DecoderModel:
         triton = backend == "triton"
         # fused residual-add + RMSNorm: the Triton kernel, or the C kernel on CPU
         self.norm_fn = kernels.rms_norm if triton else kernels.rms_norm_cpu
-        self.swiglu = kernels.silu_and_mul_ref if triton else kernels.silu_and_mul_cpu
+        self.swiglu = kernels.silu_and_mul if triton else kernels.silu_and_mul_cpu
         activation = self.swiglu if spec.activation == "silu" else gelu_tanh_and_mul
 
         self.layers = []

@@ -111,7 +111,7 @@ class MoE:
         xs = x.index_select(0, tokens)  # [T*K, H], grouped by expert
         ws = weights.reshape(-1, 1).index_select(0, order)
         ys = torch.empty((flat.numel(), self.hidden_size), dtype=self.act_dtype, device=x.device)
-        swiglu = kernels.silu_and_mul_cpu if x.device.type == "cpu" else kernels.silu_and_mul_ref
+        swiglu = kernels.silu_and_mul_cpu if x.device.type == "cpu" else kernels.silu_and_mul
         at = 0
         for e, n in zip(experts, counts):
             seg = slice(at, at + n)

@@ -64,8 +64,8 @@ class RotaryEmbedding:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
-        # in place: the C kernel on CPU, the torch reference with the Triton backend (no Triton rope kernel)
-        self._apply = kernels.rotary_embedding_cpu_ if backend == "cpu" else kernels.rotary_embedding_ref
+        # in place: the C kernel on CPU, the Triton kernel with the Triton backend
+        self._apply = kernels.rotary_embedding_cpu_ if backend == "cpu" else kernels.rotary_embedding
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` in place."""
@@ -77,8 +77,9 @@ class PartialRotaryEmbedding(RotaryEmbedding):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # the C kernel rotates whole heads; the reference rotates views of the first channels
-        self._apply = kernels.rotary_embedding_ref
+        # the C kernel rotates whole heads; the reference and the Triton kernel rotate views of the first channels
+        if self._apply is kernels.rotary_embedding_cpu_:
+            self._apply = kernels.rotary_embedding_ref
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         d = self.rotary_dim

@@ -20,7 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import decode_attention, fused_moe, kv_store, lora_sgmv, prefill_attention, rmsnorm  # noqa: E402
+from kernels import decode_attention, fused_moe, kv_store, lora_sgmv, prefill_attention, rmsnorm, rotary, swiglu  # noqa: E402
 
 OPS = r"(ld\.global\.b16|cp\.async\.cg\.shared\.global|wgmma\.mma_async|mma\.sync)"
 
@@ -85,6 +85,12 @@ def main(full: bool) -> dict:
             res[f"lora_expand_m{bm}_{dt}"] = compile_sm90(lora_sgmv._expand_kernel, lora_t, dict(
                 R=16, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=16, DOT_PREC="ieee" if dt == "fp32" else "tf32"),
                 divisible=("N",))
+        # the per-layer elementwise kernels of a decode step (SmolLM2's shapes: 9/3 heads of 64, I = 1536)
+        res[f"rotary_{dt}"] = compile_sm90(rotary._rotary_kernel, {
+            **{n: f"*{dt}" for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr")}, "pos_ptr": "*i64"},
+            dict(HALF=32, H_PAD=16, HALF_PAD=32, ROUND=dt != "fp32"))
+        res[f"silu_and_mul_{dt}"] = compile_sm90(swiglu._silu_and_mul_kernel, {
+            **{n: f"*{dt}" for n in ("x_ptr", "out_ptr")}}, dict(BLOCK=1024), divisible=("width",))
         if full:
             res[f"decode_direct_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
                 HQ=24, NUM_SPLITS=1, G=3, G_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=32, BLOCK_N=64, DIRECT=True,

@@ -26,7 +26,8 @@ for p in (str(_HERE), str(_ROOT)):
 ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    for _name in ("kernels.kv_store", "kernels.decode_attention", "kernels.prefill_attention", "kernels.rmsnorm"):
+    for _name in ("kernels.kv_store", "kernels.decode_attention", "kernels.prefill_attention", "kernels.rmsnorm",
+                  "kernels.rotary", "kernels.swiglu"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 

@@ -50,6 +50,9 @@ def test_kernels_compile_for_sm90_with_fast_instructions():
             # from 64-row tiles, mma.sync for the 16-row decode tiles)
             assert "cp.async.cg.shared.global" in r["ops"] and "ld.global.b16" not in r["ops"], (name, r)
             assert ("wgmma.mma_async" if "_m64_" in name else "mma.sync") in r["ops"], (name, r)
+        if name.startswith(("rotary", "silu_and_mul")):
+            # whole channel runs per load (strides and widths divisible by 16), not 2-byte scalar loads
+            assert "ld.global.b16" not in r["ops"], (name, r)
         if name.startswith("lora") and not name.endswith("fp32"):
             # no 2-byte scalar loads of x, A, B or y (widths divisible by 16, as models have them);
             # shrink streams x and A by cp.async into tensor cores
