@@ -8,8 +8,9 @@ the C extend kernel vs the torch reference.
 
 Decode: SmolLM2's shapes by default (9 query heads, 3 KV heads, head dim 64, 30 layers, pages of
 16 tokens), context lengths drawn uniformly from [--min-len, --max-len] (the mixed workload's
-100-500), every layer with its own cache whose pages are shuffled (as after the block manager has
-churned). One timed pass = the decode attention of all layers for one step; before each pass a
+100-500), every layer with its own cache, on huge pages as the engine's pool, whose pages are
+shuffled (as after the block manager has churned; ``--page-order in-order`` lays each sequence's
+pages one after another). One timed pass = the decode attention of all layers for one step; before each pass a
 buffer larger than the last-level cache is written, so the KV arrives from memory as it does in a
 real step (the weights stream through the caches between two attention calls). The paths are
 timed alternately, round after round, and the medians compared: the machine may be shared.
@@ -42,6 +43,7 @@ import torch  # noqa: E402
 import kernels  # noqa: E402
 from bench import report  # noqa: E402
 from kernels import cpu as kcpu  # noqa: E402
+from qworker.model.kv_cache import huge_page_zeros  # noqa: E402
 
 MiB = 1 << 20
 CLOCK = time.perf_counter
@@ -57,6 +59,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--page-order", choices=["shuffled", "in-order"], default="shuffled",
+                    help="where a sequence's pages sit in the pool: scattered (after churn) or one after another")
     ap.add_argument("--cache-dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--flush-mib", type=int, default=96, help="buffer written before each pass (0: none)")
@@ -128,14 +132,16 @@ def decode_case(args, cache_dtype: torch.dtype, batch: int, paths: dict, rounds:
     gen = torch.Generator().manual_seed(args.seed)
     layers = []
     for _ in range(args.layers):
-        ids = torch.randperm(nblocks, generator=gen)
+        ids = torch.randperm(nblocks, generator=gen) if args.page_order == "shuffled" else torch.arange(nblocks)
         table = torch.zeros(batch, max(need), dtype=torch.int32)
         at = 0
         for b, n in enumerate(need):
             table[b, :n] = ids[at:at + n].to(torch.int32)
             at += n
-        k = torch.randn(nblocks, bs, hkv, d, generator=gen).to(cache_dtype)
-        v = torch.randn(nblocks, bs, hkv, d, generator=gen).to(cache_dtype)
+        # on huge pages where the kernel allows them, as the engine's pool is
+        k, v = (huge_page_zeros((nblocks, bs, hkv, d), cache_dtype) for _ in range(2))
+        k.copy_(torch.randn(nblocks, bs, hkv, d, generator=gen))
+        v.copy_(torch.randn(nblocks, bs, hkv, d, generator=gen))
         layers.append((k, v, table))
     q = torch.randn(batch, args.heads, d, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
