@@ -28,6 +28,10 @@ from qworker.engine.block_pool import Block, BlockPool
 from qworker.engine.sequence import Sequence
 
 
+# the most blocks past a sequence's end that its allocations ask others to take last (block_pool)
+ROOM_CAP = 32
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -133,9 +137,18 @@ class KVCacheManager:
         if self._needs_cow(seq, num_new_tokens):
             self._copy_on_write(seq)
             need -= 1
-        seq.block_table.extend(self.pool.allocate(need))
+        seq.block_table.extend(self.pool.allocate(need, *self._layout_hint(seq, need)))
         self._register_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         return True
+
+    def _layout_hint(self, seq: Sequence, need: int) -> tuple[int | None, int]:
+        """``after`` and ``room`` for :meth:`BlockPool.allocate` (layout only, see block_pool): the
+        sequence's last block, and the blocks its request may still append, at most ROOM_CAP."""
+        after = seq.block_table[-1].block_id if seq.block_table else None
+        max_tokens = seq.request.params.max_tokens
+        final_len = seq.num_prompt_tokens + (max_tokens if max_tokens is not None else ROOM_CAP * self.block_size)
+        room = cdiv(final_len, self.block_size) - len(seq.block_table) - need
+        return after, max(0, min(room, ROOM_CAP))
 
     def _copy_on_write(self, seq: Sequence) -> None:
         i = seq.num_computed_tokens // self.block_size
@@ -224,7 +237,7 @@ class KVCacheManager:
         need = len(seq.cpu_block_ids) - len(resident)
         for block in resident:
             self.pool.touch(block)
-        fresh = self.pool.allocate(need)
+        fresh = self.pool.allocate(need, resident[-1].block_id if resident else None)
         self._copies.swap_in.extend(zip(seq.cpu_block_ids[len(resident) :], (b.block_id for b in fresh)))
         seq.block_table = resident + fresh
         self.cpu_pool.free(seq.cpu_block_ids)

@@ -23,8 +23,11 @@ def test_prefix_hit_is_block_aligned_and_never_covers_the_last_token():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a, hit = admit(kv, list(range(10)))
     assert ids(a) == [0, 1, 2] and hit == 0
+    # blocks 3-6 are the room a's request may still grow into (10 prompt + 16 max tokens = 7
+    # blocks): the pool hands them out last, so b's fresh block is 7
+    assert list(kv.pool._free_unhashed) == [7, 3, 4, 5, 6]
     b, hit = admit(kv, list(range(10)) + [99])
-    assert hit == 2 and ids(b)[:2] == [0, 1] and ids(b)[2] == 3
+    assert hit == 2 and ids(b)[:2] == [0, 1] and ids(b)[2] == 7
     c, hit = admit(kv, list(range(8)))  # exactly two full blocks: the last token must be recomputed
     assert hit == 1 and ids(c)[0] == 0 and ids(c)[1] != 1
     assert kv.pool.blocks[0].ref_count == 3
@@ -61,7 +64,7 @@ def test_fork_shares_partial_block_and_copy_on_write_copies_it():
     child.token_ids.append(9)
     assert kv.allocate_slots(child, 1)
     copies = kv.take_copies()
-    assert copies.copy == [(1, 2)] and ids(child) == [0, 2]
+    assert copies.copy == [(1, 6)] and ids(child) == [0, 6]  # 2-5: the parent's room (6 + 16 tokens)
     assert kv.pool.blocks[1].ref_count == 1
     parent.token_ids.append(8)
     assert kv.allocate_slots(parent, 1)
