@@ -81,6 +81,25 @@ static inline __m256 qw_fold8(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256
 static inline __m256 qw_half_sum(__m512 r) {
     return _mm256_add_ps(_mm512_castps512_ps256(r), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
 }
+
+/* The pair-split order of the bf16 GQA kernels (see LOADV below), n a multiple of 32: in each run
+ * of 32 values, the 16 at even offsets, then the 16 at odd ones. */
+static inline void qw_pair_split(const float *restrict src, float *restrict dst, int n) {
+    for (int c = 0; c < n; c += 32)
+        for (int j = 0; j < 16; j++) {
+            dst[c + j] = src[c + 2 * j];
+            dst[c + 16 + j] = src[c + 2 * j + 1];
+        }
+}
+
+/* dst = src * scale back in natural order (the inverse of qw_pair_split) */
+static inline void qw_pair_join(const float *restrict src, float *restrict dst, int n, float scale) {
+    for (int c = 0; c < n; c += 32)
+        for (int j = 0; j < 16; j++) {
+            dst[c + 2 * j] = src[c + j] * scale;
+            dst[c + 2 * j + 1] = src[c + 16 + j] * scale;
+        }
+}
 #endif
 
 /* pages the GQA path prefetches ahead of the one it reads */
@@ -96,11 +115,13 @@ static inline __m256 qw_half_sum(__m512 r) {
 #define LOAD8(p) _mm256_loadu_ps(p)
 #define LOAD16(p) _mm512_loadu_ps(p)
 #define LOAD1(p) (*(p))
+#define LOADV(row, i) LOAD16((row) + 16 * (i))
 #define FN(name) QW_CAT(name, f32)
 #include "paged_decode_impl.h"
 #undef KV_T
 #undef LOAD8
 #undef LOAD16
+#undef LOADV
 #undef LOAD1
 #undef FN
 
@@ -114,6 +135,7 @@ static inline __m256 qw_half_sum(__m512 r) {
 #else
 #define LOAD1(p) qw_f16_to_f32(*(p))
 #endif
+#define LOADV(row, i) LOAD16((row) + 16 * (i))
 #define FN(name) QW_CAT(name, f16)
 static inline float qw_f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -137,6 +159,7 @@ static inline float qw_f16_to_f32(uint16_t h) {
 #undef LOAD8
 #undef LOAD16
 #endif
+#undef LOADV
 #undef LOAD1
 #undef FN
 
@@ -147,6 +170,19 @@ static inline float qw_f16_to_f32(uint16_t h) {
 #define LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #endif
 #define LOAD1(p) qw_bf16_to_f32(*(p))
+#ifdef QW_AVX512
+/* The GQA kernels' vectors of a bf16 row in "pair-split" order: one 64-byte load of 32 elements
+ * gives two 16-float vectors in two single-uop instructions, the even elements (each 32-bit lane
+ * shifted left by 16) and the odd ones (the lane's upper half kept). That is half the conversion
+ * work of widening 16 elements at a time (a shuffle and a shift per 16). q and the V sums are
+ * permuted to the same order (qw_pair_split / qw_pair_join); the V sums are unchanged, the
+ * scores' fp32 sums run over the channels in another order. */
+#define QW_PAIR_SPLIT 1
+#define LOADV(row, i)                                                                                          \
+    (((i) & 1) ? _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512((const void *)((row) + 32 * ((i) >> 1))), \
+                                                      _mm512_set1_epi32((int)0xffff0000u)))                  \
+               : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512((const void *)((row) + 32 * ((i) >> 1))), 16)))
+#endif
 #define FN(name) QW_CAT(name, bf16)
 static inline float qw_bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -159,6 +195,10 @@ static inline float qw_bf16_to_f32(uint16_t h) {
 #ifdef QW_AVX
 #undef LOAD8
 #undef LOAD16
+#endif
+#ifdef QW_AVX512
+#undef LOADV
+#undef QW_PAIR_SPLIT
 #endif
 #undef LOAD1
 #undef FN

@@ -229,7 +229,7 @@ static inline __attribute__((always_inline)) void FN(score8_heads)(const float *
         for (int g = 0; g < NH; g++) qv[g] = _mm512_loadu_ps(q + (int64_t)g * ND16 * 16 + 16 * i);
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
-            const __m512 kv = LOAD16(kt[t] + 16 * i);
+            const __m512 kv = LOADV(kt[t], i);
 #pragma GCC unroll 3
             for (int g = 0; g < NH; g++) r[g][t] = _mm512_fmadd_ps(qv[g], kv, r[g][t]);
         }
@@ -265,7 +265,7 @@ static inline __attribute__((always_inline)) void FN(acc_heads)(const float *res
         for (int g = 0; g < NH; g++) pj[g] = _mm512_set1_ps(p[g * p_stride + j]);
 #pragma GCC unroll 8
         for (int i = 0; i < ND16; i++) {
-            const __m512 vv = LOAD16(v + 16 * i);
+            const __m512 vv = LOADV(v, i);
 #pragma GCC unroll 3
             for (int g = 0; g < NH; g++) a[g][i] = _mm512_fmadd_ps(pj[g], vv, a[g][i]);
         }
@@ -293,6 +293,11 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
                            float *restrict outs) {
     const int span = len - lo, ND16 = D / 16, nq = (h1 - h0) * G;
     const int num_blks = (len + block_size - 1) / block_size, blk0 = lo / block_size;
+#ifdef QW_PAIR_SPLIT
+    float q_split[nq * D];
+    qw_pair_split(qs, q_split, nq * D);
+    qs = q_split;
+#endif
     for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
         FN(prefetch_page)(k_cache, table, blk + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
         const int n = len - t0 < block_size ? len - t0 : block_size;
@@ -328,8 +333,12 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
             }
         }
     }
+#ifdef QW_PAIR_SPLIT
+    for (int qh = 0; qh < nq; qh++) qw_pair_join(acc + (int64_t)qh * D, outs + (int64_t)qh * D, D, inv_sum[qh]);
+#else
     for (int qh = 0; qh < nq; qh++)
         for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
+#endif
 }
 #undef QW_HEADS_SWITCH
 #endif
