@@ -95,6 +95,8 @@ class BlockPool:
         """
         if n > self.num_free:
             raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free")
+        if n == 0:  # most decode steps: the room was set aside when the last block was taken
+            return []
         free = self._free_unhashed
         out = []
         next_id = None if after is None else after + 1
@@ -111,8 +113,8 @@ class BlockPool:
                 next_id += 1
             block.ref_count = 1
             out.append(block)
-        last = out[-1].block_id if out else after
-        for block_id in range(last + 1, last + 1 + room) if last is not None else ():
+        last = out[-1].block_id
+        for block_id in range(last + 1, last + 1 + room):  # stops at the first id not free
             if block_id not in free:
                 break
             free.move_to_end(block_id)
@@ -129,16 +131,18 @@ class BlockPool:
         tail of a prompt (least likely to be shared) is reclaimed before its head. Unhashed blocks
         join the queue in id order, so that a later allocation takes them as one ascending run."""
         unhashed = []
-        for block in blocks:
-            assert block.ref_count > 0, f"double free of block {block.block_id}"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:
-                    unhashed.append(block.block_id)
-                else:
-                    self._free_cached[block.block_id] = None
-        for block_id in sorted(unhashed):
-            self._free_unhashed[block_id] = None
+        try:
+            for block in blocks:
+                assert block.ref_count > 0, f"double free of block {block.block_id}"
+                block.ref_count -= 1
+                if block.ref_count == 0:
+                    if block.block_hash is None:
+                        unhashed.append(block.block_id)
+                    else:
+                        self._free_cached[block.block_id] = None
+        finally:  # a double free raises mid-way: the blocks already released still join the queue
+            for block_id in sorted(unhashed):
+                self._free_unhashed[block_id] = None
 
     def register(self, block: Block, block_hash: bytes) -> Block:
         """Record ``block`` as the cached copy of ``block_hash``; returns the block the map holds

@@ -49,6 +49,10 @@ class Speculator:
             if seq.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
             num_decodes += 1
+            if seq.request.params.n > 1 and not seq.request.forked:
+                # a prompt's one-token last chunk, before its request forks: the children copy the
+                # parent's computed tokens but only the first sampled token, not accepted drafts
+                continue
             # never draft past max_tokens (the bonus token is the last one) or the context
             cap = min(spec.num_speculative_tokens, seq.request.params.max_tokens - seq.num_output_tokens - 1,
                       self.max_model_len - len(seq.token_ids))
