@@ -74,6 +74,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                          f" head size {D} in {q.dtype}")
     if T == 0:
         return
+    positions = positions.contiguous()  # the kernel reads positions[t] at pos_ptr + t
     k_heads = k.shape[1]
     half = D // 2
     _rotary_kernel[(T,)](

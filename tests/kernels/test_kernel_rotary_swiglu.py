@@ -67,6 +67,18 @@ def test_rotary_partial_heads_rotate_only_the_first_channels(seed, device, dtype
     assert torch.equal(q[..., rot:], q_ref[..., rot:]) and torch.equal(k[..., rot:], k_ref[..., rot:])
 
 
+def test_rotary_takes_strided_positions(device):
+    q = torch.randn(4, 2, 8, device=device)
+    k = torch.randn(4, 1, 8, device=device)
+    cos, sin = _tables(16, 8, torch.float32, device)
+    pos = torch.tensor([[3, 0], [9, 0], [1, 0], [15, 0]], device=device)[:, 0]  # stride 2
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_embedding(pos, q, k, cos, sin)
+    rotary_embedding_ref(pos.contiguous(), q_ref, k_ref, cos, sin)
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
+    torch.testing.assert_close(k, k_ref, rtol=0, atol=0)
+
+
 def test_rotary_position_zero_is_identity_and_empty_is_a_no_op(device):
     q = torch.randn(3, 2, 8, device=device)
     k = torch.randn(3, 1, 8, device=device)
