@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from qworker.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from bench.drive import fill_decoding  # noqa: E402
+from qworker.engine import EngineConfig, LLMEngine  # noqa: E402
 from qworker.model.decoder import DecoderModel  # noqa: E402
 
 MiB = 1 << 20
@@ -38,12 +39,7 @@ def run_batch(model_path: str, batch: int, context: int, steps: int) -> dict[str
     if m.forward.__func__ is not DecoderModel._forward_cpu_bf16:
         raise SystemExit(f"this model runs {m.forward.__name__}, not the CPU bf16 loop")
     loops = {"bf16 io": m.forward, "fp32 acts": lambda *a: DecoderModel.forward(m, *a)}
-    rng = random.Random(batch)
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", [rng.randrange(100, 30000) for _ in range(context)], params)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()
+    fill_decoding(engine, batch, context, "b")
     engine.step()
     times: dict[str, list[float]] = {k: [] for k in loops}
     for i in range(2 * steps):

@@ -14,28 +14,21 @@ its median: on a shared, noisy machine the two then see the same conditions.
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from qworker.engine import LLMEngine, SamplingParams
+from bench.drive import fill_decoding
+from qworker.engine import LLMEngine
 
 
 def decode_vs_ceiling(engine: LLMEngine, batch: int, context: int = 160, rounds: int = 9) -> dict:
     """Median decode-step tokens/s (scheduling, attention, sampling included; every sequence with
     about ``context`` tokens of KV) and the median matmul-only tokens/s at this batch size."""
     warmup = 2
-    # early prefill chunks already decode while later ones prefill: leave room, abort at the end
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-    rng = random.Random(batch)
-    ids = [f"ceiling-{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, [rng.randrange(100, 30000) for _ in range(context)], params)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()  # prefills
+    ids = fill_decoding(engine, batch, context, "ceiling")
     for _ in range(warmup):
         engine.step()
     passes = _matmul_passes(engine, batch)

@@ -74,6 +74,20 @@ class Run:
         }
 
 
+def fill_decoding(engine: LLMEngine, batch: int, context: int, tag: str) -> list[str]:
+    """``batch`` requests of ``context`` random prompt tokens (seeded by ``batch``), stepped until
+    each has its first token, so that every later step decodes all of them (they never finish:
+    EOS ignored, max_tokens 10,000). Returns their ids (``{tag}-{batch}-{i}``) for the caller to abort."""
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(100, 30000) for _ in range(context)], params)
+    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
+        engine.step()
+    return ids
+
+
 def new_engine(model: str, device: str = "cpu", dtype: str = "auto", kv_memory_mib: float = 256, **config) -> LLMEngine:
     gc.collect()
     return LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, kv_cache_memory=int(kv_memory_mib * MiB), **config))

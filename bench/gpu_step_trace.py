@@ -16,7 +16,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import statistics
 import sys
 import time
@@ -27,21 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from qworker.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from bench.drive import fill_decoding  # noqa: E402
+from qworker.engine import EngineConfig, LLMEngine  # noqa: E402
 
 MiB = 1 << 20
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
-
-
-def _steady_batch(engine: LLMEngine, batch: int, context: int) -> None:
-    rng = random.Random(batch)
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"trace-{i}", [rng.randrange(100, 30000) for _ in range(context)], params)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()
-    for _ in range(3):
-        engine.step()
 
 
 def _sync(device: torch.device) -> None:
@@ -65,7 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.model = random_weight_copy(args.model)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_cache_memory=256 * MiB, max_num_seqs=256))
     device = engine.runner.device
-    _steady_batch(engine, args.batch, args.context)
+    fill_decoding(engine, args.batch, args.context, "trace")
+    for _ in range(3):
+        engine.step()
 
     walls = []
     for _ in range(args.steps):

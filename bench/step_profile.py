@@ -16,7 +16,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import statistics
 import sys
 import time
@@ -25,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qworker.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from bench.drive import fill_decoding  # noqa: E402
+from qworker.engine import EngineConfig, LLMEngine  # noqa: E402
 
 MiB = 1 << 20
 
@@ -67,13 +67,7 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
 
 
 def profile_batch(engine: LLMEngine, batch: int, context: int, rounds: int, use_cprofile: bool) -> dict:
-    rng = random.Random(batch)
-    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-    ids = [f"prof-{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, [rng.randrange(100, 30000) for _ in range(context)], params)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()
+    ids = fill_decoding(engine, batch, context, "prof")
     for _ in range(2):
         engine.step()
     timers = Timers()
