@@ -14,7 +14,8 @@
  * (sequence, KV head) pairs), each done by one thread, longest attended span first under dynamic
  * scheduling (the greedy longest-processing-time split: no thread is left with one long sequence
  * while the others idle). Both passes walk the sequence's pages in
- * order and finish each page for every head the item owns before the next one, so every page
+ * order (a run of consecutive block ids as one page: qw_run_length) and finish each page for every
+ * head the item owns before the next one, so every page
  * is read from memory once, as one contiguous run (block_size * Hkv * D floats): scores
  * (q . k) for all heads, a softmax per query head, then the weighted sum of V rows.
  * Under a sliding window only the pages holding the last `window` tokens are read; soft-capping
@@ -63,6 +64,17 @@ static inline float qw_softmax_numerators(float *restrict s, int span, float cap
         sum += s[t];
     }
     return 1.0f / sum;
+}
+
+/* How many blocks from table[blk] on (at most up to `end`) have consecutive ids: such a run is one
+ * contiguous stretch of the cache, walked as one page (the pool allocates in runs where it can,
+ * qworker/engine/block_pool.py). Results are the same either way: every token's score is its own
+ * sum, and the V sums add the tokens in the same order; a run only saves the per-page work
+ * (accumulators stored and reloaded, a partial 8-token group, the page's prefetch). */
+static inline int qw_run_length(const int32_t *table, int blk, int end) {
+    int run = 1;
+    while (blk + run < end && table[blk + run] == table[blk] + run) run++;
+    return run;
 }
 
 /* qsort order: descending int64 keys (a sequence's span in the high half, its index in the low) */

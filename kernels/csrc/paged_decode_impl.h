@@ -161,10 +161,12 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
     const int num_blks = (len + block_size - 1) / block_size;
     const int blk0 = lo / block_size;
     /* pass 1: scores[qh * span + t - lo] = scale * q_qh . k_t, page by page */
-    for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
-        FN(prefetch_page)(k_cache, table, blk + 1, num_blks, block_size, token_stride, h0, h1, D);
+    for (int blk = blk0, run; blk < num_blks; blk += run) {
+        run = qw_run_length(table, blk, num_blks);
+        const int t0 = blk * block_size;
+        FN(prefetch_page)(k_cache, table, blk + run, num_blks, block_size, token_stride, h0, h1, D);
         const int64_t page = (int64_t)table[blk] * block_size * token_stride;
-        const int n = len - t0 < block_size ? len - t0 : block_size;
+        const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         const int j0 = lo > t0 ? lo - t0 : 0; /* nonzero only in the window's first page */
         for (int h = h0; h < h1; h++) {
             const KV_T *k = k_cache + page + (int64_t)h * D;
@@ -189,10 +191,12 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
     for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators(scores + (int64_t)qh * span, span, softcap);
     /* pass 2: acc_qh = sum_t p[qh, t] * v_t, page by page */
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
-    for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
-        FN(prefetch_page)(v_cache, table, blk + 1, num_blks, block_size, token_stride, h0, h1, D);
+    for (int blk = blk0, run; blk < num_blks; blk += run) {
+        run = qw_run_length(table, blk, num_blks);
+        const int t0 = blk * block_size;
+        FN(prefetch_page)(v_cache, table, blk + run, num_blks, block_size, token_stride, h0, h1, D);
         const int64_t page = (int64_t)table[blk] * block_size * token_stride;
-        const int n = len - t0 < block_size ? len - t0 : block_size;
+        const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         const int j0 = lo > t0 ? lo - t0 : 0;
         for (int h = h0; h < h1; h++) {
             const KV_T *v = v_cache + page + (int64_t)(j0 * token_stride) + (int64_t)h * D;
@@ -298,9 +302,11 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
     qw_pair_split(qs, q_split, nq * D);
     qs = q_split;
 #endif
-    for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
-        FN(prefetch_page)(k_cache, table, blk + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
-        const int n = len - t0 < block_size ? len - t0 : block_size;
+    for (int blk = blk0, run; blk < num_blks; blk += run) {
+        run = qw_run_length(table, blk, num_blks);
+        const int t0 = blk * block_size;
+        FN(prefetch_page)(k_cache, table, blk + run - 1 + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
+        const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         for (int h = h0; h < h1; h++) {
             const KV_T *k = k_cache + (int64_t)table[blk] * block_size * token_stride + (int64_t)h * D;
             for (int j = lo > t0 ? lo - t0 : 0; j < n; j += 8) {
@@ -318,9 +324,11 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
     float inv_sum[nq];
     for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators(scores + (int64_t)qh * span, span, softcap);
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
-    for (int t0 = blk0 * block_size, blk = blk0; t0 < len; t0 += block_size, blk++) {
-        FN(prefetch_page)(v_cache, table, blk + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
-        const int n = len - t0 < block_size ? len - t0 : block_size;
+    for (int blk = blk0, run; blk < num_blks; blk += run) {
+        run = qw_run_length(table, blk, num_blks);
+        const int t0 = blk * block_size;
+        FN(prefetch_page)(v_cache, table, blk + run - 1 + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
+        const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         const int j0 = lo > t0 ? lo - t0 : 0;
         for (int h = h0; h < h1; h++) {
             const KV_T *v = v_cache + ((int64_t)table[blk] * block_size + j0) * token_stride + (int64_t)h * D;
