@@ -46,9 +46,13 @@ run_step env 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total
 # Spread over the host's cores where pytest-xdist is there (the CPU kernel tests are most of the count)
 xdist=()
 "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
-# The pinned-bytes check needs the weights, which do not travel to the GPU machine (538 MB)
-deselect=()
-[[ -f $MODEL/model.safetensors ]] || deselect=(--deselect tests/kernels/test_model_fetch.py::test_test_model_has_pinned_bytes)
+# The weights do not travel to the GPU machine (538 MB): without them the pinned-bytes check is
+# left out, and the benches time random weights of the same shapes
+deselect=() random_weights=()
+if [[ ! -f $MODEL/model.safetensors ]]; then
+  deselect=(--deselect tests/kernels/test_model_fetch.py::test_test_model_has_pinned_bytes)
+  random_weights=(--random-weights)
+fi
 run_step kernel-tests 150 env OMP_NUM_THREADS=2 "$PY" -m pytest -q -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} tests/kernels \
   ${deselect[@]+"${deselect[@]}"} --junitxml="$RES/kernel_tests.xml"
 run_step kernel-bench 120 "$PY" bench/kernel_bench.py --skip lora --json "$RES/kernel_bench.json"
@@ -57,9 +61,7 @@ run_step kernel-bench 120 "$PY" bench/kernel_bench.py --skip lora --json "$RES/k
 run_step lora 60 "$PY" bench/kernel_bench.py --only lora --json "$RES/lora_bench.json"
 
 # Host vs device time of one decode step (launches, syncs, top operators): is the step bound by the GPU or by the host?
-trace_extra=()
-[[ -f $MODEL/model.safetensors ]] || trace_extra+=(--random-weights)
-run_step step-trace 60 "$PY" bench/gpu_step_trace.py --device cuda --batch 16 --model "$MODEL" ${trace_extra[@]+"${trace_extra[@]}"}
+run_step step-trace 60 "$PY" bench/gpu_step_trace.py --device cuda --batch 16 --model "$MODEL" ${random_weights[@]+"${random_weights[@]}"}
 
 if [[ ! -f bench/throughput.py ]]; then
   msg="SKIPPED engine throughput: bench/throughput.py is not in this tree (the lead's script)"
@@ -87,9 +89,7 @@ fi
 # side, per-rank all-reduce time, greedy tokens compared): only where this machine has >= 2 GPUs.
 ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if (( ngpu >= 2 )); then
-  tp_extra=()
-  [[ -f $MODEL/model.safetensors ]] || tp_extra+=(--random-weights)
-  run_step tensor-parallel 180 "$PY" bench/tensor_parallel.py --device cuda --dtype bfloat16 --model "$MODEL" --steps 10 ${tp_extra[@]+"${tp_extra[@]}"}
+  run_step tensor-parallel 180 "$PY" bench/tensor_parallel.py --device cuda --dtype bfloat16 --model "$MODEL" --steps 10 ${random_weights[@]+"${random_weights[@]}"}
 else
   msg="SKIPPED tensor-parallel: $ngpu GPU(s) here, TP=2 needs 2"
   echo "$msg" | tee -a "$LOG"; status+=("$msg")

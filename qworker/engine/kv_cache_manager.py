@@ -137,7 +137,8 @@ class KVCacheManager:
         if self._needs_cow(seq, num_new_tokens):
             self._copy_on_write(seq)
             need -= 1
-        seq.block_table.extend(self.pool.allocate(need, *self._layout_hint(seq, need)))
+        if need:  # most decode steps need no block: no layout hint to work out
+            seq.block_table.extend(self.pool.allocate(need, *self._layout_hint(seq, need)))
         self._register_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         return True
 
