@@ -54,7 +54,7 @@ class _Step(ctypes.Structure):
         ("tables", _P), ("seq_lens", _P), ("query_start_loc", _P), ("table_stride", _I64),
         ("num_decodes", _I32), ("num_seqs", _I32), ("gemm", _P),
         ("emb", _P), ("res", _P * 2), ("qkv", _P), ("attn", _P), ("h", _P), ("x", _P), ("gu", _P), ("act", _P),
-        ("attn_bf16", _P),
+        ("attn_bf16", _P), ("bf16_products", _I32),
     ]
 
 
@@ -83,13 +83,15 @@ class DecoderLayers:
     intermediate size."""
 
     def __init__(self, layers: list[dict], H: int, Hq: int, Hkv: int, D: int, I: int, eps: float, scale: float,
-                 window: int | None, softcap: float | None, cos: torch.Tensor, sin: torch.Tensor):
+                 window: int | None, softcap: float | None, cos: torch.Tensor, sin: torch.Tensor,
+                 bf16_products: bool = False):
         self.H, self.Hq, self.Hkv, self.D, self.I = H, Hq, Hkv, D, I
         self.W = (Hq + 2 * Hkv) * D
         self.eps, self.scale = float(eps), float(scale)
         self.window = _cpu._window_arg(window)
         self.softcap = float(softcap or 0.0)
         self.cos, self.sin = cos, sin
+        self.bf16_products = bool(bf16_products)  # PagedAttention's: the extend kernel's AMX form
         self._tensors = layers  # kept alive: the structs hold their addresses
         self.weight_dtype = layers[0]["qkv"].dtype if layers else torch.float32
         # bf16 weights packed for AMX (kernels/gemm_cpu.py): every projection, or none
@@ -190,7 +192,7 @@ class DecoderLayers:
                   table_stride=block_tables.stride(0) if B else 0, num_decodes=num_decodes, num_seqs=B,
                   gemm=ctypes.cast(gemm, _P).value, emb=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
                   h=out_h.data_ptr(), x=x.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr(),
-                  attn_bf16=attn_bf16.data_ptr() if bf16 else None)
+                  attn_bf16=attn_bf16.data_ptr() if bf16 else None, bf16_products=int(self.bf16_products))
         s.res[0], s.res[1] = res0.data_ptr(), res1.data_ptr()
         rc = fn(self._layer_array(kv_caches), len(self._weights), ctypes.byref(s))
         if rc == -1:

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "wide.h"
 
 typedef int (*qw_gemm_fn)(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy,
                           int64_t M, int64_t N, int64_t K, int num_threads, int64_t mc, int64_t group, int64_t kc);
@@ -64,6 +65,7 @@ typedef struct {
     float *res[2], *qkv, *attn;
     void *h, *x, *gu, *act;
     uint16_t *attn_bf16; /* the bf16 form's o input [T, Q] */
+    int bf16_products;   /* a bf16 cache's extend attention multiplies in bf16 (csrc/paged_extend_amx.c) */
 } qw_step;
 
 /* the kernels of this library (elementwise.c, paged_decode.c, paged_extend.c) */
@@ -85,6 +87,7 @@ typedef int (*attn_extend_fn)(const float *, int64_t, const void *, const void *
     int qw_paged_extend_##dt();
 DECLARE(f32)
 DECLARE(bf16)
+int qw_paged_extend_bf16_amx();
 #if defined(__AVX2__) && defined(__F16C__) /* elementwise.c's fp16 KV write needs F16C */
 DECLARE(f16)
 #define QW_HAVE_F16_STORE 1
@@ -142,6 +145,7 @@ static int attention(const qw_step *s, const qw_layer *l, const cache_kernels *c
 /* What both forms check first: the cache dtype has kernels here, the decode rows fit the step. */
 static int prepare(const qw_step *s, cache_kernels *ck) {
     if (cache_kernels_for(s->cache_dtype, ck) != 0) return -3;
+    if (s->bf16_products && s->cache_dtype == 2) ck->extend = (attn_extend_fn)qw_paged_extend_bf16_amx;
     if (s->num_decodes < 0 || s->num_decodes > s->T || s->num_decodes > s->num_seqs) return -3;
     return 0;
 }
@@ -183,11 +187,13 @@ int qw_decoder_layers_f32(const qw_layer *layers, int num_layers, const qw_step 
 /* fp32 values rounded to bf16 precision in place: what the Python loop's bf16 round trip gives
  * (NaN becomes 0x7fc0, not torch's vectorised 0xffff: the values are NaN either way, and the GEMMs
  * that read the bf16 ones below write every NaN as 0x7fc0, so nothing downstream differs) */
-static void round_to_bf16(float *v, int64_t n) {
+QW_WIDE static void round_to_bf16(float *v, int64_t n, int nt) {
+#pragma omp parallel for simd num_threads(nt) schedule(static) if (n >= (1 << 16))
     for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
 }
 
-static void to_bf16(const float *v, uint16_t *out, int64_t n) {
+QW_WIDE static void to_bf16(const float *v, uint16_t *out, int64_t n, int nt) {
+#pragma omp parallel for simd num_threads(nt) schedule(static) if (n >= (1 << 16))
     for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(v[i]);
 }
 
@@ -209,10 +215,10 @@ int qw_decoder_layers_bf16(const qw_layer *layers, int num_layers, const qw_step
         qw_add_rms_norm_bf16out(i == 0 ? (const void *)s->emb : h, i > 0, residual, l->input_norm, s->res[0], x, T, H,
                                 s->eps, nt);
         if (gemm(x, H, 1, l->qkv, l->qkv_bias, l->qkv_bias_bf16, s->qkv, W, 0, T, W, H, nt, 0, 0, 0) != 0) return -3;
-        round_to_bf16(s->qkv, T * W);
+        round_to_bf16(s->qkv, T * W, nt);
         int rc = rope_store_attend(s, l, &ck);
         if (rc != 0) return rc;
-        to_bf16(s->attn, s->attn_bf16, T * Q);
+        to_bf16(s->attn, s->attn_bf16, T * Q, nt);
         if (gemm(s->attn_bf16, Q, 1, l->o, l->o_bias, l->o_bias_bf16, h, H, 1, T, H, Q, nt, 0, 0, 0) != 0) return -3;
         qw_add_rms_norm_bf16out(h, 1, s->res[0], l->post_norm, s->res[1], x, T, H, s->eps, nt);
         if (gemm(x, H, 1, l->gate_up, 0, 0, gu, 2 * I, 1, T, 2 * I, H, nt, 0, 0, 0) != 0) return -3;

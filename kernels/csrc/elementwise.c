@@ -10,6 +10,7 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "wide.h"
 
 /* out = weight * (h / sqrt(mean(h^2) + eps)) with h = x + residual (or x when residual is NULL);
  * h is written to new_residual. Rows of H floats; x, residual, new_residual, out: [T, H]. */
@@ -98,7 +99,7 @@ static void silu_mul_row(const float *restrict g, const float *restrict u, float
     }
 }
 
-void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I, int num_threads) {
+QW_WIDE void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= (1 << 16))
     for (int64_t t = 0; t < T; t++) silu_mul_row(gate_up + t * 2 * I, gate_up + t * 2 * I + I, out + t * I, I);
 }
@@ -144,7 +145,7 @@ void qw_add_rms_norm_bf16out(const void *x, int x_bf16, const float *residual, c
 
 /* qw_silu_mul_f32 on a bf16 gate_up [T, 2I] (a bf16 GEMM's output) into a bf16 out [T, I] (the
  * down projection's input): fp32 arithmetic, one rounding at the end. */
-void qw_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int I, int num_threads) {
+QW_WIDE void qw_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int I, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= (1 << 16))
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *restrict g = gate_up + t * 2 * I, *restrict u = g + I;
@@ -160,7 +161,7 @@ void qw_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int I, 
 }
 
 /* qw_store_kv_f32 for a bf16 cache (the CPU engine's kv_cache_dtype="bfloat16"). */
-int qw_store_kv_bf16(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
+QW_WIDE int qw_store_kv_bf16(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
                      uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int64_t T, int HD, int64_t num_slots) {
     if (!slots_in_range(slots, T, num_slots)) return -1;
     for (int64_t t = 0; t < T; t++) {
@@ -168,6 +169,7 @@ int qw_store_kv_bf16(const float *key, const float *value, int64_t key_stride, i
         if (slot < 0) continue;
         const float *restrict k = key + t * key_stride, *restrict v = value + t * value_stride;
         uint16_t *restrict kd = k_cache + slot * HD, *restrict vd = v_cache + slot * HD;
+#pragma omp simd
         for (int i = 0; i < HD; i++) {
             kd[i] = f32_to_bf16(k[i]);
             vd[i] = f32_to_bf16(v[i]);

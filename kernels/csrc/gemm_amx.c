@@ -14,8 +14,10 @@
  * so the B tile of panel p, K block kb (32 k) is the 1 KiB at wp + (p * K / 2 + kb * 16) * 32,
  * 16 rows of 64 bytes. K must be a multiple of 32 (the packer keeps the panels layout otherwise).
  *
- * x (bf16, rows ldx apart) is copied once per call into a zero-padded buffer in tile order,
- * [ceil(M / 16)][K / 32][16][32], so every A tile is one contiguous KiB and no tile reads past x.
+ * A tiles are loaded from x in place (bf16, rows ldx apart; TILELOADD takes the row stride), but
+ * for a last row tile of fewer than 16 rows, which is copied into a zero-padded 16 x K buffer so
+ * that no tile reads past x. (A copy of all of x in tile order cost a serial pass and a fresh
+ * allocation per call, ~6% of a prefill step, for no faster tile loads.)
  * bias: fp32, bf16 or NULL (copied into a zero-padded fp32 row, added once to the finished sums).
  * y: fp32, or bf16 rounded to nearest even (NaN -> 0x7fc0, as the other kernels). Each output is
  * one fp32 sum over all of K in its C tile (no K blocks), so results differ from the other
@@ -109,16 +111,17 @@ static void store_tile(const float *c, const float *bias, void *y, int64_t ldy, 
     }
 }
 
-/* One row tile (16 rows of xp at a) by NP (1-3) panels from p: C tiles 0..NP-1, A tile 4, B 5..7. */
+/* One row tile (16 rows at a, lda elements apart) by NP (1-3) panels from p: C tiles 0..NP-1,
+ * A tile 4, B 5..7. */
 #define ROW_TILE_BY_PANELS(NP)                                                                                      \
-    static void rows16_by_##NP(const uint16_t *a, int64_t K, const uint16_t *wp, int64_t p, float *c) {            \
+    static void rows16_by_##NP(const uint16_t *a, int64_t lda, int64_t K, const uint16_t *wp, int64_t p, float *c) { \
         const int64_t pstride = K * NR; /* bf16 elements per panel */                                               \
         const uint16_t *b = wp + p * pstride;                                                                       \
         _tile_zero(0);                                                                                              \
         if (NP > 1) _tile_zero(1);                                                                                  \
         if (NP > 2) _tile_zero(2);                                                                                  \
         for (int64_t k = 0; k < K; k += KT, b += KT * NR) {                                                         \
-            _tile_loadd(4, a + k * MT, 64);                                                                         \
+            _tile_loadd(4, a + k, lda * 2);                                                                         \
             _tile_loadd(5, b, 64);                                                                                  \
             _tile_dpbf16ps(0, 4, 5);                                                                                \
             if (NP > 1) {                                                                                           \
@@ -139,9 +142,10 @@ ROW_TILE_BY_PANELS(1)
 ROW_TILE_BY_PANELS(2)
 ROW_TILE_BY_PANELS(3)
 
-/* Two row tiles (32 rows of xp at a) by two panels: C tiles 0-3 (row tile r, panel j at 2r + j),
- * A tiles 4-5, B tiles 6-7. */
-static void rows32_by_2(const uint16_t *a, int64_t K, const uint16_t *wp, int64_t p, float *c) {
+/* Two row tiles (16 rows at a0, 16 at a1, lda0 / lda1 elements apart) by two panels: C tiles 0-3
+ * (row tile r, panel j at 2r + j), A tiles 4-5, B tiles 6-7. */
+static void rows32_by_2(const uint16_t *a0, int64_t lda0, const uint16_t *a1, int64_t lda1, int64_t K,
+                        const uint16_t *wp, int64_t p, float *c) {
     const int64_t pstride = K * NR;
     const uint16_t *b = wp + p * pstride;
     _tile_zero(0);
@@ -150,12 +154,12 @@ static void rows32_by_2(const uint16_t *a, int64_t K, const uint16_t *wp, int64_
     _tile_zero(3);
     for (int64_t k = 0; k < K; k += KT, b += KT * NR) {
         /* each product issued as soon as its operands are loaded, so loads overlap products */
-        _tile_loadd(4, a + k * MT, 64);
+        _tile_loadd(4, a0 + k, lda0 * 2);
         _tile_loadd(6, b, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_loadd(7, b + pstride, 64);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a + MT * K + k * MT, 64);
+        _tile_loadd(5, a1 + k, lda1 * 2);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
@@ -166,18 +170,35 @@ static void rows32_by_2(const uint16_t *a, int64_t K, const uint16_t *wp, int64_
     TILES_STORED();
 }
 
-/* panels [p0, p1) of y for all rows: xp is [Mp][K] bf16, zero-padded; bias padded fp32 or NULL */
-static void amx_range(const uint16_t *xp, int64_t M, int64_t Mp, int64_t K, const uint16_t *wp, const float *bias,
+/* Where row tile t's 16 rows are: in x, or (a last tile of fewer than 16 rows) in the padded tail. */
+typedef struct {
+    const uint16_t *x, *tail;
+    int64_t ldx, K, full; /* full: the row tiles wholly inside x */
+} row_tiles;
+
+static inline const uint16_t *tile_rows(const row_tiles *a, int64_t t, int64_t *lda) {
+    if (t < a->full) {
+        *lda = a->ldx;
+        return a->x + t * MT * a->ldx;
+    }
+    *lda = a->K;
+    return a->tail;
+}
+
+/* panels [p0, p1) of y for all M rows (Mp: M rounded up to whole row tiles); bias padded fp32 or NULL */
+static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, const uint16_t *wp, const float *bias,
                       void *y, int64_t ldy, int ybf, int64_t N, int64_t p0, int64_t p1) {
     const int esz = ybf ? 2 : 4;
     float c[4 * MT * NR] __attribute__((aligned(64)));
+    int64_t lda, lda1;
     configure_tiles();
     if (Mp == MT) { /* one row tile: three panels at a time */
+        const uint16_t *a0 = tile_rows(a, 0, &lda);
         for (int64_t p = p0; p < p1; p += 3) {
             const int np = (int)(p1 - p < 3 ? p1 - p : 3);
-            if (np == 3) rows16_by_3(xp, K, wp, p, c);
-            else if (np == 2) rows16_by_2(xp, K, wp, p, c);
-            else rows16_by_1(xp, K, wp, p, c);
+            if (np == 3) rows16_by_3(a0, lda, K, wp, p, c);
+            else if (np == 2) rows16_by_2(a0, lda, K, wp, p, c);
+            else rows16_by_1(a0, lda, K, wp, p, c);
             for (int j = 0; j < np; j++) {
                 const int64_t c0 = (p + j) * NR;
                 const int ncols = (int)(N - c0 < NR ? N - c0 : NR);
@@ -189,12 +210,15 @@ static void amx_range(const uint16_t *xp, int64_t M, int64_t Mp, int64_t K, cons
             const int np = (int)(p1 - p < 2 ? p1 - p : 2);
             for (int64_t r = 0; r < Mp; r += 2 * MT) {
                 const int nr = Mp - r >= 2 * MT ? 2 : 1;
-                const uint16_t *a = xp + r * K;
-                if (nr == 2 && np == 2) rows32_by_2(a, K, wp, p, c);
-                else { /* an odd last row tile or panel: one row tile at a time */
+                const uint16_t *a0 = tile_rows(a, r / MT, &lda);
+                if (nr == 2 && np == 2) {
+                    const uint16_t *a1 = tile_rows(a, r / MT + 1, &lda1);
+                    rows32_by_2(a0, lda, a1, lda1, K, wp, p, c);
+                } else { /* an odd last row tile or panel: one row tile at a time */
                     for (int t = 0; t < nr; t++) {
-                        if (np == 2) rows16_by_2(a + t * MT * K, K, wp, p, c + 2 * t * MT * NR);
-                        else rows16_by_1(a + t * MT * K, K, wp, p, c + 2 * t * MT * NR);
+                        const uint16_t *at = tile_rows(a, r / MT + t, &lda1);
+                        if (np == 2) rows16_by_2(at, lda1, K, wp, p, c + 2 * t * MT * NR);
+                        else rows16_by_1(at, lda1, K, wp, p, c + 2 * t * MT * NR);
                     }
                 }
                 /* c holds tile (row tile t, panel j) at 2t + j */
@@ -239,21 +263,18 @@ int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp,
             }
         return 0;
     }
-    const int64_t P = (N + NR - 1) / NR, Mp = (M + MT - 1) / MT * MT;
-    uint16_t *xp = aligned_alloc(64, (size_t)((Mp * K * 2 + 63) / 64 * 64) + 64);
+    const int64_t P = (N + NR - 1) / NR, Mp = (M + MT - 1) / MT * MT, full = M / MT, left = M - full * MT;
+    uint16_t *tail = left ? malloc((size_t)(MT * K * 2)) : NULL;
     float *bp = bias ? calloc((size_t)(P * NR), sizeof(float)) : NULL;
-    if (!xp || (bias && !bp)) {
-        free(xp), free(bp);
+    if ((left && !tail) || (bias && !bp)) {
+        free(tail), free(bp);
         return -2;
     }
-    /* tile order: xp[t][kb][r][0..31] = x[16 t + r][32 kb + 0..31], rows past M zero */
-    for (int64_t i = 0; i < Mp; i++) {
-        uint16_t *dst = xp + (i / MT) * MT * K + (i % MT) * KT;
-        if (i < M)
-            for (int64_t k = 0; k < K; k += KT) memcpy(dst + k * MT, (const uint16_t *)x + i * ldx + k, KT * 2);
-        else
-            for (int64_t k = 0; k < K; k += KT) memset(dst + k * MT, 0, KT * 2);
+    if (left) { /* the last rows, zero-padded to a whole tile */
+        for (int64_t i = 0; i < left; i++) memcpy(tail + i * K, (const uint16_t *)x + (full * MT + i) * ldx, (size_t)K * 2);
+        memset(tail + left * K, 0, (size_t)((MT - left) * K * 2));
     }
+    const row_tiles a = {(const uint16_t *)x, tail, ldx, K, full};
     if (bias)
         for (int64_t n = 0; n < N; n++) bp[n] = bias_bf16 ? bf16_to_f32(((const uint16_t *)bias)[n]) : ((const float *)bias)[n];
     int nt = num_threads < 1 ? 1 : num_threads;
@@ -266,9 +287,9 @@ int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp,
 #pragma omp parallel num_threads(nt) if (nt > 1)
     for (int t = omp_get_thread_num(), team = omp_get_num_threads(); t < nt; t += team) {
         const int64_t p0 = units * t / nt * width, p1e = units * (t + 1) / nt * width;
-        amx_range(xp, M, Mp, K, wp, bp, y, ldy, y_bf16 != 0, N, p0, p1e < P ? p1e : P);
+        amx_range(&a, M, Mp, K, wp, bp, y, ldy, y_bf16 != 0, N, p0, p1e < P ? p1e : P);
     }
-    free(xp), free(bp);
+    free(tail), free(bp);
     return 0;
 #else
     (void)x, (void)wp, (void)bias, (void)bias_bf16, (void)y, (void)y_bf16, (void)num_threads;

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "exp.h"
+#include "paged_extend_plan.h"
 
 #if defined(__AVX512F__)
 #define QW_VL 16
@@ -153,15 +154,40 @@ static void qw_x_pv(const float *restrict P, const float *restrict V, int n, int
     }
 }
 
-/* One work item, sorted by cost before the parallel loop: sequence b, KV head h, query rows [i0, i1). */
-typedef struct {
-    int64_t cost;
-    int b, h, i0, i1;
-} qw_x_item;
-
 static int qw_x_cmp(const void *a, const void *b) {
     const int64_t x = ((const qw_x_item *)a)->cost, y = ((const qw_x_item *)b)->cost;
     return (x < y) - (x > y);
+}
+
+int64_t qw_x_plan(int B, int Hkv, int tm, int block_size, int window, int64_t num_blocks, const int32_t *block_tables,
+                  int64_t table_stride, const int32_t *query_start_loc, const int32_t *seq_lens, qw_x_item **items) {
+    *items = NULL;
+    int64_t n_items = 0;
+    for (int b = 0; b < B; b++) {
+        const int M = query_start_loc[b + 1] - query_start_loc[b], len = seq_lens[b];
+        if (M < 0 || M > len) return -2;
+        const int first = window > 0 && len - M + 1 - window > 0 ? (len - M + 1 - window) / block_size : 0;
+        if (M > 0)
+            for (int i = first; i * block_size < len; i++)
+                if (block_tables[b * table_stride + i] < 0 || block_tables[b * table_stride + i] >= num_blocks) return -2;
+        n_items += (int64_t)Hkv * ((M + tm - 1) / tm);
+    }
+    if (n_items == 0) return 0;
+    qw_x_item *list = malloc(sizeof(qw_x_item) * (size_t)n_items);
+    if (!list) return -1;
+    int64_t at = 0;
+    for (int b = 0; b < B; b++) {
+        const int M = query_start_loc[b + 1] - query_start_loc[b], prefix = seq_lens[b] - M;
+        for (int i0 = 0; i0 < M; i0 += tm) {
+            const int i1 = i0 + tm < M ? i0 + tm : M;
+            const int lo = window > 0 && prefix + i0 - window + 1 > 0 ? prefix + i0 - window + 1 : 0;
+            for (int h = 0; h < Hkv; h++)
+                list[at++] = (qw_x_item){(int64_t)(i1 - i0) * (prefix + i1 - lo), b, h, i0, i1};
+        }
+    }
+    qsort(list, (size_t)n_items, sizeof(qw_x_item), qw_x_cmp);
+    *items = list;
+    return n_items;
 }
 
 #define QW_CAT2(a, b) a##_##b

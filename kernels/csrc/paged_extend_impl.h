@@ -112,30 +112,10 @@ int FN(qw_paged_extend)(const float *q, int64_t q_stride, const KV_T *k_cache, c
     /* query rows per item: about 128 rows of the block (G heads each), at least 8 queries */
     int tm = 128 / G;
     tm = tm < 8 ? 8 : tm;
-    int64_t n_items = 0;
-    for (int b = 0; b < B; b++) {
-        const int M = query_start_loc[b + 1] - query_start_loc[b], len = seq_lens[b];
-        if (M < 0 || M > len) return -2;
-        const int first = window > 0 && len - M + 1 - window > 0 ? (len - M + 1 - window) / block_size : 0;
-        if (M > 0)
-            for (int i = first; i * block_size < len; i++)
-                if (block_tables[b * table_stride + i] < 0 || block_tables[b * table_stride + i] >= num_blocks) return -2;
-        n_items += (int64_t)Hkv * ((M + tm - 1) / tm);
-    }
-    if (n_items == 0) return 0;
-    qw_x_item *items = malloc(sizeof(qw_x_item) * (size_t)n_items);
-    if (!items) return -1;
-    int64_t at = 0;
-    for (int b = 0; b < B; b++) {
-        const int M = query_start_loc[b + 1] - query_start_loc[b], prefix = seq_lens[b] - M;
-        for (int i0 = 0; i0 < M; i0 += tm) {
-            const int i1 = i0 + tm < M ? i0 + tm : M;
-            const int lo = window > 0 && prefix + i0 - window + 1 > 0 ? prefix + i0 - window + 1 : 0;
-            for (int h = 0; h < Hkv; h++)
-                items[at++] = (qw_x_item){(int64_t)(i1 - i0) * (prefix + i1 - lo), b, h, i0, i1};
-        }
-    }
-    qsort(items, (size_t)n_items, sizeof(qw_x_item), qw_x_cmp);
+    qw_x_item *items;
+    const int64_t n_items = qw_x_plan(B, Hkv, tm, block_size, window, num_blocks, block_tables, table_stride,
+                                      query_start_loc, seq_lens, &items);
+    if (n_items <= 0) return (int)n_items;
     const int Rpad = (tm * G + QW_RB - 1) / QW_RB * QW_RB;
     const size_t floats = (size_t)Rpad * D * 2 + (size_t)Rpad * QW_NK + (size_t)D * QW_NK * 2 + (size_t)Rpad * 3;
     const int64_t token_stride = (int64_t)Hkv * D;

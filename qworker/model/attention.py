@@ -24,13 +24,16 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    def __init__(self, backend: str, scale: float, sliding_window: int | None = None, softcap: float | None = None):
+    def __init__(self, backend: str, scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                 bf16_products: bool = False):
         """``backend``: "triton" (CUDA) or "cpu" (the C decode/extend/store kernels; each falls back to
         its torch reference for inputs it does not cover).
 
         ``sliding_window``: a query at position p attends keys ``p - sliding_window < j <= p``;
         ``softcap``: scores become ``softcap * tanh(score / softcap)`` (Gemma 2). Both are per
         layer kind and passed to every kernel call; None (the default) is plain causal attention.
+        ``bf16_products`` (CPU, the bf16 mode): prefill attention over a bf16 cache multiplies in
+        bf16 on AMX where the CPU has it (:func:`kernels.cpu.paged_prefill_attention_cpu`).
         """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -42,6 +45,9 @@ class PagedAttention:
         # only non-default options are passed, so the plain calls stay exactly as before
         self._opts = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
         triton = backend == "triton"
+        # the CPU bf16 mode's prefill: the extend kernel's products in bf16 on AMX (kernels.cpu)
+        self.bf16_products = bf16_products and not triton
+        self._prefill_opts = {**self._opts, "bf16_products": True} if self.bf16_products else self._opts
         self._store = kernels.store_kv if triton else kernels.store_kv_cpu
         self._decode = kernels.paged_decode_attention if triton else kernels.paged_decode_attention_cpu
         self._prefill = kernels.paged_prefill_attention if triton else kernels.paged_prefill_attention_cpu
@@ -63,7 +69,7 @@ class PagedAttention:
         if nd == 0:
             return self._prefill(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
-                meta.max_query_len, **self._opts,
+                meta.max_query_len, **self._prefill_opts,
             )
         out = torch.empty_like(q)
         self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out=out[:nd],
@@ -78,6 +84,6 @@ class PagedAttention:
             self.scale,
             meta.max_query_len,
             out=out[nd:],
-            **self._opts,
+            **self._prefill_opts,
         )
         return out

@@ -147,7 +147,8 @@ class DecoderModel:
         attns: dict[int | None, PagedAttention] = {}
         for a in spec.layers:
             if a.sliding_window not in attns:
-                attns[a.sliding_window] = self._attention(backend, scale, a.sliding_window, spec.attn_softcap)
+                attns[a.sliding_window] = self._attention(backend, scale, a.sliding_window, spec.attn_softcap,
+                                                          bf16_products=self.act_dtype != dtype)
         triton = backend == "triton"
         # fused residual-add + RMSNorm: the Triton kernel, or the C kernel on CPU
         self.norm_fn = kernels.rms_norm if triton else kernels.rms_norm_cpu
@@ -205,7 +206,7 @@ class DecoderModel:
                         o=l.o.weight, o_bias=l.o.bias, gate_up=l.gate_up.weight, down=l.down.weight) for l in self.layers]
         bound = DecoderLayers(tensors, self.embed.shape[1], self.num_heads, self.num_kv_heads, self.head_dim,
                               self.layers[0].down.in_features, self.eps, self.attn.scale, self.attn.sliding_window,
-                              self.attn.softcap, self.rope.cos, self.rope.sin)
+                              self.attn.softcap, self.rope.cos, self.rope.sin, self.attn.bf16_products)
         if not bound.ok:
             return None
         # what the C loop reads, as (owner, attribute, object, address): the loop runs only while
@@ -236,9 +237,10 @@ class DecoderModel:
         return [layer.qkv, layer.o, *mlp]
 
     @staticmethod
-    def _attention(backend: str, scale: float, window: int | None, softcap: float | None) -> PagedAttention:
+    def _attention(backend: str, scale: float, window: int | None, softcap: float | None,
+                   bf16_products: bool = False) -> PagedAttention:
         options = {k: v for k, v in (("sliding_window", window), ("softcap", softcap)) if v is not None}
-        return PagedAttention(backend, scale=scale, **options)
+        return PagedAttention(backend, scale=scale, bf16_products=bf16_products, **options)
 
     @torch.inference_mode()
     def forward(

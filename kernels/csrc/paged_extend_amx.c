@@ -1,0 +1,357 @@
+/*
+ * Paged extend (prefill) attention over a bf16 cache with its two products on AMX tiles, for the
+ * CPU bf16 mode (the model's activations are bf16): the same call, inputs and checks as
+ * csrc/paged_extend.c's qw_paged_extend_bf16, whose fp32 arithmetic spends ~20% of a bf16 prefill
+ * step on the two products alone.
+ *
+ * Precision, as torch's bf16 flash attention and vLLM's AMX kernel: the scaled queries and the
+ * softmax probabilities are rounded to bf16 (nearest even) for the products; the products are
+ * summed in fp32 (TDPBF16PS), the softmax runs in fp32, and each row is normalised by the sum of
+ * the rounded probabilities it was multiplied by. So results differ from qw_paged_extend_bf16's
+ * by bf16 rounding, not more; an fp32 model with a bf16 cache keeps that kernel.
+ *
+ * Work is split as there (csrc/paged_extend_plan.h): an item is (sequence, KV head, tile of query
+ * rows); its G query heads x rows form a block of rows (padded to whole 16-row tiles) that walks
+ * the keys it can see in chunks of NK = 32. Per chunk:
+ *   K is transposed into AMX's B layout, Kb[D / 2][NK] pairs (one 32-bit (d, d + 1) pair per key),
+ *   V interleaved into it, Vb[NK / 2][D][2] (keys j, j + 1 per column d);
+ *   S = Q . K^T per row tile (two 16-key C tiles, D / 32 products each);
+ *   an online softmax per row in fp32 (window, softcap and causal limits as paged_extend_impl.h),
+ *   probabilities rounded to bf16 into P [rows][NK] (one A tile per row tile);
+ *   P . V per row tile in C tiles of 16 columns, up to four at a time, added to the row's fp32
+ *   output after the running max's rescale.
+ * Keys past the chunk's end are zeros in Kb/Vb with probability 0, so no garbage is ever read.
+ *
+ * Falls back to qw_paged_extend_bf16 (same arguments) where it does not apply: no AMX in this
+ * build or from the OS, or D not a multiple of 32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "exp.h"
+#include "paged_extend_plan.h"
+
+int qw_paged_extend_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq, int Hkv, int D,
+                         int block_size, float scale, int num_threads, int64_t num_blocks, int window, float softcap);
+int qw_gemm_bf16_amx_ready(void);
+
+#if defined(QW_GEMM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define QW_X_AMX 1
+#include <immintrin.h>
+#else
+#define QW_X_AMX 0
+#endif
+
+#if QW_X_AMX
+#define NK 32 /* keys per chunk: two 16-key C tiles for S, one 32-key product for P . V */
+#define TR 16 /* rows per tile */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* every tile 16 rows x 64 bytes; a constant in memory (see csrc/gemm_amx.c on why not the stack) */
+static const tile_config TILES __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+/* gcc 12's tile intrinsics do not declare the memory they touch: a barrier after the stores */
+#define TILES_STORED() __asm__ volatile("" ::: "memory")
+
+/* exp_nonpositive (exp.h) on 16 lanes: the same steps, for x <= 0 */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512i ki = _mm512_sub_epi32(
+        _mm512_cvttps_epi32(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f + 126.0f))),
+        _mm512_set1_epi32(126));
+    const __m512 k = _mm512_cvtepi32_ps(ki);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(ki, _mm512_set1_epi32(127)), 23));
+    return _mm512_mul_ps(p, scale);
+}
+
+/* finite fp32 rounded to bf16 precision, nearest even; the bf16 bits are each lane's upper half */
+static inline __m512i round_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+/* Keys [c0, c0 + n) of KV head h into Kb (uint32 pairs, [D / 2][NK]) and Vb ([NK / 2][D][2]),
+ * keys n..NK zero. */
+static void load_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int c0, int n,
+                       int block_size, int64_t token_stride, int h, int D, uint32_t *restrict Kb, uint16_t *restrict Vb) {
+    /* vpermw index interleaving two 16-value rows a (0..15) and b (16..31): a0 b0 a1 b1 ... */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int Dp = D / 2;
+    for (int j = 0; j < NK; j += 2) {
+        const uint16_t *kr[2], *vr[2];
+        for (int u = 0; u < 2; u++) {
+            const int t = c0 + j + u;
+            if (j + u < n) {
+                const int64_t at = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + (int64_t)h * D;
+                kr[u] = k_cache + at;
+                vr[u] = v_cache + at;
+            } else {
+                kr[u] = vr[u] = NULL;
+            }
+        }
+        for (int u = 0; u < 2; u++) {
+            if (kr[u]) {
+                uint32_t pair;
+                for (int p = 0; p < Dp; p++) {
+                    memcpy(&pair, kr[u] + 2 * p, 4);
+                    Kb[(int64_t)p * NK + j + u] = pair;
+                }
+            } else {
+                for (int p = 0; p < Dp; p++) Kb[(int64_t)p * NK + j + u] = 0;
+            }
+        }
+        uint16_t *dst = Vb + (int64_t)(j / 2) * D * 2;
+        for (int d = 0; d < D; d += 16) {
+            const __m256i a = vr[0] ? _mm256_loadu_si256((const __m256i *)(vr[0] + d)) : _mm256_setzero_si256();
+            const __m256i b = vr[1] ? _mm256_loadu_si256((const __m256i *)(vr[1] + d)) : _mm256_setzero_si256();
+            const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+            _mm512_storeu_si512(dst + 2 * d, _mm512_permutexvar_epi16(pairs, ab));
+        }
+    }
+}
+
+/* S[t rows][NK] = Q rows [16 t, 16 t + 16) . K^T for row tiles [t0, t1): C tiles 0-1, A 4, B 5-6 */
+static void scores(const uint16_t *Qb, const uint32_t *Kb, int D, int t0, int t1, float *S) {
+    for (int t = t0; t < t1; t++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int kb = 0; kb < D / 32; kb++) {
+            _tile_loadd(4, Qb + (int64_t)t * TR * D + kb * 32, D * 2);
+            _tile_loadd(5, Kb + (int64_t)kb * 16 * NK, NK * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, Kb + (int64_t)kb * 16 * NK + 16, NK * 4);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        _tile_stored(0, S + (int64_t)t * TR * NK, NK * 4);
+        _tile_stored(1, S + (int64_t)t * TR * NK + 16, NK * 4);
+        TILES_STORED();
+    }
+}
+
+/* O[r] = O[r] * alpha[r] + P[r] . V for the rows of tiles [t0, t1): C tiles 0-3 (16 columns
+ * each), A 4, B 5; tmp holds 16 x 64 fp32 sums */
+static void add_pv(const uint16_t *Pb, const uint16_t *Vb, int D, int t0, int t1, const float *alpha, float *O,
+                   float *restrict tmp) {
+    const int ncol = D / 16;
+    for (int t = t0; t < t1; t++) {
+        for (int c0 = 0; c0 < ncol; c0 += 4) {
+            const int nc = ncol - c0 < 4 ? ncol - c0 : 4;
+            _tile_loadd(4, Pb + (int64_t)t * TR * NK, NK * 2);
+            /* tile numbers must be constants: one branch per column count */
+            _tile_zero(0);
+            _tile_loadd(5, Vb + (int64_t)(c0 + 0) * 32, D * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_stored(0, tmp, 64 * 4);
+            if (nc > 1) {
+                _tile_zero(1);
+                _tile_loadd(5, Vb + (int64_t)(c0 + 1) * 32, D * 4);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_stored(1, tmp + 16, 64 * 4);
+            }
+            if (nc > 2) {
+                _tile_zero(2);
+                _tile_loadd(5, Vb + (int64_t)(c0 + 2) * 32, D * 4);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_stored(2, tmp + 32, 64 * 4);
+            }
+            if (nc > 3) {
+                _tile_zero(3);
+                _tile_loadd(5, Vb + (int64_t)(c0 + 3) * 32, D * 4);
+                _tile_dpbf16ps(3, 4, 5);
+                _tile_stored(3, tmp + 48, 64 * 4);
+            }
+            TILES_STORED();
+            for (int i = 0; i < TR; i++) {
+                const int r = t * TR + i;
+                float *restrict o = O + (int64_t)r * D + c0 * 16;
+                const __m512 a = _mm512_set1_ps(alpha[r]);
+                for (int c = 0; c < nc; c++)
+                    _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * c), a, _mm512_loadu_ps(tmp + i * 64 + 16 * c)));
+            }
+        }
+    }
+}
+
+/* Scratch per thread, in bf16 elements where noted (sizes for Rpad rows). */
+typedef struct {
+    uint16_t *Qb, *Pb, *Vb; /* [Rpad][D], [Rpad][NK], [NK / 2][D][2] */
+    uint32_t *Kb;           /* [D / 2][NK] */
+    float *S, *O, *m, *l, *alpha, *tmp; /* [Rpad][NK], [Rpad][D], [Rpad] x 3, [16][64] */
+} scratch_t;
+
+static void *scratch_alloc(scratch_t *s, int Rpad, int D) {
+    const size_t qb = (size_t)Rpad * D * 2, pb = (size_t)Rpad * NK * 2, vb = (size_t)NK * D * 2, kb = (size_t)D / 2 * NK * 4;
+    const size_t sf = (size_t)Rpad * NK * 4, of = (size_t)Rpad * D * 4, rf = (size_t)Rpad * 4 * 3, tf = 16 * 64 * 4;
+    const size_t round = 64, total = qb + pb + vb + kb + sf + of + rf + tf + 8 * round;
+    char *base = aligned_alloc(64, (total + 63) / 64 * 64);
+    if (!base) return NULL;
+    char *at = base;
+#define TAKE(field, type, bytes) (s->field = (type *)at, at += ((bytes) + round - 1) / round * round)
+    TAKE(Qb, uint16_t, qb);
+    TAKE(Pb, uint16_t, pb);
+    TAKE(Vb, uint16_t, vb);
+    TAKE(Kb, uint32_t, kb);
+    TAKE(S, float, sf);
+    TAKE(O, float, of);
+    TAKE(m, float, (size_t)Rpad * 4);
+    TAKE(l, float, (size_t)Rpad * 4);
+    TAKE(alpha, float, (size_t)Rpad * 4);
+    TAKE(tmp, float, tf);
+#undef TAKE
+    return base;
+}
+
+/* One item: query rows [i0, i1) of a sequence (positions prefix + i), KV head h, its G query heads;
+ * block rows r = (i - i0) * G + g. */
+static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                        const int32_t *table, int row0, int prefix, int i0, int i1, int h, int G, int D, int block_size,
+                        int64_t token_stride, float scale, int window, float softcap, float *out, int64_t out_stride,
+                        const scratch_t *w) {
+    const int nrow = i1 - i0, R = nrow * G, Rpad = (R + TR - 1) / TR * TR;
+    for (int i = 0; i < nrow; i++) {
+        const float *src = q + (int64_t)(row0 + i0 + i) * q_stride + (int64_t)h * G * D;
+        uint16_t *dst = w->Qb + (int64_t)i * G * D;
+        for (int e = 0; e < G * D; e++) dst[e] = f32_to_bf16(src[e] * scale);
+    }
+    memset(w->Qb + (int64_t)R * D, 0, (size_t)(Rpad - R) * D * 2);
+    memset(w->O, 0, sizeof(float) * (size_t)Rpad * D);
+    for (int r = 0; r < Rpad; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    const int p_first = prefix + i0, p_last = prefix + i1 - 1;
+    const int kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
+    const int kend = p_last + 1;
+    for (int c0 = kmin / NK * NK; c0 < kend; c0 += NK) {
+        const int a = c0 > kmin ? c0 : kmin, e = c0 + NK < kend ? c0 + NK : kend;
+        int ilo = a - prefix > i0 ? a - prefix : i0;
+        int ihi = i1;
+        if (window > 0 && e - 1 + window - prefix < ihi) ihi = e - 1 + window - prefix;
+        if (ilo >= ihi) continue;
+        load_chunk(k_cache, v_cache, table, a, e - a, block_size, token_stride, h, D, w->Kb, w->Vb);
+        const int r0 = (ilo - i0) * G, r1 = (ihi - i0) * G, t0 = r0 / TR, t1 = (r1 + TR - 1) / TR;
+        scores(w->Qb, w->Kb, D, t0, t1, w->S);
+        for (int r = t0 * TR; r < t1 * TR; r++) {
+            float *restrict s = w->S + (int64_t)r * NK;
+            uint16_t *restrict p = w->Pb + (int64_t)r * NK;
+            if (r < r0 || r >= r1) { /* a row of the tile that sees none of these keys (or padding) */
+                memset(p, 0, NK * 2);
+                w->alpha[r] = 1.0f;
+                continue;
+            }
+            const int pos = prefix + i0 + r / G;
+            const int j1 = (pos + 1 < e ? pos + 1 : e) - a;
+            const int j0 = window > 0 && pos - window + 1 > a ? pos - window + 1 - a : 0;
+            if (softcap > 0.0f) {
+#pragma omp simd
+                for (int j = 0; j < NK; j++) s[j] = qw_softcap(s[j], softcap);
+            }
+            /* the row's keys [j0, j1) of the chunk as two 16-key masks */
+            const uint32_t keys = (j1 >= 32 ? 0xffffffffu : (1u << j1) - 1u) & ~((1u << j0) - 1u);
+            const __mmask16 k0 = (__mmask16)keys, k1 = (__mmask16)(keys >> 16);
+            const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16), ninf = _mm512_set1_ps(-INFINITY);
+            const float cm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, k0, s0), _mm512_mask_mov_ps(ninf, k1, s1)));
+            const float mn = cm > w->m[r] ? cm : w->m[r];
+            w->alpha[r] = exp_nonpositive(w->m[r] - mn); /* m = -inf at first: alpha ~ 0 scales zeros */
+            w->m[r] = mn;
+            const __m512 mv = _mm512_set1_ps(mn);
+            const __m512i p0 = round_bf16(_mm512_maskz_mov_ps(k0, exp_nonpositive16(_mm512_sub_ps(s0, mv))));
+            const __m512i p1 = round_bf16(_mm512_maskz_mov_ps(k1, exp_nonpositive16(_mm512_sub_ps(s1, mv))));
+            /* the row is normalised by the sum of the rounded probabilities it is multiplied by */
+            const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(p0), _mm512_castsi512_ps(p1)));
+            _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(p0, 16)));
+            _mm256_storeu_si256((__m256i *)(p + 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(p1, 16)));
+            w->l[r] = w->l[r] * w->alpha[r] + sum;
+        }
+        add_pv(w->Pb, w->Vb, D, t0, t1, w->alpha, w->O, w->tmp);
+    }
+    for (int i = 0; i < nrow; i++)
+        for (int g = 0; g < G; g++) {
+            const int r = i * G + g;
+            const float inv = 1.0f / w->l[r];
+            float *dst = out + (int64_t)(row0 + i0 + i) * out_stride + (int64_t)(h * G + g) * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[d] = w->O[(int64_t)r * D + d] * inv;
+        }
+}
+#endif
+
+/* Returns 0; -1 when scratch memory could not be allocated (the caller falls back); -2, before
+ * reading anything, for a block-table entry outside the cache or more query rows than tokens. */
+int qw_paged_extend_bf16_amx(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
+                             const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq, int Hkv, int D,
+                             int block_size, float scale, int num_threads, int64_t num_blocks, int window, float softcap) {
+#if QW_X_AMX
+    if (D % 32 == 0 && D > 0 && Hkv > 0 && Hq % Hkv == 0 && qw_gemm_bf16_amx_ready()) {
+        const int G = Hq / Hkv;
+        /* query rows per item: about 128 rows of the block, at least 8 queries */
+        int tm = 128 / G;
+        tm = tm < 8 ? 8 : tm;
+        qw_x_item *items;
+        const int64_t n_items = qw_x_plan(B, Hkv, tm, block_size, window, num_blocks, block_tables, table_stride,
+                                          query_start_loc, seq_lens, &items);
+        if (n_items <= 0) return (int)n_items;
+        const int Rpad = (tm * G + TR - 1) / TR * TR;
+        const int64_t token_stride = (int64_t)Hkv * D;
+        int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+        {
+            scratch_t w;
+            void *base = scratch_alloc(&w, Rpad, D);
+            if (!base) failed = 1;
+            else _tile_loadconfig(&TILES);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < n_items; it++) {
+                if (!base) continue;
+                const qw_x_item x = items[it];
+                extend_item(q, q_stride, k_cache, v_cache, block_tables + x.b * table_stride, query_start_loc[x.b],
+                            seq_lens[x.b] - (query_start_loc[x.b + 1] - query_start_loc[x.b]), x.i0, x.i1, x.h, G, D,
+                            block_size, token_stride, scale, window, softcap, out, out_stride, &w);
+            }
+            if (base) _tile_release();
+            free(base);
+        }
+        free(items);
+        return failed ? -1 : 0;
+    }
+#endif
+    return qw_paged_extend_bf16(q, q_stride, k_cache, v_cache, block_tables, table_stride, query_start_loc, seq_lens, out,
+                                out_stride, B, Hq, Hkv, D, block_size, scale, num_threads, num_blocks, window, softcap);
+}
+
+/* 1 where qw_paged_extend_bf16_amx runs on AMX for head size D, else 0 (it then runs qw_paged_extend_bf16) */
+int qw_paged_extend_bf16_amx_active(int D) {
+#if QW_X_AMX
+    return D % 32 == 0 && D > 0 && qw_gemm_bf16_amx_ready();
+#else
+    (void)D;
+    return 0;
+#endif
+}
