@@ -152,7 +152,7 @@ class DecoderLayers:
         gemm_lib = gemm_cpu._gemm_library(self.weight_dtype)
         gemm_name = "qw_gemm_bf16_amx" if self.amx else form.gemm if form else None
         gemm = getattr(gemm_lib, gemm_name, None) if gemm_lib is not None and gemm_name else None
-        if self.amx and not gemm_cpu.amx_usable(gemm_lib):
+        if self.amx and not gemm_cpu.amx_layout_usable(gemm_lib):
             gemm = None
         T = h.shape[0] if h.dim() == 2 else 0
         if fn is None or gemm is None or not self.ok or T == 0 or not _cpu.EXTEND_KERNEL or len(kv_caches) != len(self._weights):

@@ -7,10 +7,13 @@ bf16 weight), panel ``p`` row ``k`` holding ``W[16p:16p+16, k]`` (columns past `
 kernel streams each panel contiguously. The layout is the same for every ISA build (AVX-512,
 AVX2+FMA, generic C), so one packed copy serves whichever build :func:`kernels.cpu.cpu_isa` selects.
 
-On CPUs with AMX (where the OS grants it: :func:`amx_ready`), bf16 weights whose K is a multiple
-of 32 are packed instead in AMX's tile layout ("amx", ``csrc/gemm_amx.c``): ``[ceil(N / 16), K / 2,
-32]``, element ``[p, k2, 2c + j]`` = ``W[16p + c, 2 k2 + j]``; bf16 x then runs on AMX tiles (fp32 x,
-which that kernel does not take, on torch). ``QWORKER_CPU_AMX=0`` keeps the panels layout.
+On CPUs with AMX or AVX512_BF16 (:func:`amx_layout_ready`), bf16 weights whose K is a multiple of
+32 are packed instead in AMX's tile layout ("amx", ``csrc/gemm_amx.c``): ``[ceil(N / 16), K / 2,
+32]``, element ``[p, k2, 2c + j]`` = ``W[16p + c, 2 k2 + j]``, a panel's 16 columns by a k pair in 64
+bytes. bf16 x then runs on AMX tiles where the OS grants them, else with AVX512_BF16 dot products on
+the same bytes (``csrc/gemm_pairs.c``: the same bits as the panels layout's dot-product kernel, in a
+wider register tile and without its per-pair interleave); fp32 x, which neither kernel takes, runs
+on torch. ``QWORKER_CPU_AMX=0`` keeps the panels layout.
 
 Usage::
 
@@ -49,22 +52,32 @@ AMX_K = 32  # k per AMX tile: the amx layout needs K to be a multiple of it
 LAYOUTS = ("panels", "amx")
 
 
-def amx_ready() -> bool:
-    """Whether bf16 weights are packed for AMX here: the GEMM build has the AMX kernel, the OS
-    grants this process AMX state, and ``QWORKER_CPU_AMX`` is not ``0``."""
-    return amx_usable(_gemm_library(torch.bfloat16))
+def amx_layout_ready() -> bool:
+    """Whether bf16 weights are packed in AMX's tile layout here: the GEMM build runs that layout
+    (on AMX tiles where the OS grants this process AMX state, else with AVX512_BF16 dot products:
+    :func:`amx_kernel`) and ``QWORKER_CPU_AMX`` is not ``0``."""
+    return amx_layout_usable(_gemm_library(torch.bfloat16))
 
 
-def amx_usable(lib) -> bool:
-    """:func:`amx_ready` for a bf16 GEMM library the caller already holds (the per-call paths:
-    no second lookup of the build)."""
-    return lib is not None and os.environ.get("QWORKER_CPU_AMX", "1") != "0" and _amx_granted(lib)
+def amx_layout_usable(lib) -> bool:
+    """:func:`amx_layout_ready` for a bf16 GEMM library the caller already holds (the per-call
+    paths: no second lookup of the build)."""
+    return lib is not None and os.environ.get("QWORKER_CPU_AMX", "1") != "0" and _amx_kernel(lib) > 0
+
+
+def amx_kernel() -> str | None:
+    """What runs amx-packed weights here: ``"amx"`` (AMX tiles, ``csrc/gemm_amx.c``),
+    ``"avx512_bf16"`` (dot products, ``csrc/gemm_pairs.c``) or None (the layout is not used)."""
+    lib = _gemm_library(torch.bfloat16)
+    if not amx_layout_usable(lib):
+        return None
+    return "amx" if _amx_kernel(lib) == 2 else "avx512_bf16"
 
 
 @cache
-def _amx_granted(lib) -> bool:
+def _amx_kernel(lib) -> int:
     fn = getattr(lib, "qw_gemm_bf16_amx_ready", None)
-    return fn is not None and bool(fn())
+    return int(fn()) if fn is not None else 0
 
 
 def is_amx_packed(packed: torch.Tensor) -> bool:
@@ -76,14 +89,14 @@ def pack_weight(w: torch.Tensor, layout: str | None = None) -> torch.Tensor:
     """``w [N, K]`` (``nn.Linear.weight``: out x in) -> packed, contiguous, a new tensor (``w`` is
     not kept): bf16 for a bf16 ``w`` (the bf16-weight kernels), else fp32. ``layout``: "panels"
     (``[ceil(N / 16), K, 16]``), "amx" (bf16 only, K a multiple of 32: ``[ceil(N / 16), K / 2,
-    32]``), or None: amx where :func:`amx_ready` and the weight allows it, else panels."""
+    32]``), or None: amx where :func:`amx_layout_ready` and the weight allows it, else panels."""
     if w.dim() != 2:
         raise ValueError(f"pack_weight expects a 2-D [out, in] weight, got shape {tuple(w.shape)}")
     N, K = w.shape
     panels = -(-N // NR)
     dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32
     if layout is None:
-        layout = "amx" if dtype == torch.bfloat16 and K % AMX_K == 0 and K > 0 and amx_ready() else "panels"
+        layout = "amx" if dtype == torch.bfloat16 and K % AMX_K == 0 and K > 0 and amx_layout_ready() else "panels"
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "amx" and (dtype != torch.bfloat16 or K % AMX_K):
@@ -194,7 +207,7 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
     fn = getattr(lib, "qw_gemm_bf16_amx" if amx else "qw_gemm_bf16", None) if lib is not None else None
     covered = (
         fn is not None
-        and (x.dtype == torch.bfloat16 and amx_usable(lib) if amx else x.dtype in (torch.float32, torch.bfloat16))
+        and (x.dtype == torch.bfloat16 and amx_layout_usable(lib) if amx else x.dtype in (torch.float32, torch.bfloat16))
         and x.is_cpu and packed.is_cpu and packed.is_contiguous()
         and (bias is None or (bias.dtype in (torch.float32, torch.bfloat16) and bias.is_cpu))
     )
@@ -350,7 +363,7 @@ def self_check(dtype: torch.dtype) -> str:
     cases = [(40, 33, rows, 0) for rows in (1, 2, 3, 5, 13, 25, 70)] + [(136, 33, rows, 0) for rows in (1, 2, 3, 13)]
     cases += [(136, 33, rows, 16) for rows in (1, 3, 13)]
     cases = [(*case, "panels") for case in cases]
-    if dtype == torch.bfloat16 and amx_ready():
+    if dtype == torch.bfloat16 and amx_layout_ready():
         # AMX: one row tile by 1-3 panels (N = 40: 2 + a partial one), 2 x 2 row tiles by panels
         # with an odd last row tile and panel (N = 136: 8 + a partial one), ragged last rows
         cases += [(N, 64, rows, 0, "amx") for N in (40, 136) for rows in (1, 3, 16, 17, 33, 70)]

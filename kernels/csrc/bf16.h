@@ -24,4 +24,21 @@ static inline float bf16_to_f32(uint16_t b) {
     return f;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+/* The lanes of v selected by m into row y: fp32 (ybf 0), or bf16 rounded as f32_to_bf16 does,
+ * 16 at a time (ybf 1). */
+static inline void store16_f32_or_bf16(void *y, int ybf, __m512 v, __mmask16 m) {
+    if (!ybf) {
+        _mm512_mask_storeu_ps((float *)y, m, v);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_mask_storeu_epi16((uint16_t *)y, m, _mm512_cvtepi32_epi16(r));
+}
+#endif
+
 #endif

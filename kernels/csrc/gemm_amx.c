@@ -96,19 +96,8 @@ static void configure_tiles(void) { _tile_loadconfig(&TILES_16x64); }
 static void store_tile(const float *c, const float *bias, void *y, int64_t ldy, int ybf, int rows, int ncols) {
     const __mmask16 m = (__mmask16)((1u << ncols) - 1u);
     const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    for (int i = 0; i < rows; i++) {
-        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * NR), b);
-        if (!ybf) {
-            _mm512_mask_storeu_ps((float *)y + i * ldy, m, v);
-            continue;
-        }
-        /* round to nearest even, NaN -> 0x7fc0 (bf16.h's f32_to_bf16, 16 at a time) */
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-        _mm256_mask_storeu_epi16((uint16_t *)y + i * ldy, m, _mm512_cvtepi32_epi16(r));
-    }
+    for (int i = 0; i < rows; i++)
+        store16_f32_or_bf16((char *)y + i * ldy * (ybf ? 2 : 4), ybf, _mm512_add_ps(_mm512_loadu_ps(c + i * NR), b), m);
 }
 
 /* One row tile (16 rows at a, lda elements apart) by NP (1-3) panels from p: C tiles 0..NP-1,
@@ -240,19 +229,26 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
 }
 #endif
 
+int qw_gemm_bf16_pairs(const void *, int64_t, int, const uint16_t *, const void *, int, void *, int64_t, int, int64_t,
+                       int64_t, int64_t, int, int64_t, int64_t, int64_t);
+int qw_gemm_bf16_pairs_built(void);
+
 /*
  * The same arguments as qw_gemm_bf16 (csrc/gemm_bf16.c), W packed as above; x must be bf16
- * (x_bf16 = 1) and K a multiple of 32; mc/group/kc are ignored. Returns 0; -1 for invalid sizes
- * or fp32 x; -2 when scratch memory cannot be allocated; -3 where AMX is not built in or the OS
- * refused its state.
+ * (x_bf16 = 1) and K a multiple of 32; mc/group/kc are ignored. On AMX tiles where the OS grants
+ * them, else with AVX512_BF16 dot products on the same layout (csrc/gemm_pairs.c). Returns 0; -1
+ * for invalid sizes or fp32 x; -2 when scratch memory cannot be allocated; -3 where this build
+ * has neither.
  */
 int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, const void *bias, int bias_bf16,
                      void *y, int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads, int64_t mc,
                      int64_t group, int64_t kc) {
-    (void)mc, (void)group, (void)kc;
     if (M < 0 || N < 0 || K < 0 || K % KT || !x_bf16 || (M > 0 && (ldx < K || ldy < N))) return -1;
 #if QW_AMX
-    if (!amx_ready()) return -3;
+    if (!amx_ready())
+#endif
+        return qw_gemm_bf16_pairs(x, ldx, x_bf16, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads, mc, group, kc);
+#if QW_AMX
     if (M == 0 || N == 0) return 0;
     if (K == 0) { /* no products: the bias (or zeros), before any scratch is allocated */
         for (int64_t i = 0; i < M; i++)
@@ -291,17 +287,14 @@ int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp,
     }
     free(tail), free(bp);
     return 0;
-#else
-    (void)x, (void)wp, (void)bias, (void)bias_bf16, (void)y, (void)y_bf16, (void)num_threads;
-    return -3;
 #endif
 }
 
-/* 1 where this build has the AMX kernel and the OS grants this process AMX state, else 0 */
+/* Which kernel qw_gemm_bf16_amx runs here: 2 AMX tiles (this build has them and the OS grants this
+ * process AMX state), 1 AVX512_BF16 dot products, 0 neither (it refuses every call) */
 int qw_gemm_bf16_amx_ready(void) {
 #if QW_AMX
-    return amx_ready();
-#else
-    return 0;
+    if (amx_ready()) return 2;
 #endif
+    return qw_gemm_bf16_pairs_built();
 }

@@ -1,7 +1,9 @@
-"""The bf16 GEMM on AMX tiles (csrc/gemm_amx.c) and its weight layout (kernels/gemm_cpu.py).
+"""The bf16 GEMM on AMX's tile layout (csrc/gemm_amx.c on AMX tiles, csrc/gemm_pairs.c with
+AVX512_BF16 dot products where there is no AMX) and the layout itself (kernels/gemm_cpu.py).
 
 The layout tests and the torch fallback run on every CPU (an amx-packed weight must give right
-results where AMX is off or missing); the kernel tests need AMX and are skipped elsewhere."""
+results where neither kernel runs); the kernel tests need AMX or AVX512_BF16 and are skipped
+elsewhere."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from kernels import cpu as kcpu
 from kernels import gemm_cpu
 
 BF, F32 = torch.bfloat16, torch.float32
-needs_amx = pytest.mark.skipif(not gemm_cpu.amx_ready(), reason="this CPU (or its OS, or QWORKER_CPU_AMX=0) gives no AMX")
+needs_amx = pytest.mark.skipif(not gemm_cpu.amx_layout_ready(),
+                               reason="this CPU (or its OS, or QWORKER_CPU_AMX=0) gives neither AMX nor AVX512_BF16")
 
 
 def _case(g, M, N, K, bias_dtype=F32):
@@ -45,9 +48,9 @@ def test_default_layout_follows_amx_and_the_switch(monkeypatch):
     w = torch.randn(20, 64).to(BF)
     assert gemm_cpu.pack_weight(torch.randn(20, 48).to(BF)).shape[2] == 16  # K not a multiple of 32
     assert gemm_cpu.pack_weight(w.float()).shape[2] == 16  # fp32 weights
-    assert gemm_cpu.is_amx_packed(gemm_cpu.pack_weight(w)) == gemm_cpu.amx_ready()
+    assert gemm_cpu.is_amx_packed(gemm_cpu.pack_weight(w)) == gemm_cpu.amx_layout_ready()
     monkeypatch.setenv("QWORKER_CPU_AMX", "0")
-    assert not gemm_cpu.amx_ready() and gemm_cpu.pack_weight(w).shape[2] == 16
+    assert not gemm_cpu.amx_layout_ready() and gemm_cpu.pack_weight(w).shape[2] == 16
 
 
 @pytest.mark.parametrize("amx_env", ["1", "0"])
@@ -115,13 +118,38 @@ def test_strided_rows_out_and_special_values():
     assert (yb[4] == 0).all()
 
 
+needs_pairs = pytest.mark.skipif(gemm_cpu.amx_kernel() != "avx512_bf16",
+                                 reason="this CPU runs the amx layout on AMX tiles, or has no AVX512_BF16")
+
+
+@needs_pairs
+@pytest.mark.parametrize("K", [32, 576, 4096])
+def test_pairs_kernel_gives_the_panels_dot_kernels_bits(K):
+    """Without AMX, the amx layout's AVX512_BF16 kernel (csrc/gemm_pairs.c) sums the same k pairs in
+    the same order as the panels layout's dot-product kernel (csrc/gemm_bf16.c, which splits K over
+    blocks past 2048): every bit equal, whatever the rows, columns, bias kind, output dtype and
+    threads, so the CPU bf16 mode's outputs do not depend on the layout."""
+    g = torch.Generator().manual_seed(K)
+    for M in (1, 4, 6, 7, 13, 48, 100):
+        for N, bias_dtype in ((1, F32), (17, None), (64, BF), (136, F32), (576, None)):
+            w, x, b, _ = _case(g, M, N, K, bias_dtype)
+            x[0, :3] = torch.tensor([1e-40, float("inf"), -0.0])  # a denormal (read as zero), Inf, -0
+            tiles, panels = gemm_cpu.pack_weight(w, "amx"), gemm_cpu.pack_weight(w, "panels")
+            for odt in (F32, BF):
+                for threads in (1, 2, 3):
+                    a = gemm_cpu.gemm(x, tiles, b, N, out_dtype=odt, threads=threads)
+                    c = gemm_cpu.gemm(x, panels, b, N, out_dtype=odt, threads=threads)
+                    bits = torch.int16 if odt == BF else torch.int32
+                    assert torch.equal(a.view(bits), c.view(bits)), (M, N, K, odt, threads)
+
+
 def test_builds_without_amx_say_so(monkeypatch):
-    """Only the avx512 build on an AMX CPU has the kernel; every other build says it has not and
-    refuses the call before reading anything."""
+    """Only the avx512 build on an AMX or AVX512_BF16 CPU runs the amx layout; every other build
+    says it does not and refuses the call before reading anything."""
     monkeypatch.delenv("QWORKER_CPU_AMX", raising=False)
     for isa in kcpu.available_isas():
         lib = kcpu._library_for(isa)
-        if lib is None or (isa == "avx512" and gemm_cpu.amx_ready()):
+        if lib is None or (isa == "avx512" and gemm_cpu.amx_layout_ready()):
             continue
         assert lib.qw_gemm_bf16_amx_ready() == 0, isa
         assert lib.qw_gemm_bf16_amx(None, 64, 1, None, None, 0, None, 8, 0, 1, 8, 64, 1, 0, 0, 0) == -3, isa
