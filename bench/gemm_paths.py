@@ -7,9 +7,11 @@
 Paths: ``x @ w`` with ``w`` row-major ``[in, out]``; ``F.linear`` with ``[out, in]``; oneDNN with
 each weight packed once (``torch.ops.mkldnn._reorder_linear_weight(w, batch_size_hint)``) for
 each ``--hints`` value; ``panels``, qworker's own GEMM (``kernels.gemm_cpu``) with the weights as
-the engine packs them here (on an AMX CPU, bf16 weights in AMX's tile layout), where the C kernels
-build. Weights are fresh random tensors of the model's shapes (values do not
-change GEMM time; all of them together are far larger than the caches, as in a real step).
+the engine packs them here (on an AMX or AVX512_BF16 CPU, bf16 weights in AMX's tile layout),
+where the C kernels build; where that layout is AMX's, ``panels, 16-column layout`` as well: the
+same call on the panels layout (``csrc/gemm_bf16.c``). Weights are fresh random tensors of the
+model's shapes (values do not change GEMM time; all of them together are far larger than the
+caches, as in a real step).
 The paths alternate round by round; medians; the fastest per row count in bold.
 
 With ``--dtype bfloat16`` one more path, ``oneDNN fp32 act``, is what the CPU bf16 model runs: fp32
@@ -66,6 +68,9 @@ def main(argv=None) -> dict:
     in_out = [w.t().contiguous() for w in out_in]
     packed = {h: [torch.ops.mkldnn._reorder_linear_weight(w, h) for w in out_in] for h in hints}
     panels = [gemm_cpu.pack_weight(w) for w in out_in] if not gemm_cpu.self_check(dtype) else None
+    # where the engine packs bf16 weights in AMX's layout, the 16-column panels layout as well
+    plain = ([gemm_cpu.pack_weight(w, "panels") for w in out_in]
+             if panels is not None and any(gemm_cpu.is_amx_packed(w) for w in panels) else None)
     widths = sorted({w.shape[1] for w in out_in})
 
     def paths(n: int) -> dict:
@@ -86,6 +91,12 @@ def main(argv=None) -> dict:
                     gemm_cpu.gemm(xs[w0.shape[1]], w, None, w0.shape[0])
 
             fns["panels"] = qworker_panels
+        if plain is not None:
+            def qworker_panels_layout():
+                for w, w0 in zip(plain, out_in):
+                    gemm_cpu.gemm(xs[w0.shape[1]], w, None, w0.shape[0])
+
+            fns["panels, 16-column layout"] = qworker_panels_layout
         for h, ws in packed.items():
             def onednn(ws=ws):
                 for w, w0 in zip(ws, out_in):
