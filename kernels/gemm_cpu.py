@@ -364,8 +364,9 @@ def self_check(dtype: torch.dtype) -> str:
     cases += [(136, 33, rows, 16) for rows in (1, 3, 13)]
     cases = [(*case, "panels") for case in cases]
     if dtype == torch.bfloat16 and amx_layout_ready():
-        # AMX: one row tile by 1-3 panels (N = 40: 2 + a partial one), 2 x 2 row tiles by panels
-        # with an odd last row tile and panel (N = 136: 8 + a partial one), ragged last rows
+        # the amx layout (AMX tiles, or AVX512_BF16 dot products without AMX): one row tile by 1-3
+        # panels (N = 40: 2 + a partial one), 2 x 2 row tiles by panels with an odd last row tile
+        # and panel (N = 136: 8 + a partial one), ragged last rows
         cases += [(N, 64, rows, 0, "amx") for N in (40, 136) for rows in (1, 3, 16, 17, 33, 70)]
     for N, K, rows, kc, layout in cases:
         w, b = torch.randn(N, K, generator=gen).to(dtype), torch.randn(N, generator=gen)
