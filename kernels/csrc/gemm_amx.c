@@ -227,28 +227,10 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
     }
     _tile_release();
 }
-#endif
 
-int qw_gemm_bf16_pairs(const void *, int64_t, int, const uint16_t *, const void *, int, void *, int64_t, int, int64_t,
-                       int64_t, int64_t, int, int64_t, int64_t, int64_t);
-int qw_gemm_bf16_pairs_built(void);
-
-/*
- * The same arguments as qw_gemm_bf16 (csrc/gemm_bf16.c), W packed as above; x must be bf16
- * (x_bf16 = 1) and K a multiple of 32; mc/group/kc are ignored. On AMX tiles where the OS grants
- * them, else with AVX512_BF16 dot products on the same layout (csrc/gemm_pairs.c). Returns 0; -1
- * for invalid sizes or fp32 x; -2 when scratch memory cannot be allocated; -3 where this build
- * has neither.
- */
-int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, const void *bias, int bias_bf16,
-                     void *y, int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads, int64_t mc,
-                     int64_t group, int64_t kc) {
-    if (M < 0 || N < 0 || K < 0 || K % KT || !x_bf16 || (M > 0 && (ldx < K || ldy < N))) return -1;
-#if QW_AMX
-    if (!amx_ready())
-#endif
-        return qw_gemm_bf16_pairs(x, ldx, x_bf16, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads, mc, group, kc);
-#if QW_AMX
+/* qw_gemm_bf16_amx on AMX tiles (the OS granted them) */
+static int amx_gemm(const void *x, int64_t ldx, const uint16_t *wp, const void *bias, int bias_bf16, void *y,
+                    int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M == 0 || N == 0) return 0;
     if (K == 0) { /* no products: the bias (or zeros), before any scratch is allocated */
         for (int64_t i = 0; i < M; i++)
@@ -287,7 +269,28 @@ int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp,
     }
     free(tail), free(bp);
     return 0;
+}
 #endif
+
+int qw_gemm_bf16_pairs(const void *, int64_t, int, const uint16_t *, const void *, int, void *, int64_t, int, int64_t,
+                       int64_t, int64_t, int, int64_t, int64_t, int64_t);
+int qw_gemm_bf16_pairs_built(void);
+
+/*
+ * The same arguments as qw_gemm_bf16 (csrc/gemm_bf16.c), W packed as above; x must be bf16
+ * (x_bf16 = 1) and K a multiple of 32; mc/group/kc are ignored. On AMX tiles where the OS grants
+ * them, else with AVX512_BF16 dot products on the same layout (csrc/gemm_pairs.c). Returns 0; -1
+ * for invalid sizes or fp32 x; -2 when scratch memory cannot be allocated; -3 where this build
+ * has neither.
+ */
+int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp, const void *bias, int bias_bf16,
+                     void *y, int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads, int64_t mc,
+                     int64_t group, int64_t kc) {
+    if (M < 0 || N < 0 || K < 0 || K % KT || !x_bf16 || (M > 0 && (ldx < K || ldy < N))) return -1;
+#if QW_AMX
+    if (amx_ready()) return amx_gemm(x, ldx, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads);
+#endif
+    return qw_gemm_bf16_pairs(x, ldx, x_bf16, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads, mc, group, kc);
 }
 
 /* Which kernel qw_gemm_bf16_amx runs here: 2 AMX tiles (this build has them and the OS grants this

@@ -10,8 +10,9 @@
  * csrc/gemm_bf16.c's dot-product kernel reads the panels layout and interleaves every pair of
  * panel rows in a register (a VPERMT2W per 16 columns and 2 k), and its 6 x 16 tile keeps 6 of the
  * 32 vector registers as sums. Here the main tile is 6 rows by 4 panels (24 sums, 4 weight loads
- * and 6 broadcasts per 24 dot products). On a 2-vCPU Zen 4 (docs/benchmarks.md) that made the
- * model's bf16 projections ~1.4-1.9x as fast as the panels kernel at 16-128 rows.
+ * and 6 broadcasts per 24 dot products). On a 2-vCPU Zen 4 (docs/benchmarks.md) the model's bf16
+ * projections ran 1.05x / 1.24x / 1.29x as fast as on the panels kernel at 48 / 128 / 512 rows
+ * (level at 1-16 rows, where both stream the weights).
  *
  * Results are bit for bit csrc/gemm_bf16.c's dot-product kernel's: each output starts from its
  * bias (fp32, or bf16 widened) and adds the pairs (k, k + 1), k = 0, 2, .. K - 2, in order, one
