@@ -114,6 +114,33 @@ static inline void qw_pair_join(const float *restrict src, float *restrict dst, 
 }
 #endif
 
+/* Tokens per chunk: each pass reads its pages a chunk at a time, first touching every cache line
+ * of the chunk's rows in address order (qw_touch_rows), then computing head by head from L1/L2.
+ * The heads of a token sit side by side in a row ([block_size, Hkv, D]), so head-by-head
+ * compute jumps back and forth through memory; the hardware prefetcher follows only an ascending
+ * stream of demand misses (a pure read of the same bytes head by head: 35 ms against 20 in address
+ * order, on Zen 4), so without the touch decode attention ran at half the machine's bandwidth.
+ * Chunks of 8 tokens for the scores, 32 for the V sums (whose accumulators are stored and
+ * reloaded per chunk) measured best (docs/benchmarks.md); -D overrides them for such trials. */
+#ifndef QW_K_CHUNK
+#define QW_K_CHUNK 8
+#endif
+#ifndef QW_V_CHUNK
+#define QW_V_CHUNK 32
+#endif
+/* the score chunk of the plain (non-GQA) path, a multiple of its 8- and 16-token groups */
+#ifndef QW_PLAIN_CHUNK
+#define QW_PLAIN_CHUNK 16
+#endif
+
+/* One demand load per 64-byte line of `bytes` bytes at the start of each of `rows` rows
+ * `row_bytes` apart, in address order: the stream the hardware prefetcher trains on. */
+static inline void qw_touch_rows(const void *first, int rows, int64_t row_bytes, int64_t bytes) {
+    const char *r = (const char *)first;
+    for (int t = 0; t < rows; t++, r += row_bytes)
+        for (int64_t o = 0; o < bytes; o += 64) (void)*(volatile const char *)(r + o);
+}
+
 /* pages the GQA path prefetches ahead of the one it reads */
 #ifndef QW_AHEAD
 #define QW_AHEAD 1

@@ -165,24 +165,30 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         run = qw_run_length(table, blk, num_blks);
         const int t0 = blk * block_size;
         FN(prefetch_page)(k_cache, table, blk + run, num_blks, block_size, token_stride, h0, h1, D);
-        const int64_t page = (int64_t)table[blk] * block_size * token_stride;
+        const KV_T *page = k_cache + (int64_t)table[blk] * block_size * token_stride;
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
-        const int j0 = lo > t0 ? lo - t0 : 0; /* nonzero only in the window's first page */
-        for (int h = h0; h < h1; h++) {
-            const KV_T *k = k_cache + page + (int64_t)h * D;
-            for (int g = 0; g < G; g++) {
-                const int qh = (h - h0) * G + g;
+        /* c starts past 0 only in a sliding window's first page */
+        for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
+            ce = c + QW_PLAIN_CHUNK < n ? c + QW_PLAIN_CHUNK : n;
+            qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * sizeof(KV_T),
+                          (h1 - h0) * D * sizeof(KV_T));
+            for (int h = h0; h < h1; h++) {
+                const KV_T *k = page + (int64_t)h * D;
+                for (int g = 0; g < G; g++) {
+                    const int qh = (h - h0) * G + g;
+                    float *s = scores + (int64_t)qh * span + (t0 - lo);
 #ifdef QW_AVX512
-                if (D % 16 == 0) {
-                    for (int j = j0; j < n; j += 16)
-                        FN(score_tokens16)(qs + (int64_t)qh * D, k + j * token_stride, token_stride,
-                                           n - j < 16 ? n - j : 16, D, scale, scores + (int64_t)qh * span + (t0 - lo) + j);
-                    continue;
-                }
+                    if (D % 16 == 0) {
+                        for (int j = c; j < ce; j += 16)
+                            FN(score_tokens16)(qs + (int64_t)qh * D, k + j * token_stride, token_stride,
+                                               ce - j < 16 ? ce - j : 16, D, scale, s + j);
+                        continue;
+                    }
 #endif
-                for (int j = j0; j < n; j += 8)
-                    FN(score_tokens)(qs + (int64_t)qh * D, k + j * token_stride, token_stride, n - j < 8 ? n - j : 8,
-                                 D, scale, scores + (int64_t)qh * span + (t0 - lo) + j);
+                    for (int j = c; j < ce; j += 8)
+                        FN(score_tokens)(qs + (int64_t)qh * D, k + j * token_stride, token_stride,
+                                         ce - j < 8 ? ce - j : 8, D, scale, s + j);
+                }
             }
         }
     }
@@ -195,15 +201,19 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         run = qw_run_length(table, blk, num_blks);
         const int t0 = blk * block_size;
         FN(prefetch_page)(v_cache, table, blk + run, num_blks, block_size, token_stride, h0, h1, D);
-        const int64_t page = (int64_t)table[blk] * block_size * token_stride;
+        const KV_T *page = v_cache + (int64_t)table[blk] * block_size * token_stride;
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
-        const int j0 = lo > t0 ? lo - t0 : 0;
-        for (int h = h0; h < h1; h++) {
-            const KV_T *v = v_cache + page + (int64_t)(j0 * token_stride) + (int64_t)h * D;
-            for (int g = 0; g < G; g++) {
-                const int qh = (h - h0) * G + g;
-                FN(accumulate)(scores + (int64_t)qh * span + (t0 - lo) + j0, v, n - j0, token_stride, D,
-                               acc + (int64_t)qh * D);
+        for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
+            ce = c + QW_V_CHUNK < n ? c + QW_V_CHUNK : n;
+            qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * sizeof(KV_T),
+                          (h1 - h0) * D * sizeof(KV_T));
+            for (int h = h0; h < h1; h++) {
+                const KV_T *v = page + c * token_stride + (int64_t)h * D;
+                for (int g = 0; g < G; g++) {
+                    const int qh = (h - h0) * G + g;
+                    FN(accumulate)(scores + (int64_t)qh * span + (t0 - lo) + c, v, ce - c, token_stride, D,
+                                   acc + (int64_t)qh * D);
+                }
             }
         }
     }
@@ -307,16 +317,22 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
         const int t0 = blk * block_size;
         FN(prefetch_page)(k_cache, table, blk + run - 1 + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
-        for (int h = h0; h < h1; h++) {
-            const KV_T *k = k_cache + (int64_t)table[blk] * block_size * token_stride + (int64_t)h * D;
-            for (int j = lo > t0 ? lo - t0 : 0; j < n; j += 8) {
-                const int m = n - j < 8 ? n - j : 8;
-                for (int g0 = 0; g0 < G; g0 += 3) {
-                    const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
+        const KV_T *page = k_cache + (int64_t)table[blk] * block_size * token_stride;
+        for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
+            ce = c + QW_K_CHUNK < n ? c + QW_K_CHUNK : n;
+            qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * sizeof(KV_T),
+                          (h1 - h0) * D * sizeof(KV_T));
+            for (int h = h0; h < h1; h++) {
+                const KV_T *k = page + (int64_t)h * D;
+                for (int j = c; j < ce; j += 8) {
+                    const int m = ce - j < 8 ? ce - j : 8;
+                    for (int g0 = 0; g0 < G; g0 += 3) {
+                        const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
 #define QW_SCORE(ND, NHC) FN(score8_heads)(qs + (int64_t)qh * D, k + j * token_stride, token_stride, m, ND, NHC, scale, \
                                            scores + (int64_t)qh * span + (t0 - lo) + j, span)
-                    QW_HEADS_SWITCH(QW_SCORE);
+                        QW_HEADS_SWITCH(QW_SCORE);
 #undef QW_SCORE
+                    }
                 }
             }
         }
@@ -329,15 +345,20 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
         const int t0 = blk * block_size;
         FN(prefetch_page)(v_cache, table, blk + run - 1 + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
-        const int j0 = lo > t0 ? lo - t0 : 0;
-        for (int h = h0; h < h1; h++) {
-            const KV_T *v = v_cache + ((int64_t)table[blk] * block_size + j0) * token_stride + (int64_t)h * D;
-            for (int g0 = 0; g0 < G; g0 += 3) {
-                const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
-#define QW_ACC(ND, NHC) FN(acc_heads)(scores + (int64_t)qh * span + (t0 - lo) + j0, span, v, token_stride, n - j0, ND, \
+        const KV_T *page = v_cache + (int64_t)table[blk] * block_size * token_stride;
+        for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
+            ce = c + QW_V_CHUNK < n ? c + QW_V_CHUNK : n;
+            qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * sizeof(KV_T),
+                          (h1 - h0) * D * sizeof(KV_T));
+            for (int h = h0; h < h1; h++) {
+                const KV_T *v = page + c * token_stride + (int64_t)h * D;
+                for (int g0 = 0; g0 < G; g0 += 3) {
+                    const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
+#define QW_ACC(ND, NHC) FN(acc_heads)(scores + (int64_t)qh * span + (t0 - lo) + c, span, v, token_stride, ce - c, ND, \
                                       NHC, acc + (int64_t)qh * D)
-                QW_HEADS_SWITCH(QW_ACC);
+                    QW_HEADS_SWITCH(QW_ACC);
 #undef QW_ACC
+                }
             }
         }
     }
