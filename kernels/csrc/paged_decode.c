@@ -14,10 +14,10 @@
  * (sequence, KV head) pairs), each done by one thread, longest attended span first under dynamic
  * scheduling (the greedy longest-processing-time split: no thread is left with one long sequence
  * while the others idle). Both passes walk the sequence's pages in
- * order (a run of consecutive block ids as one page: qw_run_length) and finish each page for every
- * head the item owns before the next one, so every page
- * is read from memory once, as one contiguous run (block_size * Hkv * D floats): scores
- * (q . k) for all heads, a softmax per query head, then the weighted sum of V rows.
+ * order (a run of consecutive block ids as one page: qw_run_length), a chunk of tokens at a time
+ * (QW_K_CHUNK, QW_V_CHUNK): the chunk's rows are first touched line by line in address order, then
+ * computed for every head the item owns, so every page is read from memory once, front to back:
+ * scores (q . k) for all heads, a softmax per query head, then the weighted sum of V rows.
  * Under a sliding window only the pages holding the last `window` tokens are read; soft-capping
  * (Gemma 2) maps each score s to softcap * tanh(s / softcap) before the softmax.
  * q, out and all arithmetic are fp32; the cache is fp32, fp16 (converted on load, F16C, or bit by
