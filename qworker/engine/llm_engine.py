@@ -61,6 +61,17 @@ class LLMEngine:
                                          config.kv_cache_dtype)
         else:
             self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, config.kv_cache_dtype)
+        try:
+            self._start_around_runner(config)
+        except BaseException:
+            # the engine is never returned, so nobody else would stop a tensor-parallel runner's
+            # follower processes (its finalizer runs only once the traceback lets go of it)
+            close = getattr(self.runner, "close", None)
+            if close is not None:
+                close()
+            raise
+
+    def _start_around_runner(self, config: EngineConfig) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.model_name = config.model.rstrip("/").split("/")[-1]
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model)

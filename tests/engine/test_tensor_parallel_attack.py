@@ -193,3 +193,43 @@ def test_a_dropped_engine_gives_back_its_cores_and_followers(tiny_model_dir):
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_start_up_failure_after_the_followers_started_stops_them(tiny_model_dir, monkeypatch):
+    """The KV budget is found too small only after the tensor-parallel runner has spawned its
+    follower: the failed start must stop it then, not whenever the garbage collector gets to the
+    half-built engine (the runner is kept alive here, as a traceback or a caller's frame may)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    built = []
+    real_init = leader_mod.ParallelRunner.__init__
+
+    def recording_init(self, *a, **kw):
+        built.append(self)
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(leader_mod.ParallelRunner, "__init__", recording_init)
+    try:
+        with pytest.raises(ValueError, match="KV budget"):
+            LLMEngine(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, kv_cache_memory=1024))
+        assert len(built) == 1
+        pids = [p.pid for p in built[0]._procs]
+        assert pids, "no follower was started"
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{pid}") and _running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and _running(pid)], "a follower outlived the failed start"
+    finally:
+        for r in built:
+            r.close()
+        torch.set_num_threads(threads)
+
+
+def _running(pid: int) -> bool:
+    """Not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
