@@ -148,6 +148,13 @@ static inline void FN(prefetch_page)(const KV_T *cache, const int32_t *table, in
             __builtin_prefetch(line, 0, 3);
 }
 
+/* Tokens [c, ce) of a page (a run), the columns of KV heads [h0, h1): touched in address order
+ * before they are computed head by head (qw_touch_rows says why). */
+static inline void FN(touch_chunk)(const KV_T *page, int c, int ce, int64_t token_stride, int h0, int h1, int D) {
+    qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * (int64_t)sizeof(KV_T),
+                  (int64_t)(h1 - h0) * D * (int64_t)sizeof(KV_T));
+}
+
 /* One sequence, KV heads [h0, h1): nq = (h1 - h0) * G query heads, over tokens [lo, len) (lo > 0
  * under a sliding window: the pages before the one holding lo are never touched, and the tokens
  * before lo in that page are skipped). softcap > 0 caps the scores (softcap * tanh(s / softcap)).
@@ -170,8 +177,7 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         /* c starts past 0 only in a sliding window's first page */
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_PLAIN_CHUNK < n ? c + QW_PLAIN_CHUNK : n;
-            qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * sizeof(KV_T),
-                          (h1 - h0) * D * sizeof(KV_T));
+            FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *k = page + (int64_t)h * D;
                 for (int g = 0; g < G; g++) {
@@ -205,8 +211,7 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_V_CHUNK < n ? c + QW_V_CHUNK : n;
-            qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * sizeof(KV_T),
-                          (h1 - h0) * D * sizeof(KV_T));
+            FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *v = page + c * token_stride + (int64_t)h * D;
                 for (int g = 0; g < G; g++) {
@@ -320,8 +325,7 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
         const KV_T *page = k_cache + (int64_t)table[blk] * block_size * token_stride;
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_K_CHUNK < n ? c + QW_K_CHUNK : n;
-            qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * sizeof(KV_T),
-                          (h1 - h0) * D * sizeof(KV_T));
+            FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *k = page + (int64_t)h * D;
                 for (int j = c; j < ce; j += 8) {
@@ -348,8 +352,7 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
         const KV_T *page = v_cache + (int64_t)table[blk] * block_size * token_stride;
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_V_CHUNK < n ? c + QW_V_CHUNK : n;
-            qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * sizeof(KV_T),
-                          (h1 - h0) * D * sizeof(KV_T));
+            FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *v = page + c * token_stride + (int64_t)h * D;
                 for (int g0 = 0; g0 < G; g0 += 3) {
