@@ -62,7 +62,7 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, config.kv_cache_dtype)
         try:
-            self._start_around_runner(config)
+            self._start_after_runner(config)
         except BaseException:
             # the engine is never returned, so nobody else would stop a tensor-parallel runner's
             # follower processes (its finalizer runs only once the traceback lets go of it)
@@ -71,7 +71,7 @@ class LLMEngine:
                 close()
             raise
 
-    def _start_around_runner(self, config: EngineConfig) -> None:
+    def _start_after_runner(self, config: EngineConfig) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.model_name = config.model.rstrip("/").split("/")[-1]
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model)
