@@ -216,10 +216,8 @@ def test_a_start_up_failure_after_the_followers_started_stops_them(tiny_model_di
         assert len(built) == 1
         pids = [p.pid for p in built[0]._procs]
         assert pids, "no follower was started"
-        deadline = time.monotonic() + 30
-        while any(os.path.exists(f"/proc/{pid}") and _running(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and _running(pid)], "a follower outlived the failed start"
+        # close() joins (or kills and joins) its followers before the error reaches the caller
+        assert not [pid for pid in pids if _running(pid)], "a follower outlived the failed start"
     finally:
         for r in built:
             r.close()
@@ -227,7 +225,7 @@ def test_a_start_up_failure_after_the_followers_started_stops_them(tiny_model_di
 
 
 def _running(pid: int) -> bool:
-    """Not a zombie (an exited child its parent has not reaped yet)."""
+    """The process exists and is not a zombie (an exited child its parent has not reaped yet)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
