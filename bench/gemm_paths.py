@@ -85,18 +85,13 @@ def main(argv=None) -> dict:
                 F.linear(xs[w.shape[1]], w)
 
         fns = {"x @ w": matmul, "F.linear": linear}
-        if panels is not None:
-            def qworker_panels():
-                for w, w0 in zip(panels, out_in):
-                    gemm_cpu.gemm(xs[w0.shape[1]], w, None, w0.shape[0])
+        for name, ws in (("panels", panels), ("panels, 16-column layout", plain)):
+            if ws is not None:
+                def qworker_panels(ws=ws):
+                    for w, w0 in zip(ws, out_in):
+                        gemm_cpu.gemm(xs[w0.shape[1]], w, None, w0.shape[0])
 
-            fns["panels"] = qworker_panels
-        if plain is not None:
-            def qworker_panels_layout():
-                for w, w0 in zip(plain, out_in):
-                    gemm_cpu.gemm(xs[w0.shape[1]], w, None, w0.shape[0])
-
-            fns["panels, 16-column layout"] = qworker_panels_layout
+                fns[name] = qworker_panels
         for h, ws in packed.items():
             def onednn(ws=ws):
                 for w, w0 in zip(ws, out_in):
