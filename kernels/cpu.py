@@ -146,6 +146,8 @@ _SIGNATURES = {
     "qw_add_rms_norm_bf16out": ([_P, _I32, _P, _P, _P, _P, _I64, _I32, _F32, _I32], None),
     "qw_silu_mul_bf16": ([_P, _P, _I64, _I32, _I32], None),
     "qw_argmax_rows_f32": ([_P, _I64, _I64, _I64, _P, _I32], None),
+    # a, rows, cols, lda, wn, s, eps, x, ldx, K, fp32 panels, tokens, threads (csrc/greedy_head.c)
+    "qw_greedy_head_f32": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _I32], None),
     # x, ldx, packed w, bias, y, ldy, M, N, K, threads, mc, group, kc (kernels/gemm_cpu.py)
     "qw_gemm_f32": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I64, _I64, _I64], ctypes.c_int),
     "qw_gemm_f32_isa": ([], ctypes.c_int),

@@ -12,12 +12,19 @@
 #include "exp.h"
 #include "wide.h"
 
+/* Parallel from this many elements per call: below it a fork/join (~1-2 us with libgomp's
+ * spinning pool) costs more than the second core saves. A decode step's norms (48 x 576) used
+ * to run on one core while the other waited: ~2% of a 48-request fp32 run. */
+#ifndef QW_PAR_ELEMS
+#define QW_PAR_ELEMS (1 << 14)
+#endif
+
 /* out = weight * (h / sqrt(mean(h^2) + eps)) with h = x + residual (or x when residual is NULL);
  * h is written to new_residual. Rows of H floats; x, residual, new_residual, out: [T, H]. */
 void qw_add_rms_norm_f32(const float *x, const float *residual, const float *weight,
                          float *new_residual, float *out, int64_t T, int H, float eps,
                          int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T >= 256)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * H >= QW_PAR_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         const float *restrict xr = x + t * H;
         float *restrict hr = new_residual + t * H;
@@ -49,7 +56,7 @@ void qw_add_rms_norm_f32(const float *x, const float *residual, const float *wei
 void qw_rope_f32(float *q, float *k, int64_t row_stride, const int64_t *positions, const float *cos_table,
                  const float *sin_table, int64_t T, int Hq, int Hk, int D, int num_threads) {
     const int half = D / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T >= 256)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * (Hq + Hk) * D >= QW_PAR_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         const float *restrict c = cos_table + positions[t] * D;
         const float *restrict s = sin_table + positions[t] * D;
@@ -100,7 +107,7 @@ static void silu_mul_row(const float *restrict g, const float *restrict u, float
 }
 
 QW_WIDE void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= (1 << 16))
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= QW_PAR_ELEMS)
     for (int64_t t = 0; t < T; t++) silu_mul_row(gate_up + t * 2 * I, gate_up + t * 2 * I + I, out + t * I, I);
 }
 
@@ -110,7 +117,7 @@ QW_WIDE void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I,
  * qw_add_rms_norm_f32 on x's fp32 values followed by that rounding. */
 void qw_add_rms_norm_bf16out(const void *x, int x_bf16, const float *residual, const float *weight,
                              float *new_residual, uint16_t *out, int64_t T, int H, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T >= 256)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * H >= QW_PAR_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         float *restrict hr = new_residual + t * H;
         uint16_t *restrict o = out + t * H;
@@ -146,7 +153,7 @@ void qw_add_rms_norm_bf16out(const void *x, int x_bf16, const float *residual, c
 /* qw_silu_mul_f32 on a bf16 gate_up [T, 2I] (a bf16 GEMM's output) into a bf16 out [T, I] (the
  * down projection's input): fp32 arithmetic, one rounding at the end. */
 QW_WIDE void qw_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T, int I, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= (1 << 16))
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= QW_PAR_ELEMS)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *restrict g = gate_up + t * 2 * I, *restrict u = g + I;
         uint16_t *restrict o = out + t * I;

@@ -394,3 +394,25 @@ int qw_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias,
 
 /* The build's vector ISA: 2 = AVX-512, 1 = AVX2+FMA, 0 = generic C (tests check the dispatch). */
 int qw_gemm_f32_isa(void) { return QW_GEMM_ISA; }
+
+/* One x row against one panel, the 16 values the tiles compute for its columns: from zero (no
+ * bias), k ascending, with the tiles' FMA (or multiply-add in the generic build), so the same
+ * bits as qw_gemm_f32 gives for that row and panel at any M, N and thread count (a later K block
+ * continues from the stored fp32 partial sums, which changes nothing). For callers that need a
+ * few columns exactly: kernels/greedy_head.py's candidates (csrc/greedy_head.c). */
+void qw_gemm_f32_panel_row(const float *x, const float *w, int64_t K, float *out) {
+#if QW_GEMM_ISA > 0
+    vec acc[VPP];
+    for (int v = 0; v < VPP; v++) acc[v] = V_ZERO();
+    for (int64_t k = 0; k < K; k++) {
+        const vec a = V_BCAST(x + k);
+        for (int v = 0; v < VPP; v++) acc[v] = V_FMA(a, V_LOAD(w + k * NR + v * VW), acc[v]);
+    }
+    for (int v = 0; v < VPP; v++) V_STORE(out + v * VW, acc[v]);
+#else
+    float acc[NR] = {0};
+    for (int64_t k = 0; k < K; k++)
+        for (int c = 0; c < NR; c++) acc[c] += x[k] * w[k * NR + c];
+    memcpy(out, acc, sizeof(acc));
+#endif
+}

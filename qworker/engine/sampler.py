@@ -106,6 +106,17 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1).cpu()
 
 
+def argmax_only(seq: Sequence) -> bool:
+    """Whether :func:`sample` reads nothing of the sequence's next logits row but its argmax:
+    greedy, no logprobs, and nothing that changes the row first (logit bias, penalties, a
+    min_tokens ban, a grammar's mask). The model may then return the row as the greedy token's
+    one-hot log-distribution (``SeqChunk.argmax_only``)."""
+    p = seq.request.params
+    return (p.greedy and p.logprobs is None and p.structured_outputs is None and seq.structured is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and seq.num_output_tokens >= p.min_tokens)
+
+
 def _needs_processing(seqs: list[Sequence]) -> bool:
     for s in seqs:
         p = s.request.params

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from qworker.engine.sampler import argmax_only
 from qworker.engine.scheduler import ScheduledSeq, SchedulerOutput
 from qworker.engine.sequence import Request, Sequence
 from qworker.model.batch import Batch, SeqChunk
@@ -39,6 +40,7 @@ def _chunk(s: ScheduledSeq, lora_slots: dict[int, int]) -> SeqChunk:
         block_ids=[b.block_id for b in seq.block_table],
         needs_logits=s.samples,
         num_draft=len(s.draft),
+        argmax_only=s.samples and not s.draft and argmax_only(seq),
         lora_slot=lora_slots[lora] if lora else -1,
     )
 

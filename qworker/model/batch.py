@@ -24,6 +24,9 @@ class SeqChunk:
     needs_logits: bool  # the chunk ends at the sequence's last token: sample its next token
     num_draft: int = 0  # a verify chunk: logits for each of its 1 + num_draft positions
     lora_slot: int = -1  # the device LoRA slot its tokens run under; -1 is the base model
+    # only the argmax of the logits row is wanted (greedy, nothing reads or changes the logits):
+    # the row may come back as that token's one-hot log-distribution (0 there, -inf elsewhere)
+    argmax_only: bool = False
 
 
 @dataclass(slots=True)

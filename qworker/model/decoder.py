@@ -21,6 +21,7 @@ unavailable or slower (chosen at start-up, see :mod:`qworker.model.linear`).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -31,6 +32,8 @@ from transformers import PretrainedConfig
 
 import kernels
 from kernels.decoder_cpu import DecoderLayers
+from kernels import gemm_cpu
+from kernels.greedy_head import BoundedGreedyHead, bounded_head_supported
 from qworker.model.attention import AttentionMetadata, PagedAttention
 from qworker.model.families import spec_for
 from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLayer, dims, take
@@ -140,6 +143,7 @@ class DecoderModel:
         # the embedding scale is rounded to the model dtype first, as transformers does
         self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale, dtype=dtype).to(device=device, dtype=act)
         self.final_softcap = spec.final_softcap
+        self.greedy_head = self._bounded_greedy_head(shard)
 
         self.ropes = {key: rotary_embedding(config, self.head_dim, max_positions, device, act, backend, layer_type)
                       for key, layer_type in spec.rope_tables.items()}
@@ -199,6 +203,47 @@ class DecoderModel:
         elif fusable and dtype == torch.float32:
             self.fused_layers = self._bind_fused_layers()
 
+    def _bounded_greedy_head(self, shard) -> BoundedGreedyHead | None:
+        """The LM head's exact shortcut for argmax-only rows (:mod:`kernels.greedy_head`): for fp32
+        weights on the CPU packed in panels, a whole (unsharded) model and no logit soft-capping
+        (its tanh can tie logits that differ). It holds a bf16 copy of the head (half the fp32
+        head's bytes) and pays where the CPU has bf16 dot products (AVX512_BF16 or AMX), so it is
+        built there; ``QWORKER_CPU_GREEDY_HEAD=1`` builds it wherever the kernels do (its bf16
+        GEMM then runs in fp32 arithmetic: as exact, no faster), ``0`` never."""
+        choice = os.environ.get("QWORKER_CPU_GREEDY_HEAD", "auto").strip().lower()
+        if (choice == "0" or self.device.type != "cpu" or shard is not None or self.dtype != torch.float32
+                or self.linear_backend != "panels" or self.final_softcap is not None):
+            return None
+        supported, _ = bounded_head_supported()
+        if not supported and not (choice == "1" and gemm_cpu.gemm_isa(torch.float32) is not None):
+            return None
+        return BoundedGreedyHead(self.lm_head.weight, self.lm_head.out_features)
+
+    def _head(self, x: torch.Tensor, argmax_rows: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits of the final-normed rows ``x``. ``argmax_rows`` (bool per row, or None): rows
+        whose caller wants only the greedy token (:func:`qworker.engine.sampler.argmax_only`). Where
+        the bounded head applies, each such row comes back as its token's one-hot log-distribution
+        (0 at the greedy token, -inf elsewhere): the argmax of the full row, exactly, without the
+        fp32 head's GEMM. Elsewhere every row gets its full logits (the same argmax)."""
+        head = self.greedy_head
+        if (argmax_rows is None or head is None or type(self.lm_head) is not Linear
+                or self.lm_head.weight is not head.exact or not bool(argmax_rows.any())):
+            return self._logits(x)
+        out = torch.full((x.shape[0], self.lm_head.out_features), -math.inf)
+        rest = torch.nonzero(~argmax_rows).flatten()
+        if rest.numel():
+            out[rest] = self._logits(x[rest])
+        fast = torch.nonzero(argmax_rows).flatten()
+        out[fast, head.argmax(x[fast])] = 0.0
+        return out
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(x)
+        if self.final_softcap is not None:
+            c = self.final_softcap
+            logits = torch.tanh(logits / c) * c
+        return logits.float()
+
     def _bind_fused_layers(self) -> DecoderLayers | None:
         """The layers' tensors bound for :class:`kernels.decoder_cpu.DecoderLayers` (None where it
         does not cover the model's shapes), and the guard :meth:`_fused` checks them by."""
@@ -250,6 +295,7 @@ class DecoderModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # rows whose next-token logits are wanted
+        argmax_rows: torch.Tensor | None = None,  # of those, the argmax-only ones (see _head)
     ) -> torch.Tensor:
         norm = self.norm_fn
         h = F.embedding(input_ids, self.embed)
@@ -272,7 +318,7 @@ class DecoderModel:
                 x, residual = norm(h, layer.post_norm, self.eps, residual)
                 h = layer.down(self.swiglu(layer.gate_up(x)))
         x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
-        return self.lm_head(x).float()
+        return self._head(x, argmax_rows)
 
     def _fused(self, h, positions, kv_caches, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The caller's layer loop (:meth:`forward`'s, or :meth:`_forward_cpu_bf16`'s for bf16
@@ -296,6 +342,7 @@ class DecoderModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        argmax_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` for the CPU bf16 mode without the fp32 copies of the GEMMs' bf16 inputs
         and outputs: the norms write the qkv, gate_up and LM-head inputs in bf16, and o's, gate_up's
@@ -304,7 +351,7 @@ class DecoderModel:
         kernels round their outputs once, as the conversion did); the residual stream, rope and
         attention stay fp32. Projections wrapped by LoRA or tensor parallelism take :meth:`forward`."""
         if not self._plain_projections():
-            return DecoderModel.forward(self, input_ids, positions, kv_caches, meta, logits_indices)
+            return DecoderModel.forward(self, input_ids, positions, kv_caches, meta, logits_indices, argmax_rows)
         norm = self.norm_bf16
         h = F.embedding(input_ids, self.embed)
         T = h.shape[0]
@@ -326,7 +373,7 @@ class DecoderModel:
                 x, residual = norm(h, layer.post_norm, self.eps, residual)
                 h = layer.down.lowp(self.swiglu(layer.gate_up.lowp(x)))
         x, _ = norm(h[logits_indices], self.norm, self.eps, residual[logits_indices])
-        return self.lm_head(x).float()
+        return self._head(x, argmax_rows)
 
     def _plain_projections(self) -> bool:
         if type(self.lm_head) is not Linear:
@@ -341,6 +388,7 @@ class DecoderModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        argmax_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` with every family hook (see :class:`DecoderSpec`)."""
         norm, eps = self.norm_fn, self.eps
@@ -375,11 +423,7 @@ class DecoderModel:
             if layer.mlp_out_norm is not None:
                 h = norm(h, layer.mlp_out_norm, eps)[0]
         x, _ = norm(h[logits_indices], self.norm, eps, residual[logits_indices])
-        logits = self.lm_head(x)
-        if self.final_softcap is not None:
-            c = self.final_softcap
-            logits = torch.tanh(logits / c) * c
-        return logits.float()
+        return self._head(x, argmax_rows)
 
 
 # the name the runner and benches knew it by

@@ -83,15 +83,17 @@ class ModelRunner:
 
     def execute(self, batch: Batch) -> torch.Tensor:
         """Runs one step; returns fp32 logits, in chunk order: one row per chunk with
-        ``needs_logits``, ``1 + num_draft`` rows (one per position) for a verify chunk."""
+        ``needs_logits``, ``1 + num_draft`` rows (one per position) for a verify chunk. An
+        ``argmax_only`` chunk's row may come back as the one-hot log-distribution of its greedy
+        token (0 there, -inf elsewhere; see ``DecoderModel._head``)."""
         assert self.kv is not None
         self.kv.apply(batch.swap_out, batch.swap_in, batch.copy)
-        input_ids, positions, meta, logits_indices = self._prepare(batch)
+        input_ids, positions, meta, logits_indices, argmax_rows = self._prepare(batch)
         if self.lora is None:
-            return self.model.forward(input_ids, positions, self.kv.layers, meta, logits_indices)
+            return self.model.forward(input_ids, positions, self.kv.layers, meta, logits_indices, argmax_rows)
         chunks = batch.chunks
         with self.lora.step([len(c.token_ids) for c in chunks], [c.lora_slot for c in chunks]):
-            return self.model.forward(input_ids, positions, self.kv.layers, meta, logits_indices)
+            return self.model.forward(input_ids, positions, self.kv.layers, meta, logits_indices, argmax_rows)
 
     def _prepare(self, batch: Batch):
         bs = self.block_size
@@ -105,6 +107,7 @@ class ModelRunner:
         seq_lens = []
         tables_src: list[list[int]] = []
         logits_indices = []
+        argmax_rows: list[bool] = []  # per logits row: only its greedy token is wanted
         num_decodes = 0
         leading = True
         for c in chunks:
@@ -127,8 +130,10 @@ class ModelRunner:
                 tables_src.append(c.block_ids)
             if c.num_draft:
                 logits_indices.extend(range(first, first + n))
+                argmax_rows.extend([False] * n)
             elif c.needs_logits:
                 logits_indices.append(first + n - 1)
+                argmax_rows.append(c.argmax_only)
         max_blocks = max(len(t) for t in tables_src)
         tables = [t + [0] * (max_blocks - len(t)) for t in tables_src]
         dev = self.device
@@ -145,4 +150,5 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=dev),
             meta,
             torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            torch.tensor(argmax_rows, dtype=torch.bool) if any(argmax_rows) else None,
         )
