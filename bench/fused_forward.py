@@ -29,7 +29,7 @@ from qworker.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 
 def capture_batch(engine: LLMEngine):
-    """Runs one engine step and returns the batch its forward got."""
+    """Runs one engine step and returns the batch its forward got, every row asking for logits."""
     seen = []
     real = engine.runner.execute
 
@@ -42,7 +42,10 @@ def capture_batch(engine: LLMEngine):
         engine.step()
     finally:
         engine.runner.execute = real
-    return seen[-1]
+    batch = seen[-1]
+    for c in batch.chunks:  # full logits rows (not the greedy head's one-hots): compared bit for bit below
+        c.argmax_only = False
+    return batch
 
 
 def ab(engine: LLMEngine, batch, rounds: int, clock) -> tuple[float, float]:

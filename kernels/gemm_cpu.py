@@ -108,6 +108,23 @@ def pack_weight(w: torch.Tensor, layout: str | None = None) -> torch.Tensor:
     return padded.view(panels, NR, K).transpose(1, 2).contiguous()
 
 
+def repack_bf16(packed: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """An fp32 weight packed in panels -> the bf16 packing :func:`pack_weight` gives its bf16
+    rounding (amx where it would choose amx, else panels), built ``block`` panels at a time: the
+    only full-size allocation is the result (half the fp32 weight's bytes)."""
+    if packed.dtype != torch.float32 or packed.dim() != 3 or packed.shape[2] != NR:
+        raise ValueError(f"repack_bf16 takes an fp32 weight packed in panels, got {packed.dtype} {tuple(packed.shape)}")
+    panels, K, _ = packed.shape
+    amx = K % AMX_K == 0 and K > 0 and amx_layout_ready()
+    out = torch.empty((panels, K // 2, 2 * NR) if amx else (panels, K, NR), dtype=torch.bfloat16)
+    for p0 in range(0, panels, block):
+        blk = packed[p0 : p0 + block]
+        if amx:  # [b, K, 16] -> [b, K / 2, 16, 2]: a panel's 16 columns by a k pair
+            blk = blk.view(-1, K // 2, 2, NR).transpose(2, 3).reshape(-1, K // 2, 2 * NR)
+        out[p0 : p0 + block] = blk
+    return out
+
+
 def unpack_weight(packed: torch.Tensor, n_out: int) -> torch.Tensor:
     """The ``[n_out, K]`` weight back from its packed form, either layout (a copy, in the packed
     dtype)."""

@@ -70,19 +70,23 @@ class BoundedGreedyHead:
             raise ValueError("BoundedGreedyHead takes an fp32 weight packed in panels (gemm_cpu.pack_weight)")
         self.exact = exact
         self.n_out = n_out
-        w = gemm_cpu.unpack_weight(exact, n_out)  # [V, K] fp32, a temporary copy
-        self.K = w.shape[1]
-        self.approx = gemm_cpu.pack_weight(w.to(torch.bfloat16))
-        # row norms rounded up (double, then a relative nudge past fp32's rounding)
-        self.wn = (w.double().norm(dim=1) * (1.0 + 2.0**-20)).float()
-        w_max = float(w.abs().max()) if w.numel() else 0.0
+        self.K = exact.shape[1]
+        self.approx = gemm_cpu.repack_bf16(exact)
+        # row norms rounded up (double, then a relative nudge past fp32's rounding) and max |w|,
+        # a block of panels at a time: no full-size temporary beside the bf16 copy
+        norms, w_max = [], 0.0
+        for p0 in range(0, exact.shape[0], 64):
+            blk = exact[p0 : p0 + 64]
+            norms.append(blk.double().square().sum(dim=1).sqrt().flatten())
+            w_max = max(w_max, float(blk.abs().max()) if blk.numel() else 0.0)
+        wn = torch.cat(norms)[:n_out] if norms else torch.zeros(0, dtype=torch.float64)
+        self.wn = (wn * (1.0 + 2.0**-20)).float()
         self._wn_max = float(self.wn.max()) if self.wn.numel() else 0.0
         K = self.K
         self._c = _gamma(K) + _gamma(2 * K) * (1.0 + _U_BF16) ** 2 + 2 * _U_BF16 + _U_BF16**2
         # the flushed denormals: at most 2K results below 2^-126, and K products with one input
         # below 2^-126 (the other at most max|w| or max|x|, the latter added per row)
         self._eps_base = 2.0**-126 * K * (2.0 + w_max)
-        del w
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``(x @ W^T).argmax(dim=-1)`` (the first index of each row's maximum) for fp32 ``x [R, K]``,
@@ -95,6 +99,8 @@ class BoundedGreedyHead:
         tokens = torch.empty(R, dtype=torch.int64)
         if R == 0:
             return tokens
+        if K == 0 or V == 0:  # nothing to bound: the full head's answer
+            return argmax_rows_cpu(gemm_cpu.gemm(x, self.exact, None, V))
         a = gemm_cpu.gemm(x.to(torch.bfloat16), self.approx, None, V, out_dtype=torch.float32)
         xd = x.double()
         norm = xd.norm(dim=1)

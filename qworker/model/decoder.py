@@ -210,7 +210,9 @@ class DecoderModel:
         head's bytes) and pays where the CPU has bf16 dot products (AVX512_BF16 or AMX), so it is
         built there; ``QWORKER_CPU_GREEDY_HEAD=1`` builds it wherever the kernels do (its bf16
         GEMM then runs in fp32 arithmetic: as exact, no faster), ``0`` never."""
-        choice = os.environ.get("QWORKER_CPU_GREEDY_HEAD", "auto").strip().lower()
+        choice = os.environ.get("QWORKER_CPU_GREEDY_HEAD", "auto").strip().lower() or "auto"
+        if choice not in ("0", "1", "auto"):
+            raise ValueError(f"QWORKER_CPU_GREEDY_HEAD must be 0, 1 or auto, got {choice!r}")
         if (choice == "0" or self.device.type != "cpu" or shard is not None or self.dtype != torch.float32
                 or self.linear_backend != "panels" or self.final_softcap is not None):
             return None

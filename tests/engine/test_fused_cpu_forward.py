@@ -46,6 +46,8 @@ class Compare:
         e.runner.execute = self
 
     def __call__(self, batch):
+        for c in batch.chunks:  # full logits rows, not greedy one-hots: the comparison sees every value
+            c.argmax_only = False
         kv = self.e.runner.kv.layers
         before = [(k.clone(), v.clone()) for k, v in kv]
         self.model.fused_cpu_forward = False

@@ -130,3 +130,10 @@ def test_which_sequences_are_argmax_only(model_dir, monkeypatch):
     seq = e.requests["min_tokens"].seqs[0]
     seq.output_token_ids.extend([1, 2])  # past min_tokens the ban is gone: argmax only again
     assert argmax_only(seq) is (seq.num_output_tokens >= 2)
+
+
+def test_an_unknown_setting_is_refused(model_dir, monkeypatch):
+    monkeypatch.setenv("QWORKER_CPU_LINEAR", "panels")
+    monkeypatch.setenv("QWORKER_CPU_GREEDY_HEAD", "off")
+    with pytest.raises(ValueError, match="QWORKER_CPU_GREEDY_HEAD must be 0, 1 or auto"):
+        LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=16 << 20))
