@@ -132,6 +132,7 @@ _SIGNATURES = {
     "qw_paged_decode_f32": (_DECODE_ARGS, ctypes.c_int),
     "qw_paged_decode_f16": (_DECODE_ARGS, ctypes.c_int),
     "qw_paged_decode_bf16": (_DECODE_ARGS, ctypes.c_int),
+    "qw_paged_decode_bf16_dp": (_DECODE_ARGS, ctypes.c_int),
     "qw_paged_extend_f32": (_EXTEND_ARGS, ctypes.c_int),
     "qw_paged_extend_f16": (_EXTEND_ARGS, ctypes.c_int),
     "qw_paged_extend_bf16": (_EXTEND_ARGS, ctypes.c_int),
@@ -244,11 +245,17 @@ def paged_decode_attention_cpu(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    bf16_products: bool = False,
 ) -> torch.Tensor:
     """Same contract as :func:`kernels.reference.paged_decode_attention_ref` (``num_splits`` is
-    ignored: the kernel parallelises over sequences and KV heads)."""
+    ignored: the kernel parallelises over sequences and KV heads). ``bf16_products`` (the CPU bf16
+    mode), with a bf16 cache: the two products in bf16 with AVX512_BF16 dot products where the
+    build has them and the head size is 64 or 128 (the scaled query and the softmax numerators
+    rounded to bf16, as the AMX extend kernel; ``csrc/paged_decode.c``), fp32 products elsewhere."""
     opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
-    fn = _cache_fn("qw_paged_decode", k_cache.dtype)
+    lib = _library()
+    dp = bf16_products and k_cache.dtype == torch.bfloat16 and lib is not None
+    fn = getattr(lib, "qw_paged_decode_bf16_dp", None) if dp else _cache_fn("qw_paged_decode", k_cache.dtype)
     if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, **opts)
     B, Hq, D = q.shape

@@ -88,6 +88,7 @@ typedef int (*attn_extend_fn)(const float *, int64_t, const void *, const void *
 DECLARE(f32)
 DECLARE(bf16)
 int qw_paged_extend_bf16_amx();
+int qw_paged_decode_bf16_dp();
 #if defined(__AVX2__) && defined(__F16C__) /* elementwise.c's fp16 KV write needs F16C */
 DECLARE(f16)
 #define QW_HAVE_F16_STORE 1
@@ -145,7 +146,10 @@ static int attention(const qw_step *s, const qw_layer *l, const cache_kernels *c
 /* What both forms check first: the cache dtype has kernels here, the decode rows fit the step. */
 static int prepare(const qw_step *s, cache_kernels *ck) {
     if (cache_kernels_for(s->cache_dtype, ck) != 0) return -3;
-    if (s->bf16_products && s->cache_dtype == 2) ck->extend = (attn_extend_fn)qw_paged_extend_bf16_amx;
+    if (s->bf16_products && s->cache_dtype == 2) {
+        ck->extend = (attn_extend_fn)qw_paged_extend_bf16_amx;
+        ck->decode = (attn_decode_fn)qw_paged_decode_bf16_dp;
+    }
     if (s->num_decodes < 0 || s->num_decodes > s->T || s->num_decodes > s->num_seqs) return -3;
     return 0;
 }

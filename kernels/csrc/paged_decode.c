@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -103,6 +104,32 @@ static inline void qw_pair_split(const float *restrict src, float *restrict dst,
             dst[c + 16 + j] = src[c + 2 * j + 1];
         }
 }
+
+#ifdef __AVX512BF16__
+/* The bf16 mode's decode (qw_paged_decode_bf16_dp): qw_softmax_numerators with each numerator
+ * rounded to bf16 (nearest even) for the P . V product, and 1 / the sum of the rounded ones, so a
+ * row is normalised by what it was multiplied by (as csrc/paged_extend_amx.c). */
+static inline float qw_softmax_numerators_bf16(float *restrict s, int span, float cap) {
+    (void)qw_softmax_numerators(s, span, cap); /* exp(s - max) in place; its sum is of the unrounded */
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < span; t++) {
+        s[t] = bf16_to_f32(f32_to_bf16(s[t]));
+        sum += s[t];
+    }
+    return 1.0f / sum;
+}
+
+/* dst = src * scale in natural order from acc_heads_dp's unpack order: in each 32-channel group,
+ * lane l of the first 16 holds channel 8 (l / 4) + l % 4, of the second 16 channel 8 (l / 4) + 4 + l % 4 */
+static inline void qw_dp_join(const float *restrict src, float *restrict dst, int n, float scale) {
+    for (int c = 0; c < n; c += 32)
+        for (int l = 0; l < 16; l++) {
+            dst[c + 8 * (l / 4) + l % 4] = src[c + l] * scale;
+            dst[c + 8 * (l / 4) + 4 + l % 4] = src[c + 16 + l] * scale;
+        }
+}
+#endif
 
 /* dst = src * scale back in natural order (the inverse of qw_pair_split) */
 static inline void qw_pair_join(const float *restrict src, float *restrict dst, int n, float scale) {
@@ -241,3 +268,33 @@ static inline float qw_bf16_to_f32(uint16_t h) {
 #endif
 #undef LOAD1
 #undef FN
+
+/* bf16 cache, the bf16 mode's products in bf16 (VDPBF16PS): qw_paged_decode_bf16_dp. Precision
+ * as csrc/paged_extend_amx.c (torch's bf16 attention, vLLM's AMX kernel): the scaled query and the
+ * softmax numerators rounded to bf16 for the products, sums and softmax in fp32, each row divided
+ * by the sum of the rounded numerators. The GQA path (D = 64 or 128) only; other head sizes take
+ * qw_paged_decode_bf16's fp32 products inside the same call, as does a build without AVX512_BF16
+ * (the whole call). */
+#if defined(QW_AVX512) && defined(__AVX512BF16__) && !defined(QW_NO_DECODE_DP) /* -D for A/B runs */
+#define QW_DP 1
+#define KV_T uint16_t
+#define LOAD8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LOAD1(p) qw_bf16_to_f32(*(p))
+#define FN(name) QW_CAT(name, bf16_dp)
+#include "paged_decode_impl.h"
+#undef KV_T
+#undef LOAD8
+#undef LOAD16
+#undef LOAD1
+#undef FN
+#undef QW_DP
+#else
+int qw_paged_decode_bf16_dp(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
+                            int64_t out_stride, int B, int Hq, int Hkv, int D, int block_size, float scale, int num_threads,
+                            int64_t num_blocks, int window, float softcap) {
+    return qw_paged_decode_bf16(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, out_stride, B,
+                                Hq, Hkv, D, block_size, scale, num_threads, num_blocks, window, softcap);
+}
+#endif

@@ -226,7 +226,93 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
 }
 
+#if defined(QW_AVX512) && defined(QW_DP)
+/* The GQA kernels with their two products in bf16 (VDPBF16PS: two bf16 products summed into an
+ * fp32 lane per instruction, no conversion of the cache's rows): the bf16 mode's decode
+ * (qw_paged_decode_bf16_dp). q arrives scaled and rounded to bf16 (qs_bf), in natural channel
+ * order: each 64-byte K load holds the same 32 channels as the q load it meets, so a score is
+ * q_bf . k_t directly (the 8-token transpose-and-add as in score8_heads). */
+static inline __attribute__((always_inline)) void FN(score8_heads_dp)(const uint16_t *restrict q, const KV_T *restrict k,
+                                                                    int64_t token_stride, int n, const int ND16,
+                                                                    const int NH, float *restrict s, int64_t s_stride) {
+    __m512 r[3][8];
+    const KV_T *kt[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) kt[t] = k + (t < n ? t : n - 1) * token_stride;
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++)
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) r[g][t] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int i = 0; i < ND16 / 2; i++) {
+        __m512bh qv[3];
+#pragma GCC unroll 3
+        for (int g = 0; g < NH; g++) qv[g] = (__m512bh)_mm512_loadu_si512((const void *)(q + (int64_t)g * ND16 * 16 + 32 * i));
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(kt[t] + 32 * i));
+#pragma GCC unroll 3
+            for (int g = 0; g < NH; g++) r[g][t] = _mm512_dpbf16_ps(r[g][t], qv[g], kv);
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++) {
+        const __m256 sums = qw_fold8(qw_half_sum(r[g][0]), qw_half_sum(r[g][1]), qw_half_sum(r[g][2]), qw_half_sum(r[g][3]),
+                                     qw_half_sum(r[g][4]), qw_half_sum(r[g][5]), qw_half_sum(r[g][6]), qw_half_sum(r[g][7]));
+        if (n == 8) {
+            _mm256_storeu_ps(s + g * s_stride, sums);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, sums);
+            for (int t = 0; t < n; t++) s[g * s_stride + t] = tmp[t];
+        }
+    }
+}
+
+/* acc[g] += sum_{j<n} p[g][j] * v_j for NH query heads, p already rounded to bf16 (exactly
+ * representable: the bits are its upper half). Tokens go in pairs: the rows of j and j + 1
+ * interleaved 16 bits at a time (unpacklo/hi within each 128-bit lane) meet the broadcast pair
+ * (p_j, p_j+1); an odd last token pairs with zeros. The accumulators hold the channels in that
+ * unpack order (qw_dp_join puts them back). */
+static inline __attribute__((always_inline)) void FN(acc_heads_dp)(const float *restrict p, int64_t p_stride,
+                                                                 const KV_T *restrict v, int64_t token_stride, int n,
+                                                                 const int ND16, const int NH, float *restrict acc) {
+    __m512 a[3][8];
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++)
+#pragma GCC unroll 8
+        for (int i = 0; i < ND16; i++) a[g][i] = _mm512_loadu_ps(acc + (int64_t)g * ND16 * 16 + 16 * i);
+    for (int j = 0; j < n; j += 2, v += 2 * token_stride) {
+        const int pair = j + 1 < n;
+        __m512bh pj[3];
+#pragma GCC unroll 3
+        for (int g = 0; g < NH; g++) {
+            uint32_t lo, hi = 0;
+            memcpy(&lo, p + g * p_stride + j, sizeof lo);
+            if (pair) memcpy(&hi, p + g * p_stride + j + 1, sizeof hi);
+            pj[g] = (__m512bh)_mm512_set1_epi32((int)((hi & 0xffff0000u) | (lo >> 16)));
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < ND16 / 2; i++) {
+            const __m512i v0 = _mm512_loadu_si512((const void *)(v + 32 * i));
+            const __m512i v1 = pair ? _mm512_loadu_si512((const void *)(v + token_stride + 32 * i)) : _mm512_setzero_si512();
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1), hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+#pragma GCC unroll 3
+            for (int g = 0; g < NH; g++) {
+                a[g][2 * i] = _mm512_dpbf16_ps(a[g][2 * i], lo, pj[g]);
+                a[g][2 * i + 1] = _mm512_dpbf16_ps(a[g][2 * i + 1], hi, pj[g]);
+            }
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++)
+#pragma GCC unroll 8
+        for (int i = 0; i < ND16; i++) _mm512_storeu_ps(acc + (int64_t)g * ND16 * 16 + 16 * i, a[g][i]);
+}
+#endif
+
 #ifdef QW_AVX512
+#ifndef QW_DP /* the fp32-product kernels (QW_DP has its own above) */
 /* The GQA path of the "avx512" build (one KV head per item, D = 64 or 128): each K
  * and V row of the head is loaded (and converted) once for up to 3 of its query heads at a time,
  * instead of once per query head. NH (1..3) and ND16 (D / 16) are constants after inlining. */
@@ -295,6 +381,8 @@ static inline __attribute__((always_inline)) void FN(acc_heads)(const float *res
         for (int i = 0; i < ND16; i++) _mm512_storeu_ps(acc + (int64_t)g * ND16 * 16 + 16 * i, a[g][i]);
 }
 
+#endif /* QW_DP */
+
 #define QW_HEADS_SWITCH(CALL)                                                                                         \
     do {                                                                                                              \
         if (ND16 == 4) {                                                                                              \
@@ -312,7 +400,10 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
                            float *restrict outs) {
     const int span = len - lo, ND16 = D / 16, nq = (h1 - h0) * G;
     const int num_blks = (len + block_size - 1) / block_size, blk0 = lo / block_size;
-#ifdef QW_PAIR_SPLIT
+#if defined(QW_DP)
+    uint16_t q_bf[nq * D];
+    for (int i = 0; i < nq * D; i++) q_bf[i] = f32_to_bf16(qs[i] * scale);
+#elif defined(QW_PAIR_SPLIT)
     float q_split[nq * D];
     qw_pair_split(qs, q_split, nq * D);
     qs = q_split;
@@ -332,8 +423,13 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
                     const int m = ce - j < 8 ? ce - j : 8;
                     for (int g0 = 0; g0 < G; g0 += 3) {
                         const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
+#if defined(QW_DP)
+#define QW_SCORE(ND, NHC) FN(score8_heads_dp)(q_bf + (int64_t)qh * D, k + j * token_stride, token_stride, m, ND, NHC, \
+                                              scores + (int64_t)qh * span + (t0 - lo) + j, span)
+#else
 #define QW_SCORE(ND, NHC) FN(score8_heads)(qs + (int64_t)qh * D, k + j * token_stride, token_stride, m, ND, NHC, scale, \
                                            scores + (int64_t)qh * span + (t0 - lo) + j, span)
+#endif
                         QW_HEADS_SWITCH(QW_SCORE);
 #undef QW_SCORE
                     }
@@ -342,7 +438,11 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
         }
     }
     float inv_sum[nq];
+#if defined(QW_DP)
+    for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators_bf16(scores + (int64_t)qh * span, span, softcap);
+#else
     for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators(scores + (int64_t)qh * span, span, softcap);
+#endif
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     for (int blk = blk0, run; blk < num_blks; blk += run) {
         run = qw_run_length(table, blk, num_blks);
@@ -357,15 +457,22 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
                 const KV_T *v = page + c * token_stride + (int64_t)h * D;
                 for (int g0 = 0; g0 < G; g0 += 3) {
                     const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
+#if defined(QW_DP)
+#define QW_ACC(ND, NHC) FN(acc_heads_dp)(scores + (int64_t)qh * span + (t0 - lo) + c, span, v, token_stride, ce - c, ND, \
+                                         NHC, acc + (int64_t)qh * D)
+#else
 #define QW_ACC(ND, NHC) FN(acc_heads)(scores + (int64_t)qh * span + (t0 - lo) + c, span, v, token_stride, ce - c, ND, \
                                       NHC, acc + (int64_t)qh * D)
+#endif
                     QW_HEADS_SWITCH(QW_ACC);
 #undef QW_ACC
                 }
             }
         }
     }
-#ifdef QW_PAIR_SPLIT
+#if defined(QW_DP)
+    for (int qh = 0; qh < nq; qh++) qw_dp_join(acc + (int64_t)qh * D, outs + (int64_t)qh * D, D, inv_sum[qh]);
+#elif defined(QW_PAIR_SPLIT)
     for (int qh = 0; qh < nq; qh++) qw_pair_join(acc + (int64_t)qh * D, outs + (int64_t)qh * D, D, inv_sum[qh]);
 #else
     for (int qh = 0; qh < nq; qh++)

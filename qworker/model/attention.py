@@ -32,8 +32,9 @@ class PagedAttention:
         ``sliding_window``: a query at position p attends keys ``p - sliding_window < j <= p``;
         ``softcap``: scores become ``softcap * tanh(score / softcap)`` (Gemma 2). Both are per
         layer kind and passed to every kernel call; None (the default) is plain causal attention.
-        ``bf16_products`` (CPU, the bf16 mode): prefill attention over a bf16 cache multiplies in
-        bf16 on AMX where the CPU has it (:func:`kernels.cpu.paged_prefill_attention_cpu`).
+        ``bf16_products`` (CPU, the bf16 mode): attention over a bf16 cache multiplies in bf16,
+        prefill on AMX and decode with AVX512_BF16 dot products where the CPU has them
+        (:func:`kernels.cpu.paged_prefill_attention_cpu`, :func:`kernels.cpu.paged_decode_attention_cpu`).
         """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -48,6 +49,7 @@ class PagedAttention:
         # the CPU bf16 mode's prefill: the extend kernel's products in bf16 on AMX (kernels.cpu)
         self.bf16_products = bf16_products and not triton
         self._prefill_opts = {**self._opts, "bf16_products": True} if self.bf16_products else self._opts
+        self._decode_opts = self._prefill_opts
         self._store = kernels.store_kv if triton else kernels.store_kv_cpu
         self._decode = kernels.paged_decode_attention if triton else kernels.paged_decode_attention_cpu
         self._prefill = kernels.paged_prefill_attention if triton else kernels.paged_prefill_attention_cpu
@@ -65,7 +67,7 @@ class PagedAttention:
         nd = meta.num_decodes
         num_seqs = meta.seq_lens.shape[0]
         if nd == num_seqs:
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, **self._opts)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, **self._decode_opts)
         if nd == 0:
             return self._prefill(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
@@ -73,7 +75,7 @@ class PagedAttention:
             )
         out = torch.empty_like(q)
         self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, out=out[:nd],
-                     **self._opts)
+                     **self._decode_opts)
         self._prefill(
             q[nd:],
             k_cache,

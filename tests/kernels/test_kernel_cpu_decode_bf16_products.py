@@ -1,0 +1,115 @@
+"""The bf16 mode's decode attention (``bf16_products=True`` over a bf16 cache,
+csrc/paged_decode.c's qw_paged_decode_bf16_dp): on an AVX512_BF16 build, its two products run as
+bf16 dot products with the AMX extend kernel's precision (the scaled query and the softmax
+numerators rounded to bf16, fp32 sums, each row divided by the sum of its rounded numerators),
+checked against a float64 oracle of exactly that; elsewhere (another head size, a build without
+AVX512_BF16, an fp32 cache) it is the fp32-product kernel, bit for bit. The batches keep NaN in
+every slot no sequence owns, so a read outside a sequence (the odd last token of a pair) shows."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from cpu_isa import isa  # noqa: F401  (fixture)
+from kernel_testlib import generator, make_paged_batch, poisoned_like, random_lens
+
+from kernels import cpu as kcpu
+from kernels import paged_decode_attention_cpu
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
+
+
+def _has_dp() -> bool:
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    return kcpu.cpu_isa() == "avx512" and "avx512_bf16" in flags
+
+
+def _batch(gen, lens, bs, hkv, g, d, dtype):
+    """fp32 queries over a cache of ``dtype`` (the poison stays NaN)."""
+    batch = make_paged_batch(gen, lens=lens, q_lens=[1] * len(lens), block_size=bs, num_kv_heads=hkv, group=g,
+                             head_dim=d, dtype=torch.float32, device="cpu")
+    return type(batch)(**{**batch.__dict__, "k_cache": batch.k_cache.to(dtype), "v_cache": batch.v_cache.to(dtype)})
+
+
+def _oracle_bf16_products(batch, sliding_window=None, softcap=None) -> torch.Tensor:
+    kc, vc = batch.k_cache.double(), batch.v_cache.double()
+    bs, Hkv = kc.shape[1], kc.shape[2]
+    q = (batch.q * batch.scale).bfloat16().double()  # the kernel scales in fp32, then rounds
+    G = q.shape[1] // Hkv
+    out = torch.empty_like(q)
+    for row, (table, L) in enumerate(zip(batch.tables, batch.lens)):
+        seen = [j for j in range(L) if sliding_window is None or L - 1 - j < sliding_window]
+        keys = torch.stack([kc[table[j // bs], j % bs] for j in seen])
+        vals = torch.stack([vc[table[j // bs], j % bs] for j in seen])
+        for h in range(q.shape[1]):
+            s = (keys[:, h // G] @ q[row, h]).float().double()  # fp32 sums
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            p = torch.exp(s - s.max()).float().bfloat16().double()
+            out[row, h] = (p @ vals[:, h // G]) / p.sum()
+    return out
+
+
+CASES = [(16, 3, 3, 64), (16, 2, 1, 64), (32, 1, 8, 128), (16, 2, 5, 64), (16, 4, 2, 128)]  # (block, Hkv, G, D)
+
+
+def _exact_inputs(batch, gen):
+    """Small integers for q and K and a power-of-two scale: every score is exact in bf16 products
+    and fp32 sums alike, a multiple of 1/8, so each softmax numerator exp(-j/8) is far from a bf16
+    rounding midpoint (48 fp32 ulps at the closest) and the oracle's rounding is the kernel's."""
+    k = torch.randint(-1, 2, batch.k_cache.shape, generator=gen).float()
+    k = torch.where(torch.isnan(batch.k_cache.float()), torch.nan, k)  # the poison stays
+    q = torch.randint(-2, 3, batch.q.shape, generator=gen).float()
+    return type(batch)(**{**batch.__dict__, "q": q, "k_cache": k.bfloat16(), "scale": 0.125})
+
+
+@pytest.mark.parametrize("bs,hkv,g,d", CASES)
+@pytest.mark.parametrize("window", [None, 37])
+def test_bf16_products_match_their_oracle(seed, isa, bs, hkv, g, d, window):
+    if not _has_dp():
+        pytest.skip(f"the {isa} build has no AVX512_BF16 dot products: bf16_products is the fp32-product kernel here "
+                    "(test_elsewhere_it_is_the_fp32_product_kernel)")
+    gen = generator(seed)
+    lens = random_lens(gen, 7, bs, 6 * bs + 5) + [1, 2, 3]  # odd and even counts: the pairs' tails
+    batch = _exact_inputs(_batch(gen, lens, bs, hkv, g, d, torch.bfloat16), gen)
+    opts = {} if window is None else {"sliding_window": window}
+    out = poisoned_like(batch.q)
+    paged_decode_attention_cpu(*batch.decode_args(), out=out, bf16_products=True, **opts)
+    want = _oracle_bf16_products(batch, sliding_window=window)
+    err = (out.double() - want).abs().max().item()
+    assert err <= 1e-5, f"bf16-product decode differs from its oracle by {err} (lens={lens})"
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_bf16_products_on_random_inputs(seed, isa, softcap):
+    """Random inputs, soft-capping included: within bf16 rounding of the fp32-product kernel (a
+    numerator that lands within an ulp of a bf16 midpoint may round either way), and not equal to
+    it (the rounding is there)."""
+    if not _has_dp():
+        pytest.skip(f"the {isa} build has no AVX512_BF16 dot products")
+    gen = generator(seed)
+    lens = random_lens(gen, 6, 16, 200) + [1, 2]
+    batch = _batch(gen, lens, 16, 3, 3, 64, torch.bfloat16)
+    opts = {} if softcap is None else {"softcap": softcap}
+    dp = paged_decode_attention_cpu(*batch.decode_args(), bf16_products=True, **opts)
+    plain = paged_decode_attention_cpu(*batch.decode_args(), **opts)
+    assert torch.isfinite(dp).all()
+    assert (dp - plain).abs().max().item() <= 0.05 and not torch.equal(dp, plain)
+
+
+@pytest.mark.parametrize("d", [32, 80, 64])
+def test_elsewhere_it_is_the_fp32_product_kernel(seed, isa, d):
+    """Head sizes without the GQA kernels (32, 80), builds without AVX512_BF16 (every head size),
+    and fp32 caches: the same bits as without bf16_products."""
+    gen = generator(seed)
+    lens = random_lens(gen, 5, 16, 90)
+    for dtype in (torch.bfloat16, torch.float32):
+        batch = _batch(gen, lens, 16, 2, 3, d, dtype)
+        plain = paged_decode_attention_cpu(*batch.decode_args())
+        dp = paged_decode_attention_cpu(*batch.decode_args(), bf16_products=True)
+        if dtype == torch.bfloat16 and d == 64 and _has_dp():
+            continue  # the dot-product path: test_bf16_products_match_their_oracle
+        assert torch.equal(plain, dp), f"{isa} D={d} {dtype}"
