@@ -192,12 +192,12 @@ int qw_decoder_layers_f32(const qw_layer *layers, int num_layers, const qw_step 
  * (NaN becomes 0x7fc0, not torch's vectorised 0xffff: the values are NaN either way, and the GEMMs
  * that read the bf16 ones below write every NaN as 0x7fc0, so nothing downstream differs) */
 QW_WIDE static void round_to_bf16(float *v, int64_t n, int nt) {
-#pragma omp parallel for simd num_threads(nt) schedule(static) if (n >= (1 << 16))
+#pragma omp parallel for simd num_threads(nt) schedule(static) if (n >= (1 << 14))
     for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
 }
 
 QW_WIDE static void to_bf16(const float *v, uint16_t *out, int64_t n, int nt) {
-#pragma omp parallel for simd num_threads(nt) schedule(static) if (n >= (1 << 16))
+#pragma omp parallel for simd num_threads(nt) schedule(static) if (n >= (1 << 14))
     for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(v[i]);
 }
 

@@ -22,6 +22,7 @@ unavailable or slower (chosen at start-up, see :mod:`qworker.model.linear`).
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -268,7 +269,9 @@ class DecoderModel:
             guard += [entry(l, "input_norm"), entry(l, "post_norm")]
             for name in ("qkv", "o", "gate_up", "down"):
                 guard += [entry(l, name), entry(getattr(l, name), "weight"), entry(getattr(l, name), "bias")]
-        self._fused_guard = guard
+        owners, names, objs, _ = zip(*guard)
+        tensors = [obj for *_, obj, ptr in guard if ptr is not None]
+        self._fused_guard = (owners, names, objs, tensors, [ptr for *_, ptr in guard if ptr is not None])
         return bound
 
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
@@ -330,8 +333,9 @@ class DecoderModel:
         bound replaced or moved (see ``_fused_guard``), or inputs it does not cover."""
         if not self.fused_cpu_forward:
             return None
-        if any(getattr(owner, name) is not obj or (ptr is not None and obj.data_ptr() != ptr)
-               for owner, name, obj, ptr in self._fused_guard):
+        owners, names, objs, tensors, ptrs = self._fused_guard
+        # map() over the ~400 entries: a generator here cost ~0.5 ms a step (1% of a bf16 run)
+        if not all(map(operator.is_, map(getattr, owners, names), objs)) or list(map(torch.Tensor.data_ptr, tensors)) != ptrs:
             return None
         return self.fused_layers.run(h, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, meta.num_decodes)
