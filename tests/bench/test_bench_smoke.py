@@ -158,3 +158,12 @@ def test_gemm_paths(tiny_model_dir, tmp_path, capsys):
     want = {"x @ w", "F.linear", "oneDNN hint=None", "oneDNN hint=16"} | ({"panels"} if not gemm_cpu.self_check(torch.float32) else set())
     assert set(r["rows"][4]["ms"]) == want
     assert "| rows |" in capsys.readouterr().out
+
+
+def test_greedy_head(model_dir, capsys):
+    """Runs on the real head (its tokens are checked equal to the full head's every round)."""
+    from bench import greedy_head
+
+    rows = greedy_head.main(["--model", str(model_dir), "--rows", "1,3", "--rounds", "1"])
+    assert [r["rows"] for r in rows] == [1, 3] and all(r["full_ms"] > 0 and r["bounded_ms"] > 0 for r in rows)
+    assert "bounded/full" in capsys.readouterr().out
