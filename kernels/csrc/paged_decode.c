@@ -95,6 +95,42 @@ static inline __m256 qw_half_sum(__m512 r) {
     return _mm256_add_ps(_mm512_castps512_ps256(r), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
 }
 
+/* The GQA score kernels' end: the 8 tokens' sums of NH heads' accumulators r[g][t], times scale,
+ * into s[g * s_stride + t] for t < n. */
+static inline __attribute__((always_inline)) void qw_store_scores8(__m512 r[3][8], const int NH, int n, float scale,
+                                                                   float *restrict s, int64_t s_stride) {
+    const __m256 vs = _mm256_set1_ps(scale);
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++) {
+        const __m256 sums = _mm256_mul_ps(qw_fold8(qw_half_sum(r[g][0]), qw_half_sum(r[g][1]), qw_half_sum(r[g][2]),
+                                                   qw_half_sum(r[g][3]), qw_half_sum(r[g][4]), qw_half_sum(r[g][5]),
+                                                   qw_half_sum(r[g][6]), qw_half_sum(r[g][7])), vs);
+        if (n == 8) {
+            _mm256_storeu_ps(s + g * s_stride, sums);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, sums);
+            for (int t = 0; t < n; t++) s[g * s_stride + t] = tmp[t];
+        }
+    }
+}
+
+/* The GQA V kernels' accumulators of NH heads (ND16 vectors each, acc rows ND16 * 16 apart):
+ * loaded from acc (load 1) or stored back (load 0). */
+static inline __attribute__((always_inline)) void qw_acc_io(__m512 a[3][8], float *restrict acc, const int NH,
+                                                            const int ND16, int load) {
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++)
+#pragma GCC unroll 8
+        for (int i = 0; i < ND16; i++) {
+            float *at = acc + (int64_t)g * ND16 * 16 + 16 * i;
+            if (load)
+                a[g][i] = _mm512_loadu_ps(at);
+            else
+                _mm512_storeu_ps(at, a[g][i]);
+        }
+}
+
 /* The pair-split order of the bf16 GQA kernels (see LOADV below), n a multiple of 32: in each run
  * of 32 values, the 16 at even offsets, then the 16 at odd ones. */
 static inline void qw_pair_split(const float *restrict src, float *restrict dst, int n) {

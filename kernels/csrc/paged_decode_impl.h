@@ -255,18 +255,7 @@ static inline __attribute__((always_inline)) void FN(score8_heads_dp)(const uint
             for (int g = 0; g < NH; g++) r[g][t] = _mm512_dpbf16_ps(r[g][t], qv[g], kv);
         }
     }
-#pragma GCC unroll 3
-    for (int g = 0; g < NH; g++) {
-        const __m256 sums = qw_fold8(qw_half_sum(r[g][0]), qw_half_sum(r[g][1]), qw_half_sum(r[g][2]), qw_half_sum(r[g][3]),
-                                     qw_half_sum(r[g][4]), qw_half_sum(r[g][5]), qw_half_sum(r[g][6]), qw_half_sum(r[g][7]));
-        if (n == 8) {
-            _mm256_storeu_ps(s + g * s_stride, sums);
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, sums);
-            for (int t = 0; t < n; t++) s[g * s_stride + t] = tmp[t];
-        }
-    }
+    qw_store_scores8(r, NH, n, 1.0f, s, s_stride); /* q came scaled: times 1 is exact */
 }
 
 /* acc[g] += sum_{j<n} p[g][j] * v_j for NH query heads, p already rounded to bf16 (exactly
@@ -278,10 +267,7 @@ static inline __attribute__((always_inline)) void FN(acc_heads_dp)(const float *
                                                                  const KV_T *restrict v, int64_t token_stride, int n,
                                                                  const int ND16, const int NH, float *restrict acc) {
     __m512 a[3][8];
-#pragma GCC unroll 3
-    for (int g = 0; g < NH; g++)
-#pragma GCC unroll 8
-        for (int i = 0; i < ND16; i++) a[g][i] = _mm512_loadu_ps(acc + (int64_t)g * ND16 * 16 + 16 * i);
+    qw_acc_io(a, acc, NH, ND16, 1);
     for (int j = 0; j < n; j += 2, v += 2 * token_stride) {
         const int pair = j + 1 < n;
         __m512bh pj[3];
@@ -304,10 +290,7 @@ static inline __attribute__((always_inline)) void FN(acc_heads_dp)(const float *
             }
         }
     }
-#pragma GCC unroll 3
-    for (int g = 0; g < NH; g++)
-#pragma GCC unroll 8
-        for (int i = 0; i < ND16; i++) _mm512_storeu_ps(acc + (int64_t)g * ND16 * 16 + 16 * i, a[g][i]);
+    qw_acc_io(a, acc, NH, ND16, 0);
 }
 #endif
 
@@ -339,20 +322,7 @@ static inline __attribute__((always_inline)) void FN(score8_heads)(const float *
             for (int g = 0; g < NH; g++) r[g][t] = _mm512_fmadd_ps(qv[g], kv, r[g][t]);
         }
     }
-    const __m256 vs = _mm256_set1_ps(scale);
-#pragma GCC unroll 3
-    for (int g = 0; g < NH; g++) {
-        const __m256 sums = _mm256_mul_ps(qw_fold8(qw_half_sum(r[g][0]), qw_half_sum(r[g][1]), qw_half_sum(r[g][2]),
-                                                   qw_half_sum(r[g][3]), qw_half_sum(r[g][4]), qw_half_sum(r[g][5]),
-                                                   qw_half_sum(r[g][6]), qw_half_sum(r[g][7])), vs);
-        if (n == 8) {
-            _mm256_storeu_ps(s + g * s_stride, sums);
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, sums);
-            for (int t = 0; t < n; t++) s[g * s_stride + t] = tmp[t];
-        }
-    }
+    qw_store_scores8(r, NH, n, scale, s, s_stride);
 }
 
 /* acc[g][0:D] += sum_{j<n} p[g][j] * v_j for NH query heads (p rows p_stride apart, acc rows D apart) */
@@ -360,10 +330,7 @@ static inline __attribute__((always_inline)) void FN(acc_heads)(const float *res
                                                               const KV_T *restrict v, int64_t token_stride, int n,
                                                               const int ND16, const int NH, float *restrict acc) {
     __m512 a[3][8];
-#pragma GCC unroll 3
-    for (int g = 0; g < NH; g++)
-#pragma GCC unroll 8
-        for (int i = 0; i < ND16; i++) a[g][i] = _mm512_loadu_ps(acc + (int64_t)g * ND16 * 16 + 16 * i);
+    qw_acc_io(a, acc, NH, ND16, 1);
     for (int j = 0; j < n; j++, v += token_stride) {
         __m512 pj[3];
 #pragma GCC unroll 3
@@ -375,10 +342,7 @@ static inline __attribute__((always_inline)) void FN(acc_heads)(const float *res
             for (int g = 0; g < NH; g++) a[g][i] = _mm512_fmadd_ps(pj[g], vv, a[g][i]);
         }
     }
-#pragma GCC unroll 3
-    for (int g = 0; g < NH; g++)
-#pragma GCC unroll 8
-        for (int i = 0; i < ND16; i++) _mm512_storeu_ps(acc + (int64_t)g * ND16 * 16 + 16 * i, a[g][i]);
+    qw_acc_io(a, acc, NH, ND16, 0);
 }
 
 #endif /* QW_DP */
