@@ -46,10 +46,9 @@ class PagedAttention:
         # only non-default options are passed, so the plain calls stay exactly as before
         self._opts = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
         triton = backend == "triton"
-        # the CPU bf16 mode's prefill: the extend kernel's products in bf16 on AMX (kernels.cpu)
+        # the CPU bf16 mode: both kernels' products in bf16 where the CPU can (kernels.cpu)
         self.bf16_products = bf16_products and not triton
-        self._prefill_opts = {**self._opts, "bf16_products": True} if self.bf16_products else self._opts
-        self._decode_opts = self._prefill_opts
+        self._prefill_opts = self._decode_opts = {**self._opts, "bf16_products": True} if self.bf16_products else self._opts
         self._store = kernels.store_kv if triton else kernels.store_kv_cpu
         self._decode = kernels.paged_decode_attention if triton else kernels.paged_decode_attention_cpu
         self._prefill = kernels.paged_prefill_attention if triton else kernels.paged_prefill_attention_cpu
