@@ -308,7 +308,10 @@ static inline float qw_bf16_to_f32(uint16_t h) {
 /* bf16 cache, the bf16 mode's products in bf16 (VDPBF16PS): qw_paged_decode_bf16_dp. Precision
  * as csrc/paged_extend_amx.c (torch's bf16 attention, vLLM's AMX kernel): the scaled query and the
  * softmax numerators rounded to bf16 for the products, sums and softmax in fp32, each row divided
- * by the sum of the rounded numerators. The GQA path (D = 64 or 128) only; other head sizes take
+ * by the sum of the rounded numerators; V products of tokens 2m and 2m + 1 summed in one step
+ * (pages of an odd size: one token at a time), so the bits do not depend on where the pages
+ * lie; VDPBF16PS treats subnormal inputs and results as zero (MXCSR aside), as AMX's TDPBF16PS
+ * does. The GQA path (D = 64 or 128) only; other head sizes take
  * qw_paged_decode_bf16's fp32 products inside the same call, as does a build without AVX512_BF16
  * (the whole call). */
 #if defined(QW_AVX512) && defined(__AVX512BF16__) && !defined(QW_NO_DECODE_DP) /* -D for A/B runs */

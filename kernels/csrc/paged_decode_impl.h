@@ -261,15 +261,19 @@ static inline __attribute__((always_inline)) void FN(score8_heads_dp)(const uint
 /* acc[g] += sum_{j<n} p[g][j] * v_j for NH query heads, p already rounded to bf16 (exactly
  * representable: the bits are its upper half). Tokens go in pairs: the rows of j and j + 1
  * interleaved 16 bits at a time (unpacklo/hi within each 128-bit lane) meet the broadcast pair
- * (p_j, p_j+1); an odd last token pairs with zeros. The accumulators hold the channels in that
- * unpack order (qw_dp_join puts them back). */
+ * (p_j, p_j+1); an odd last token pairs with zeros (so does every token when pairs is 0). The
+ * caller starts each call at an even token position, so the pairs are (2m, 2m + 1) by position
+ * whatever the pages' layout (one VDPBF16PS adds both products in one rounding: another pairing
+ * would give other bits). The accumulators hold the channels in the unpack order (qw_dp_join puts
+ * them back). */
 static inline __attribute__((always_inline)) void FN(acc_heads_dp)(const float *restrict p, int64_t p_stride,
                                                                  const KV_T *restrict v, int64_t token_stride, int n,
-                                                                 const int ND16, const int NH, float *restrict acc) {
+                                                                 const int ND16, const int NH, int pairs,
+                                                                 float *restrict acc) {
     __m512 a[3][8];
     qw_acc_io(a, acc, NH, ND16, 1);
-    for (int j = 0; j < n; j += 2, v += 2 * token_stride) {
-        const int pair = j + 1 < n;
+    for (int j = 0, pair; j < n; j += 1 + pair, v += (1 + pair) * token_stride) {
+        pair = pairs && j + 1 < n;
         __m512bh pj[3];
 #pragma GCC unroll 3
         for (int g = 0; g < NH; g++) {
@@ -416,6 +420,11 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
         const KV_T *page = v_cache + (int64_t)table[blk] * block_size * token_stride;
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_V_CHUNK < n ? c + QW_V_CHUNK : n;
+#if defined(QW_DP)
+            /* a window's first token at an odd position goes alone: every later chunk then starts
+             * at an even position (pages of an even size start at one), see acc_heads_dp */
+            if ((t0 + c) & 1) ce = c + 1;
+#endif
             FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *v = page + c * token_stride + (int64_t)h * D;
@@ -423,7 +432,7 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
                     const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
 #if defined(QW_DP)
 #define QW_ACC(ND, NHC) FN(acc_heads_dp)(scores + (int64_t)qh * span + (t0 - lo) + c, span, v, token_stride, ce - c, ND, \
-                                         NHC, acc + (int64_t)qh * D)
+                                         NHC, (block_size & 1) == 0, acc + (int64_t)qh * D)
 #else
 #define QW_ACC(ND, NHC) FN(acc_heads)(scores + (int64_t)qh * span + (t0 - lo) + c, span, v, token_stride, ce - c, ND, \
                                       NHC, acc + (int64_t)qh * D)

@@ -53,7 +53,8 @@ def _oracle_bf16_products(batch, sliding_window=None, softcap=None) -> torch.Ten
     return out
 
 
-CASES = [(16, 3, 3, 64), (16, 2, 1, 64), (32, 1, 8, 128), (16, 2, 5, 64), (16, 4, 2, 128)]  # (block, Hkv, G, D)
+CASES = [(16, 3, 3, 64), (16, 2, 1, 64), (32, 1, 8, 128), (16, 2, 5, 64), (16, 4, 2, 128),  # (block, Hkv, G, D)
+         (1, 2, 3, 64), (3, 1, 4, 128)]  # odd page sizes: one token at a time
 
 
 def _exact_inputs(batch, gen):
@@ -73,7 +74,7 @@ def test_bf16_products_match_their_oracle(seed, isa, bs, hkv, g, d, window):
         pytest.skip(f"the {isa} build has no AVX512_BF16 dot products: bf16_products is the fp32-product kernel here "
                     "(test_elsewhere_it_is_the_fp32_product_kernel)")
     gen = generator(seed)
-    lens = random_lens(gen, 7, bs, 6 * bs + 5) + [1, 2, 3]  # odd and even counts: the pairs' tails
+    lens = [int(x) for x in torch.randint(1, 6 * bs + 40, (7,), generator=gen)] + [1, 2, 3]  # the pairs' tails
     batch = _exact_inputs(_batch(gen, lens, bs, hkv, g, d, torch.bfloat16), gen)
     opts = {} if window is None else {"sliding_window": window}
     out = poisoned_like(batch.q)
@@ -113,3 +114,32 @@ def test_elsewhere_it_is_the_fp32_product_kernel(seed, isa, d):
         if dtype == torch.bfloat16 and d == 64 and _has_dp():
             continue  # the dot-product path: test_bf16_products_match_their_oracle
         assert torch.equal(plain, dp), f"{isa} D={d} {dtype}"
+
+
+@pytest.mark.parametrize("bs,window", [(16, None), (16, 37), (32, 45), (1, None), (3, 20), (2, 7)])
+def test_the_bits_do_not_depend_on_where_the_pages_lie(seed, isa, bs, window):
+    """The same sequences over pages with consecutive ids (walked as one run) and over the same
+    pages at shuffled ids: the V products pair tokens (2m, 2m + 1) by position either way, a
+    window's odd first token alone (helper-40: a run paired them from the chunk's start)."""
+    gen = generator(seed)
+    B, Hkv, G, D = 3, 3, 3, 64
+    lens = [int(x) for x in torch.randint(30, 140, (B,), generator=gen)]
+    need = [-(-L // bs) for L in lens]
+    k = torch.randn(sum(need), bs, Hkv, D, generator=gen).bfloat16()
+    v = torch.randn(sum(need), bs, Hkv, D, generator=gen).bfloat16()
+    q = torch.randn(B, Hkv * G, D, generator=gen)
+    width = max(need)
+    runs = torch.zeros(B, width, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        runs[b, :n] = torch.arange(at, at + n)
+        at += n
+    perm = torch.randperm(sum(need), generator=gen)  # page i moves to id perm[i]
+    k2, v2 = torch.empty_like(k), torch.empty_like(v)
+    k2[perm], v2[perm] = k, v
+    shuffled = torch.where(runs >= 0, perm[runs.long()].int(), runs)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    opts = {} if window is None else {"sliding_window": window}
+    a = paged_decode_attention_cpu(q, k, v, runs, lens_t, 0.125, bf16_products=True, **opts)
+    b = paged_decode_attention_cpu(q, k2, v2, shuffled, lens_t, 0.125, bf16_products=True, **opts)
+    assert torch.equal(a, b), f"bs={bs} window={window}: {(a - b).abs().max().item()}"
