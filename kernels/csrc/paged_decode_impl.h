@@ -226,6 +226,20 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
 }
 
+#ifdef QW_AVX512
+/* The GQA score kernels' start: the 8 tokens' rows (tokens past n re-read row n - 1, valid
+ * memory; their sums are dropped) and NH heads' zeroed accumulators. */
+static inline __attribute__((always_inline)) void FN(score8_start)(const KV_T *k, int64_t token_stride, int n,
+                                                                 const int NH, const KV_T *kt[8], __m512 r[3][8]) {
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) kt[t] = k + (t < n ? t : n - 1) * token_stride;
+#pragma GCC unroll 3
+    for (int g = 0; g < NH; g++)
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) r[g][t] = _mm512_setzero_ps();
+}
+#endif
+
 #if defined(QW_AVX512) && defined(QW_DP)
 /* The GQA kernels with their two products in bf16 (VDPBF16PS: two bf16 products summed into an
  * fp32 lane per instruction, no conversion of the cache's rows): the bf16 mode's decode
@@ -237,12 +251,7 @@ static inline __attribute__((always_inline)) void FN(score8_heads_dp)(const uint
                                                                     const int NH, float *restrict s, int64_t s_stride) {
     __m512 r[3][8];
     const KV_T *kt[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; t++) kt[t] = k + (t < n ? t : n - 1) * token_stride;
-#pragma GCC unroll 3
-    for (int g = 0; g < NH; g++)
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) r[g][t] = _mm512_setzero_ps();
+    FN(score8_start)(k, token_stride, n, NH, kt, r);
 #pragma GCC unroll 4
     for (int i = 0; i < ND16 / 2; i++) {
         __m512bh qv[3];
@@ -308,12 +317,7 @@ static inline __attribute__((always_inline)) void FN(score8_heads)(const float *
                                                                  float scale, float *restrict s, int64_t s_stride) {
     __m512 r[3][8];
     const KV_T *kt[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; t++) kt[t] = k + (t < n ? t : n - 1) * token_stride;
-#pragma GCC unroll 3
-    for (int g = 0; g < NH; g++)
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) r[g][t] = _mm512_setzero_ps();
+    FN(score8_start)(k, token_stride, n, NH, kt, r);
 #pragma GCC unroll 8
     for (int i = 0; i < ND16; i++) {
         __m512 qv[3];
