@@ -85,6 +85,12 @@ def is_amx_packed(packed: torch.Tensor) -> bool:
     return packed.dim() == 3 and packed.shape[2] == 2 * NR and packed.dtype == torch.bfloat16
 
 
+def _bf16_layout(K: int) -> str:
+    """The packing of a bf16 weight of K input features by default: amx where it runs here and K
+    allows it, else panels."""
+    return "amx" if K % AMX_K == 0 and K > 0 and amx_layout_ready() else "panels"
+
+
 def pack_weight(w: torch.Tensor, layout: str | None = None) -> torch.Tensor:
     """``w [N, K]`` (``nn.Linear.weight``: out x in) -> packed, contiguous, a new tensor (``w`` is
     not kept): bf16 for a bf16 ``w`` (the bf16-weight kernels), else fp32. ``layout``: "panels"
@@ -96,7 +102,7 @@ def pack_weight(w: torch.Tensor, layout: str | None = None) -> torch.Tensor:
     panels = -(-N // NR)
     dtype = torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32
     if layout is None:
-        layout = "amx" if dtype == torch.bfloat16 and K % AMX_K == 0 and K > 0 and amx_layout_ready() else "panels"
+        layout = _bf16_layout(K) if dtype == torch.bfloat16 else "panels"
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "amx" and (dtype != torch.bfloat16 or K % AMX_K):
@@ -115,7 +121,7 @@ def repack_bf16(packed: torch.Tensor, block: int = 256) -> torch.Tensor:
     if packed.dtype != torch.float32 or packed.dim() != 3 or packed.shape[2] != NR:
         raise ValueError(f"repack_bf16 takes an fp32 weight packed in panels, got {packed.dtype} {tuple(packed.shape)}")
     panels, K, _ = packed.shape
-    amx = K % AMX_K == 0 and K > 0 and amx_layout_ready()
+    amx = _bf16_layout(K) == "amx"
     out = torch.empty((panels, K // 2, 2 * NR) if amx else (panels, K, NR), dtype=torch.bfloat16)
     for p0 in range(0, panels, block):
         blk = packed[p0 : p0 + block]

@@ -105,7 +105,7 @@ class BoundedGreedyHead:
         xd = x.double()
         norm = xd.norm(dim=1)
         s = norm * (self._c * _INFLATE)
-        eps = ((self._eps_base + 2.0**-126 * self.K * xd.abs().amax(dim=1)) * _INFLATE).float()
+        eps = ((self._eps_base + 2.0**-126 * K * xd.abs().amax(dim=1)) * _INFLATE).float()
         # rows whose products could overflow somewhere take the full head (s = inf makes them fail)
         s = torch.where(norm * self._wn_max < _SAFE, s, torch.full_like(s, math.inf)).float()
         # the row pass runs in the fp32 GEMM's own build: its exact values are that GEMM's bits
