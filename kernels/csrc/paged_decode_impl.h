@@ -134,25 +134,13 @@ static inline void FN(accumulate)(const float *restrict p, const KV_T *restrict 
     }
 }
 
-/* Ask for the next page of this item while the current one is computed: pages sit at random
- * places, so the hardware prefetcher, which follows streams within a 4 KiB page, restarts at
- * every one of them. */
-static inline void FN(prefetch_page)(const KV_T *cache, const int32_t *table, int next_blk, int num_blks,
-                                 int block_size, int64_t token_stride, int h0, int h1, int D) {
-    if (next_blk >= num_blks) return;
-    const KV_T *page = cache + (int64_t)table[next_blk] * block_size * token_stride;
-    for (int j = 0; j < block_size; j++)
-        for (const char *line = (const char *)(page + j * token_stride + (int64_t)h0 * D),
-                        *end = (const char *)(page + j * token_stride + (int64_t)h1 * D);
-             line < end; line += 64)
-            __builtin_prefetch(line, 0, 3);
-}
-
 /* Tokens [c, ce) of a page (a run), the columns of KV heads [h0, h1): touched in address order
  * before they are computed head by head (qw_touch_rows says why). */
 static inline void FN(touch_chunk)(const KV_T *page, int c, int ce, int64_t token_stride, int h0, int h1, int D) {
+#ifndef QW_NO_TOUCH
     qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * (int64_t)sizeof(KV_T),
                   (int64_t)(h1 - h0) * D * (int64_t)sizeof(KV_T));
+#endif
 }
 
 /* One sequence, KV heads [h0, h1): nq = (h1 - h0) * G query heads, over tokens [lo, len) (lo > 0
@@ -167,16 +155,18 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
     const int span = len - lo;
     const int num_blks = (len + block_size - 1) / block_size;
     const int blk0 = lo / block_size;
+    qw_stream ahead = qw_stream_start(k_cache, v_cache, table, block_size, token_stride * (int64_t)sizeof(KV_T),
+                                      (int64_t)h0 * D * (int64_t)sizeof(KV_T), (int64_t)(h1 - h0) * D * (int64_t)sizeof(KV_T), lo, span);
     /* pass 1: scores[qh * span + t - lo] = scale * q_qh . k_t, page by page */
     for (int blk = blk0, run; blk < num_blks; blk += run) {
         run = qw_run_length(table, blk, num_blks);
         const int t0 = blk * block_size;
-        FN(prefetch_page)(k_cache, table, blk + run, num_blks, block_size, token_stride, h0, h1, D);
         const KV_T *page = k_cache + (int64_t)table[blk] * block_size * token_stride;
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         /* c starts past 0 only in a sliding window's first page */
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_PLAIN_CHUNK < n ? c + QW_PLAIN_CHUNK : n;
+            qw_stream_to(&ahead, t0 + ce - lo);
             FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *k = page + (int64_t)h * D;
@@ -206,11 +196,11 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
     for (int blk = blk0, run; blk < num_blks; blk += run) {
         run = qw_run_length(table, blk, num_blks);
         const int t0 = blk * block_size;
-        FN(prefetch_page)(v_cache, table, blk + run, num_blks, block_size, token_stride, h0, h1, D);
         const KV_T *page = v_cache + (int64_t)table[blk] * block_size * token_stride;
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_V_CHUNK < n ? c + QW_V_CHUNK : n;
+            qw_stream_to(&ahead, span + t0 + ce - lo);
             FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *v = page + c * token_stride + (int64_t)h * D;
@@ -372,6 +362,8 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
                            float *restrict outs) {
     const int span = len - lo, ND16 = D / 16, nq = (h1 - h0) * G;
     const int num_blks = (len + block_size - 1) / block_size, blk0 = lo / block_size;
+    qw_stream ahead = qw_stream_start(k_cache, v_cache, table, block_size, token_stride * (int64_t)sizeof(KV_T),
+                                      (int64_t)h0 * D * (int64_t)sizeof(KV_T), (int64_t)(h1 - h0) * D * (int64_t)sizeof(KV_T), lo, span);
 #if defined(QW_DP)
     uint16_t q_bf[nq * D];
     for (int i = 0; i < nq * D; i++) q_bf[i] = f32_to_bf16(qs[i] * scale);
@@ -383,11 +375,11 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
     for (int blk = blk0, run; blk < num_blks; blk += run) {
         run = qw_run_length(table, blk, num_blks);
         const int t0 = blk * block_size;
-        FN(prefetch_page)(k_cache, table, blk + run - 1 + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         const KV_T *page = k_cache + (int64_t)table[blk] * block_size * token_stride;
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_K_CHUNK < n ? c + QW_K_CHUNK : n;
+            qw_stream_to(&ahead, t0 + ce - lo);
             FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *k = page + (int64_t)h * D;
@@ -419,7 +411,6 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
     for (int blk = blk0, run; blk < num_blks; blk += run) {
         run = qw_run_length(table, blk, num_blks);
         const int t0 = blk * block_size;
-        FN(prefetch_page)(v_cache, table, blk + run - 1 + QW_AHEAD, num_blks, block_size, token_stride, h0, h1, D);
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         const KV_T *page = v_cache + (int64_t)table[blk] * block_size * token_stride;
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
@@ -429,6 +420,7 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
              * at an even position (pages of an even size start at one), see acc_heads_dp */
             if ((t0 + c) & 1) ce = c + 1;
 #endif
+            qw_stream_to(&ahead, span + t0 + ce - lo);
             FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *v = page + c * token_stride + (int64_t)h * D;
