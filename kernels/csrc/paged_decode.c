@@ -17,7 +17,8 @@
  * order (a run of consecutive block ids as one page: qw_run_length), a chunk of tokens at a time
  * (QW_K_CHUNK, QW_V_CHUNK): the chunk's rows are first touched line by line in address order, then
  * computed for every head the item owns, so every page is read from memory once, front to back:
- * scores (q . k) for all heads, a softmax per query head, then the weighted sum of V rows.
+ * scores (q . k) for all heads, a softmax per query head, then the weighted sum of V rows. An item
+ * whose pages are scattered also asks for its rows into L2 ahead of its reads (qw_stream).
  * Under a sliding window only the pages holding the last `window` tokens are read; soft-capping
  * (Gemma 2) maps each score s to softcap * tanh(s / softcap) before the softmax.
  * q, out and all arithmetic are fp32; the cache is fp32, fp16 (converted on load, F16C, or bit by
@@ -204,7 +205,7 @@ static inline void qw_touch_rows(const void *first, int rows, int64_t row_bytes,
         for (int64_t o = 0; o < bytes; o += 64) (void)*(volatile const char *)(r + o);
 }
 
-/* How far ahead of its reads an item asks for its rows, in bytes. */
+/* How far ahead of its reads an item asks for its rows, in bytes (4-16 KiB measured alike). */
 #ifndef QW_STREAM_AHEAD
 #define QW_STREAM_AHEAD 8192
 #endif
@@ -235,17 +236,32 @@ static inline qw_stream qw_stream_start(const void *k, const void *v, const int3
     return s;
 }
 
-/* Ask for the rows up to `done` rows (of the 2 * span) plus the distance ahead. */
+/* Ask for the rows up to `done` rows (of the 2 * span) plus the distance ahead, a page at a time. */
 static inline void qw_stream_to(qw_stream *s, int done) {
-    int upto = done + s->ahead;
-    upto = upto < 2 * s->span ? upto : 2 * s->span;
-    for (; s->next < upto; s->next++) {
+    const int upto = done + s->ahead < 2 * s->span ? done + s->ahead : 2 * s->span;
+    while (s->next < upto) {
         const int v = s->next >= s->span, t = s->lo + s->next - (v ? s->span : 0);
-        const char *row = (v ? s->v : s->k) + s->table[t / s->block_size] * s->page_bytes +
-                          (t % s->block_size) * s->row_bytes + s->offset;
-        for (int64_t o = 0; o < s->bytes; o += 64) __builtin_prefetch(row + o, 0, 2);
+        const int blk = t / s->block_size, in_page = t - blk * s->block_size;
+        int rows = s->block_size - in_page; /* this page's rows from t on, within K or V and below upto */
+        const int end = v ? upto : (upto < s->span ? upto : s->span);
+        rows = rows < end - s->next ? rows : end - s->next;
+        /* a page that continues its predecessor in memory is the hardware prefetcher's */
+        if (t - in_page <= s->lo || s->table[blk] != s->table[blk - 1] + 1) {
+            const char *row = (v ? s->v : s->k) + s->table[blk] * s->page_bytes + in_page * s->row_bytes + s->offset;
+            for (int r = 0; r < rows; r++, row += s->row_bytes)
+                for (int64_t o = 0; o < s->bytes; o += 64) __builtin_prefetch(row + o, 0, 2);
+        }
+        s->next += rows;
     }
 }
+
+/* The parameters of one work item's attention (paged_decode_impl.h's attend and attend_gqa). */
+#define QW_ATTEND_PARAMS                                                                                             \
+    const float *restrict qs, const KV_T *restrict k_cache, const KV_T *restrict v_cache,                            \
+        const int32_t *restrict table, int lo, int len, int block_size, int64_t token_stride, int h0, int h1, int G, \
+        int D, float scale, float softcap, float *restrict scores, float *restrict acc, float *restrict outs
+#define QW_ATTEND_ARGS qs, k_cache, v_cache, table, lo, len, block_size, token_stride, h0, h1, G, D, scale, softcap, \
+                       scores, acc, outs
 
 #define QW_CAT2(a, b) a##_##b
 #define QW_CAT(a, b) QW_CAT2(a, b)

@@ -137,26 +137,22 @@ static inline void FN(accumulate)(const float *restrict p, const KV_T *restrict 
 /* Tokens [c, ce) of a page (a run), the columns of KV heads [h0, h1): touched in address order
  * before they are computed head by head (qw_touch_rows says why). */
 static inline void FN(touch_chunk)(const KV_T *page, int c, int ce, int64_t token_stride, int h0, int h1, int D) {
-#ifndef QW_NO_TOUCH
     qw_touch_rows(page + c * token_stride + (int64_t)h0 * D, ce - c, token_stride * (int64_t)sizeof(KV_T),
                   (int64_t)(h1 - h0) * D * (int64_t)sizeof(KV_T));
-#endif
 }
 
 /* One sequence, KV heads [h0, h1): nq = (h1 - h0) * G query heads, over tokens [lo, len) (lo > 0
  * under a sliding window: the pages before the one holding lo are never touched, and the tokens
  * before lo in that page are skipped). softcap > 0 caps the scores (softcap * tanh(s / softcap)).
  * scores: nq x (len - lo) scratch; acc: nq x D scratch; qs/outs: the first query head's row. */
-static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, const KV_T *restrict v_cache,
-                   const int32_t *restrict table, int lo, int len, int block_size, int64_t token_stride, int h0,
-                   int h1, int G, int D, float scale, float softcap, float *restrict scores, float *restrict acc,
-                   float *restrict outs) {
+static inline __attribute__((always_inline)) void FN(attend_body)(QW_ATTEND_PARAMS, const int stream) {
     const int nq = (h1 - h0) * G;
     const int span = len - lo;
     const int num_blks = (len + block_size - 1) / block_size;
     const int blk0 = lo / block_size;
     qw_stream ahead = qw_stream_start(k_cache, v_cache, table, block_size, token_stride * (int64_t)sizeof(KV_T),
                                       (int64_t)h0 * D * (int64_t)sizeof(KV_T), (int64_t)(h1 - h0) * D * (int64_t)sizeof(KV_T), lo, span);
+    (void)ahead;
     /* pass 1: scores[qh * span + t - lo] = scale * q_qh . k_t, page by page */
     for (int blk = blk0, run; blk < num_blks; blk += run) {
         run = qw_run_length(table, blk, num_blks);
@@ -166,7 +162,7 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         /* c starts past 0 only in a sliding window's first page */
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_PLAIN_CHUNK < n ? c + QW_PLAIN_CHUNK : n;
-            qw_stream_to(&ahead, t0 + ce - lo);
+            if (stream) qw_stream_to(&ahead, t0 + ce - lo);
             FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *k = page + (int64_t)h * D;
@@ -200,7 +196,7 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
         const int n = len - t0 < run * block_size ? len - t0 : run * block_size;
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_V_CHUNK < n ? c + QW_V_CHUNK : n;
-            qw_stream_to(&ahead, span + t0 + ce - lo);
+            if (stream) qw_stream_to(&ahead, span + t0 + ce - lo);
             FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *v = page + c * token_stride + (int64_t)h * D;
@@ -215,6 +211,13 @@ static void FN(attend)(const float *restrict qs, const KV_T *restrict k_cache, c
     for (int qh = 0; qh < nq; qh++)
         for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
 }
+
+/* attend_body without and with qw_stream, chosen per item: a sequence whose attended pages are
+ * one run is the hardware prefetcher's; scattered ones take the stream (decode attention 0.6-0.8x
+ * the time on shuffled pages, Zen 4). The stream's copy on one run measured ~5% slower (fp32)
+ * even with nothing to ask for, and ~20% slower asking for every row. */
+static void FN(attend)(QW_ATTEND_PARAMS) { FN(attend_body)(QW_ATTEND_ARGS, 0); }
+static void FN(attend_streamed)(QW_ATTEND_PARAMS) { FN(attend_body)(QW_ATTEND_ARGS, 1); }
 
 #ifdef QW_AVX512
 /* The GQA score kernels' start: the 8 tokens' rows (tokens past n re-read row n - 1, valid
@@ -356,14 +359,12 @@ static inline __attribute__((always_inline)) void FN(acc_heads)(const float *res
 
 /* attend() with the GQA kernels above (D = 64 or 128): KV heads [h0, h1), each page read for all of
  * them before the next (one contiguous run), each K/V row for 3 query heads at a time. */
-static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cache, const KV_T *restrict v_cache,
-                           const int32_t *restrict table, int lo, int len, int block_size, int64_t token_stride, int h0,
-                           int h1, int G, int D, float scale, float softcap, float *restrict scores, float *restrict acc,
-                           float *restrict outs) {
+static inline __attribute__((always_inline)) void FN(attend_gqa_body)(QW_ATTEND_PARAMS, const int stream) {
     const int span = len - lo, ND16 = D / 16, nq = (h1 - h0) * G;
     const int num_blks = (len + block_size - 1) / block_size, blk0 = lo / block_size;
     qw_stream ahead = qw_stream_start(k_cache, v_cache, table, block_size, token_stride * (int64_t)sizeof(KV_T),
                                       (int64_t)h0 * D * (int64_t)sizeof(KV_T), (int64_t)(h1 - h0) * D * (int64_t)sizeof(KV_T), lo, span);
+    (void)ahead;
 #if defined(QW_DP)
     uint16_t q_bf[nq * D];
     for (int i = 0; i < nq * D; i++) q_bf[i] = f32_to_bf16(qs[i] * scale);
@@ -379,7 +380,7 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
         const KV_T *page = k_cache + (int64_t)table[blk] * block_size * token_stride;
         for (int c = lo > t0 ? lo - t0 : 0, ce; c < n; c = ce) {
             ce = c + QW_K_CHUNK < n ? c + QW_K_CHUNK : n;
-            qw_stream_to(&ahead, t0 + ce - lo);
+            if (stream) qw_stream_to(&ahead, t0 + ce - lo);
             FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *k = page + (int64_t)h * D;
@@ -420,7 +421,7 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
              * at an even position (pages of an even size start at one), see acc_heads_dp */
             if ((t0 + c) & 1) ce = c + 1;
 #endif
-            qw_stream_to(&ahead, span + t0 + ce - lo);
+            if (stream) qw_stream_to(&ahead, span + t0 + ce - lo);
             FN(touch_chunk)(page, c, ce, token_stride, h0, h1, D);
             for (int h = h0; h < h1; h++) {
                 const KV_T *v = page + c * token_stride + (int64_t)h * D;
@@ -449,6 +450,10 @@ static void FN(attend_gqa)(const float *restrict qs, const KV_T *restrict k_cach
 #endif
 }
 #undef QW_HEADS_SWITCH
+
+/* attend_gqa_body without and with qw_stream, as attend */
+static void FN(attend_gqa)(QW_ATTEND_PARAMS) { FN(attend_gqa_body)(QW_ATTEND_ARGS, 0); }
+static void FN(attend_gqa_streamed)(QW_ATTEND_PARAMS) { FN(attend_gqa_body)(QW_ATTEND_ARGS, 1); }
 #endif
 
 /* First token a query at position len - 1 attends: len - window under a window (> 0), else 0. */
@@ -505,17 +510,16 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
                 memset(outs, 0, sizeof(float) * (size_t)nq * D);
                 continue;
             }
+            const int32_t *table = block_tables + b * table_stride;
+            const int lo = FN(window_start)(len, window), blk0 = lo / block_size;
+            const int num_blks = (len + block_size - 1) / block_size;
+            const int scattered = qw_run_length(table, blk0, num_blks) < num_blks - blk0;
+            void (*attend_item)(QW_ATTEND_PARAMS) = scattered ? FN(attend_streamed) : FN(attend);
 #ifdef QW_AVX512
-            if (gqa) {
-                FN(attend_gqa)(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, block_tables + b * table_stride,
-                               FN(window_start)(len, window), len, block_size, token_stride, h0, h0 + heads_per_item, G, D,
-                               scale, softcap, scratch, scratch + (size_t)nq * max_span, outs);
-                continue;
-            }
+            if (gqa) attend_item = scattered ? FN(attend_gqa_streamed) : FN(attend_gqa);
 #endif
-            FN(attend)(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, block_tables + b * table_stride,
-                   FN(window_start)(len, window), len, block_size, token_stride, h0, h0 + heads_per_item, G, D, scale,
-                   softcap, scratch, scratch + (size_t)nq * max_span, outs);
+            attend_item(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, table, lo, len, block_size, token_stride,
+                        h0, h0 + heads_per_item, G, D, scale, softcap, scratch, scratch + (size_t)nq * max_span, outs);
         }
         free(scratch);
     }

@@ -1,7 +1,8 @@
 """The C decode kernel walks a run of consecutive block ids as one page (csrc/paged_decode.c,
-qw_run_length). That must not change a bit: the same logical K/V, laid out in runs or scattered
-over the pool, gives identical outputs, for every cache dtype, ISA build and work split, with and
-without a sliding window, against the float64 oracle too."""
+qw_run_length) and asks for a scattered sequence's rows ahead of its reads (qw_stream, in a copy
+of the kernel of its own). Neither may change a bit: the same logical K/V, laid out in runs or
+scattered over the pool, gives identical outputs, for every cache dtype, ISA build and work split,
+with and without a sliding window, against the float64 oracle too."""
 
 from __future__ import annotations
 
