@@ -5,6 +5,7 @@ the C extend kernel vs the torch reference.
     python bench/attention_cpu.py                              # decode, batches 16/48/128
     python bench/attention_cpu.py --baseline-rev 4cc0e5c       # + the decode kernel of that commit
     python bench/attention_cpu.py --prefill 256,1024,4096      # + whole-model prefill tokens/s
+    python bench/attention_cpu.py --bf16-products              # a bf16 cache as the bf16 mode reads it
 
 Decode: SmolLM2's shapes by default (9 query heads, 3 KV heads, head dim 64, 30 layers, pages of
 16 tokens), context lengths drawn uniformly from [--min-len, --max-len] (the mixed workload's
@@ -62,6 +63,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--page-order", choices=["shuffled", "in-order"], default="shuffled",
                     help="where a sequence's pages sit in the pool: scattered (after churn) or one after another")
     ap.add_argument("--cache-dtypes", default="float32,bfloat16")
+    ap.add_argument("--bf16-products", action="store_true",
+                    help="a bf16 cache's products in bf16, the CPU bf16 mode's decode kernel (qw_paged_decode_bf16_dp)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--flush-mib", type=int, default=96, help="buffer written before each pass (0: none)")
     ap.add_argument("--bandwidth-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
@@ -150,8 +153,9 @@ def decode_case(args, cache_dtype: torch.dtype, batch: int, paths: dict, rounds:
     kv_bytes = sum(lens) * hkv * d * 2 * torch.finfo(cache_dtype).bits // 8 * args.layers
     floor_ms = kv_bytes / (bandwidth * 1e9) * 1e3
     times: dict[str, list[float]] = {p: [] for p in paths}
+    products = {"bf16_products": True} if args.bf16_products and cache_dtype == torch.bfloat16 else {}
     for fn in paths.values():  # warm-up: builds, first touch
-        fn(q, *layers[0][:2], layers[0][2], seq_lens, scale, out=out)
+        fn(q, *layers[0][:2], layers[0][2], seq_lens, scale, out=out, **products)
     for r in range(rounds):
         names = list(paths)
         names = names[r % len(names):] + names[:r % len(names)]  # rotate: no path always runs after the flush's echo
@@ -160,7 +164,7 @@ def decode_case(args, cache_dtype: torch.dtype, batch: int, paths: dict, rounds:
                 flush.fill_(float(r))
             start = CLOCK()
             for k, v, table in layers:
-                paths[p](q, k, v, table, seq_lens, scale, out=out)
+                paths[p](q, k, v, table, seq_lens, scale, out=out, **products)
             times[p].append(CLOCK() - start)
     ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
     return dict(cache_dtype=str(cache_dtype).replace("torch.", ""), batch=batch, context_tokens=sum(lens),
@@ -190,19 +194,24 @@ def _revision_path(rev: str):
                     "-o", str(so), *(str(tmp / n) for n in names if n.endswith(".c"))], check=True)
     lib = ctypes.CDLL(str(so))
     fns = {}
-    for suffix in ("f32", "f16", "bf16"):
-        fn = getattr(lib, f"qw_paged_decode_{suffix}")
-        fn.argtypes, fn.restype = kcpu._DECODE_ARGS, ctypes.c_int
-        fns[suffix] = fn
+    for suffix in ("f32", "f16", "bf16", "bf16_dp"):
+        fn = getattr(lib, f"qw_paged_decode_{suffix}", None)  # bf16_dp: from 7697073 on
+        if fn is not None:
+            fn.argtypes, fn.restype = kcpu._DECODE_ARGS, ctypes.c_int
+            fns[suffix] = fn
+
+    class _RevisionLibrary:  # the wrapper's bf16-products lookup, answered by that revision
+        qw_paged_decode_bf16_dp = fns.get("bf16_dp")
 
     def run(*args, **kwargs):
         # the current wrapper (same checks and marshalling), with that revision's C function
-        real = kcpu._cache_fn
+        real, real_library = kcpu._cache_fn, kcpu._library
         kcpu._cache_fn = lambda name, dtype: fns.get(kcpu._SUFFIX.get(dtype)) if name == "qw_paged_decode" else real(name, dtype)
+        kcpu._library = lambda: _RevisionLibrary
         try:
             return kernels.paged_decode_attention_cpu(*args, **kwargs)
         finally:
-            kcpu._cache_fn = real
+            kcpu._cache_fn, kcpu._library = real, real_library
     return run
 
 

@@ -11,6 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A test process builds and drops hundreds of engines: the first one's start-up heap frozen out of
+# the cyclic GC (qworker/engine/llm_engine.py) would stay for the whole session (~1 GB with the
+# fp32 test model). tests/engine/test_gc_freeze.py runs the freeze in processes of its own.
+os.environ.setdefault("QWORKER_GC_FREEZE", "0")
+
 
 def real_model_dir() -> Path:
     path = Path(os.environ.get("QWORKER_TEST_MODEL", ROOT / "models" / "smollm2-135m"))

@@ -34,7 +34,7 @@ def _run(model_dir: Path, **env: str) -> list[int]:
 
 
 def test_first_engine_freezes_the_start_up_heap_once(model_dir):
-    before, after_first, after_second, generated = _run(model_dir)
+    before, after_first, after_second, generated = _run(model_dir, QWORKER_GC_FREEZE="1")
     assert before == 0
     assert after_first > 10_000  # the model, tokenizer and libraries
     assert after_second == after_first  # once per process: the second engine stays collectable
