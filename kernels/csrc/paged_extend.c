@@ -104,27 +104,34 @@ static inline void qw_x_scores(const float *restrict Q, const float *restrict Kt
         for (int v = 0; v < QW_NV; v++) VSTORE(S + (int64_t)r * QW_NK + v * QW_VL, acc[r][v]);
 }
 
-/* O[r] = O[r] * alpha[r] + sum_{j < n} P[r][j] * V[j] for rows r < nr (<= 3), columns [d0, d0 + 4 VL) */
+/* Rows per P . V micro-kernel call: 3 x 4 accumulators + 4 V vectors fill AVX2's 16 registers;
+ * AVX-512's 32 hold 6 x 4 (a V row's 4 loads then serve 24 FMAs, not 12) */
+#ifndef QW_PV_ROWS
+#define QW_PV_ROWS (QW_VL == 16 ? 6 : 3)
+#endif
+
+/* O[r] = O[r] * alpha[r] + sum_{j < n} P[r][j] * V[j] for rows r < nr (<= QW_PV_ROWS), columns
+ * [d0, d0 + 4 VL). Each row's sum runs over j in order, whatever the rows around it. */
 static inline void qw_x_pv4(const float *restrict P, const float *restrict V, int n, int D, int d0, int nr,
                             const float *restrict alpha, float *restrict O) {
-    qw_vf acc[3][4];
-#pragma GCC unroll 3
-    for (int r = 0; r < 3; r++)
+    qw_vf acc[QW_PV_ROWS][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < QW_PV_ROWS; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < 4; v++) acc[r][v] = r < nr ? VLOAD(O + (int64_t)r * D + d0 + v * QW_VL) * alpha[r] : (qw_vf){0};
     for (int j = 0; j < n; j++) {
         qw_vf x[4];
 #pragma GCC unroll 4
         for (int v = 0; v < 4; v++) x[v] = VLOAD(V + (int64_t)j * D + d0 + v * QW_VL);
-#pragma GCC unroll 3
-        for (int r = 0; r < 3; r++) {
+#pragma GCC unroll 6
+        for (int r = 0; r < QW_PV_ROWS; r++) {
             const float p = P[(int64_t)r * QW_NK + j];
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) acc[r][v] += p * x[v];
         }
     }
-#pragma GCC unroll 3
-    for (int r = 0; r < 3; r++)
+#pragma GCC unroll 6
+    for (int r = 0; r < QW_PV_ROWS; r++)
         if (r < nr)
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) VSTORE(O + (int64_t)r * D + d0 + v * QW_VL, acc[r][v]);
@@ -144,8 +151,8 @@ static inline void qw_x_pv_tail(const float *restrict P, const float *restrict V
 static void qw_x_pv(const float *restrict P, const float *restrict V, int n, int D, int nr,
                     const float *restrict alpha, float *restrict O) {
     const int d4 = D / (4 * QW_VL) * (4 * QW_VL);
-    for (int r = 0; r < nr; r += 3) {
-        const int m = nr - r < 3 ? nr - r : 3;
+    for (int r = 0; r < nr; r += QW_PV_ROWS) {
+        const int m = nr - r < QW_PV_ROWS ? nr - r : QW_PV_ROWS;
         for (int d0 = 0; d0 < d4; d0 += 4 * QW_VL)
             qw_x_pv4(P + (int64_t)r * QW_NK, V, n, D, d0, m, alpha + r, O + (int64_t)r * D);
         if (d4 < D)
