@@ -229,10 +229,12 @@ typedef struct {
     int ahead;           /* the distance in rows */
 } qw_stream;
 
+/* the stream of an item: KV heads [h0, h1) of rows token_stride elements of elt bytes apart */
 static inline qw_stream qw_stream_start(const void *k, const void *v, const int32_t *table, int block_size,
-                                        int64_t row_bytes, int64_t offset, int64_t bytes, int lo, int span) {
-    qw_stream s = {(const char *)k, (const char *)v, table, block_size * row_bytes, row_bytes, offset, bytes,
-                   block_size, lo, span, 0, (int)((QW_STREAM_AHEAD + bytes - 1) / bytes)};
+                                        int64_t token_stride, int h0, int h1, int D, int64_t elt, int lo, int span) {
+    const int64_t row_bytes = token_stride * elt, bytes = (int64_t)(h1 - h0) * D * elt;
+    qw_stream s = {(const char *)k, (const char *)v, table, block_size * row_bytes, row_bytes, (int64_t)h0 * D * elt,
+                   bytes, block_size, lo, span, 0, (int)((QW_STREAM_AHEAD + bytes - 1) / bytes)};
     return s;
 }
 

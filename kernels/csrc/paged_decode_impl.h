@@ -150,9 +150,7 @@ static inline __attribute__((always_inline)) void FN(attend_body)(QW_ATTEND_PARA
     const int span = len - lo;
     const int num_blks = (len + block_size - 1) / block_size;
     const int blk0 = lo / block_size;
-    qw_stream ahead = qw_stream_start(k_cache, v_cache, table, block_size, token_stride * (int64_t)sizeof(KV_T),
-                                      (int64_t)h0 * D * (int64_t)sizeof(KV_T), (int64_t)(h1 - h0) * D * (int64_t)sizeof(KV_T), lo, span);
-    (void)ahead;
+    qw_stream ahead = qw_stream_start(k_cache, v_cache, table, block_size, token_stride, h0, h1, D, sizeof(KV_T), lo, span);
     /* pass 1: scores[qh * span + t - lo] = scale * q_qh . k_t, page by page */
     for (int blk = blk0, run; blk < num_blks; blk += run) {
         run = qw_run_length(table, blk, num_blks);
@@ -362,9 +360,7 @@ static inline __attribute__((always_inline)) void FN(acc_heads)(const float *res
 static inline __attribute__((always_inline)) void FN(attend_gqa_body)(QW_ATTEND_PARAMS, const int stream) {
     const int span = len - lo, ND16 = D / 16, nq = (h1 - h0) * G;
     const int num_blks = (len + block_size - 1) / block_size, blk0 = lo / block_size;
-    qw_stream ahead = qw_stream_start(k_cache, v_cache, table, block_size, token_stride * (int64_t)sizeof(KV_T),
-                                      (int64_t)h0 * D * (int64_t)sizeof(KV_T), (int64_t)(h1 - h0) * D * (int64_t)sizeof(KV_T), lo, span);
-    (void)ahead;
+    qw_stream ahead = qw_stream_start(k_cache, v_cache, table, block_size, token_stride, h0, h1, D, sizeof(KV_T), lo, span);
 #if defined(QW_DP)
     uint16_t q_bf[nq * D];
     for (int i = 0; i < nq * D; i++) q_bf[i] = f32_to_bf16(qs[i] * scale);
