@@ -136,8 +136,8 @@ _SIGNATURES = {
     "qw_paged_extend_f32": (_EXTEND_ARGS, ctypes.c_int),
     "qw_paged_extend_f16": (_EXTEND_ARGS, ctypes.c_int),
     "qw_paged_extend_bf16": (_EXTEND_ARGS, ctypes.c_int),
-    "qw_paged_extend_bf16_amx": (_EXTEND_ARGS, ctypes.c_int),
-    "qw_paged_extend_bf16_amx_active": ([_I32], ctypes.c_int),
+    "qw_paged_extend_bf16_products": (_EXTEND_ARGS, ctypes.c_int),
+    "qw_paged_extend_bf16_products_kernel": ([_I32], ctypes.c_int),
     "qw_store_kv_f32": (_STORE_ARGS, ctypes.c_int),
     "qw_store_kv_f16": (_STORE_ARGS, ctypes.c_int),
     "qw_store_kv_bf16": (_STORE_ARGS, ctypes.c_int),
@@ -308,11 +308,12 @@ def paged_prefill_attention_cpu(
     place by ``csrc/paged_extend.c`` (no gathered copy, no mask tensor). The reference runs instead
     for inputs the kernel does not cover (see :func:`_covered`) or with ``EXTEND_KERNEL`` off.
 
-    ``bf16_products`` (the CPU bf16 mode), with a bf16 cache: the two products in bf16 on AMX
-    tiles where the CPU has them (``csrc/paged_extend_amx.c``: queries and probabilities rounded
-    to bf16, fp32 sums and softmax; see :func:`extend_amx_active`), else as without it."""
+    ``bf16_products`` (the CPU bf16 mode), with a bf16 cache: the two products in bf16
+    (``csrc/paged_extend_bf16_products.c``: queries and probabilities rounded to bf16, fp32 sums
+    and softmax) on AMX tiles or AVX512_BF16 dot products, where the CPU has either (see
+    :func:`extend_bf16_products_kernel`), else as without it."""
     opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
-    name = "qw_paged_extend_bf16_amx" if bf16_products and k_cache.dtype == torch.bfloat16 else None
+    name = "qw_paged_extend_bf16_products" if bf16_products and k_cache.dtype == torch.bfloat16 else None
     fn = (getattr(_library(), name, None) if name else _cache_fn("qw_paged_extend", k_cache.dtype)) if EXTEND_KERNEL else None
     if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out) or query_start_loc.device.type != "cpu":
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
@@ -342,11 +343,12 @@ def paged_prefill_attention_cpu(
     return result
 
 
-def extend_amx_active(head_dim: int) -> bool:
-    """Whether ``paged_prefill_attention_cpu(..., bf16_products=True)`` runs on AMX for this head
-    size (the build has it, the OS grants AMX state, head_dim % 32 == 0)."""
-    fn = getattr(_library(), "qw_paged_extend_bf16_amx_active", None) if _library() is not None else None
-    return bool(fn and fn(head_dim))
+def extend_bf16_products_kernel(head_dim: int) -> str | None:
+    """What ``paged_prefill_attention_cpu(..., bf16_products=True)`` multiplies with for this head
+    size: ``"amx"`` (the build has it, the OS grants AMX state), ``"avx512_bf16"`` (dot products),
+    or None (head_dim % 32 != 0, or neither: the fp32-product kernel runs)."""
+    fn = getattr(_library(), "qw_paged_extend_bf16_products_kernel", None) if _library() is not None else None
+    return {2: "amx", 1: "avx512_bf16"}.get(fn(head_dim) if fn else 0)
 
 
 def _window_arg(sliding_window: int | None) -> int:

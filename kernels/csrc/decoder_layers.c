@@ -65,7 +65,7 @@ typedef struct {
     float *res[2], *qkv, *attn;
     void *h, *x, *gu, *act;
     uint16_t *attn_bf16; /* the bf16 form's o input [T, Q] */
-    int bf16_products;   /* a bf16 cache's extend attention multiplies in bf16 (csrc/paged_extend_amx.c) */
+    int bf16_products;   /* a bf16 cache's attention multiplies in bf16 (csrc/paged_extend_bf16_products.c) */
 } qw_step;
 
 /* the kernels of this library (elementwise.c, paged_decode.c, paged_extend.c) */
@@ -87,7 +87,7 @@ typedef int (*attn_extend_fn)(const float *, int64_t, const void *, const void *
     int qw_paged_extend_##dt();
 DECLARE(f32)
 DECLARE(bf16)
-int qw_paged_extend_bf16_amx();
+int qw_paged_extend_bf16_products();
 int qw_paged_decode_bf16_dp();
 #if defined(__AVX2__) && defined(__F16C__) /* elementwise.c's fp16 KV write needs F16C */
 DECLARE(f16)
@@ -147,7 +147,7 @@ static int attention(const qw_step *s, const qw_layer *l, const cache_kernels *c
 static int prepare(const qw_step *s, cache_kernels *ck) {
     if (cache_kernels_for(s->cache_dtype, ck) != 0) return -3;
     if (s->bf16_products && s->cache_dtype == 2) {
-        ck->extend = (attn_extend_fn)qw_paged_extend_bf16_amx;
+        ck->extend = (attn_extend_fn)qw_paged_extend_bf16_products;
         ck->decode = (attn_decode_fn)qw_paged_decode_bf16_dp;
     }
     if (s->num_decodes < 0 || s->num_decodes > s->T || s->num_decodes > s->num_seqs) return -3;

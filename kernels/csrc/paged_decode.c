@@ -145,7 +145,7 @@ static inline void qw_pair_split(const float *restrict src, float *restrict dst,
 #ifdef __AVX512BF16__
 /* The bf16 mode's decode (qw_paged_decode_bf16_dp): qw_softmax_numerators with each numerator
  * rounded to bf16 (nearest even) for the P . V product, and 1 / the sum of the rounded ones, so a
- * row is normalised by what it was multiplied by (as csrc/paged_extend_amx.c). */
+ * row is normalised by what it was multiplied by (as csrc/paged_extend_bf16_products.c). */
 static inline float qw_softmax_numerators_bf16(float *restrict s, int span, float cap) {
     (void)qw_softmax_numerators(s, span, cap); /* exp(s - max) in place; its sum is of the unrounded */
     float sum = 0.0f;
@@ -362,7 +362,7 @@ static inline float qw_bf16_to_f32(uint16_t h) {
 #undef FN
 
 /* bf16 cache, the bf16 mode's products in bf16 (VDPBF16PS): qw_paged_decode_bf16_dp. Precision
- * as csrc/paged_extend_amx.c (torch's bf16 attention, vLLM's AMX kernel): the scaled query and the
+ * as csrc/paged_extend_bf16_products.c (torch's bf16 attention, vLLM's AMX kernel): the scaled query and the
  * softmax numerators rounded to bf16 for the products, sums and softmax in fp32, each row divided
  * by the sum of the rounded numerators; V products of tokens 2m and 2m + 1 summed in one step
  * (pages of an odd size: one token at a time), so the bits do not depend on where the pages

@@ -1,6 +1,6 @@
 /* The work list of the extend (prefill) kernels, shared by csrc/paged_extend.c (fp32 arithmetic)
- * and csrc/paged_extend_amx.c (bf16 products on AMX): both split a step's query rows the same way
- * and check the same inputs before reading anything. */
+ * and csrc/paged_extend_bf16_products.c (bf16 products): both split a step's query rows the same
+ * way and check the same inputs before reading anything. */
 #pragma once
 #include <stdint.h>
 

@@ -1,11 +1,12 @@
-"""The CPU bf16 mode's extend (prefill) kernel with its products on AMX tiles
-(``csrc/paged_extend_amx.c``, ``paged_prefill_attention_cpu(..., bf16_products=True)``) against the
+"""The CPU bf16 mode's extend (prefill) kernel with its products in bf16
+(``csrc/paged_extend_bf16_products.c``, ``paged_prefill_attention_cpu(..., bf16_products=True)``):
+on AMX tiles where the CPU and OS give AMX, else AVX512_BF16 dot products. Checked against the
 float64 oracle on the cache's values, to bf16 accuracy (queries and probabilities are rounded to
 bf16, as torch's bf16 flash attention does). Where it does not apply (head sizes that are not a
-multiple of 32, CPUs without AMX) it must be the fp32 kernel, bit for bit.
+multiple of 32, builds without AVX512_BF16) it must be the fp32 kernel, bit for bit.
 
-Runs only where the CPU and OS give AMX (skipped with the reason elsewhere); the fallback test runs
-everywhere.
+The oracle tests run the back-end this CPU has (skipped with the reason where it has neither); the
+fallback tests run everywhere.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import kernels
 from kernels import cpu as kcpu
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler on this machine")
-needs_amx = pytest.mark.skipif(not kcpu.extend_amx_active(64), reason="no AMX on this CPU (or the OS refused its state)")
+KERNEL = kcpu.extend_bf16_products_kernel(64)
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="this CPU has neither AMX (granted by the OS) nor AVX512_BF16")
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ CASES = [  # (block_size, Hkv, G, D, lens, q_lens)
 ]
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("bs,hkv,g,d,lens,q_lens", CASES)
 def test_matches_oracle_to_bf16(seed, no_fallback, bs, hkv, g, d, lens, q_lens):
     gen = generator(seed)
@@ -56,13 +58,13 @@ def test_matches_oracle_to_bf16(seed, no_fallback, bs, hkv, g, d, lens, q_lens):
     out = poisoned_like(batch.q)
     res = kernels.paged_prefill_attention_cpu(*batch.args(), out=out, bf16_products=True)
     assert res.data_ptr() == out.data_ptr()
-    assert_close(out, want, torch.bfloat16, f"amx extend lens={lens} q_lens={q_lens}")
+    assert_close(out, want, torch.bfloat16, f"{KERNEL} extend lens={lens} q_lens={q_lens}")
     # and it is not the fp32 kernel under another name: bf16 products differ from fp32 ones
     fp32 = kernels.paged_prefill_attention_cpu(*batch.args())
     assert not torch.equal(out, fp32)
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("bs,hkv,g,d,w,cap", [
     (16, 3, 3, 64, 5, None),  # inside one block
     (16, 2, 1, 64, 16, 3.0),  # one whole block
@@ -82,10 +84,10 @@ def test_window_softcap_match_oracle_to_bf16(seed, no_fallback, bs, hkv, g, d, w
         assert poisoned > 0 or w >= max(lens)
     out = poisoned_like(batch.q)
     kernels.paged_prefill_attention_cpu(*batch.args(), out=out, sliding_window=w, softcap=cap, bf16_products=True)
-    assert_close(out, want, torch.bfloat16, f"amx extend W={w} cap={cap}")
+    assert_close(out, want, torch.bfloat16, f"{KERNEL} extend W={w} cap={cap}")
 
 
-@needs_amx
+@needs_kernel
 def test_writes_only_its_rows_and_a_row_is_independent_of_its_batch(seed, no_fallback):
     """The engine passes ``out=out[nd:]`` of a mixed step; and a sequence's output must not depend
     on which other sequences share the step (the work split differs with the batch)."""
@@ -100,7 +102,7 @@ def test_writes_only_its_rows_and_a_row_is_independent_of_its_batch(seed, no_fal
     assert torch.equal(alone, big[4 + 31:])
 
 
-@needs_amx
+@needs_kernel
 def test_many_threads_same_bits(seed, no_fallback):
     gen = generator(seed)
     batch = bf16_batch(gen, lens=[200, 64, 33], q_lens=[200, 64, 20], block_size=16, num_kv_heads=3, group=3, head_dim=64)
@@ -116,13 +118,13 @@ def test_many_threads_same_bits(seed, no_fallback):
 
 
 def test_where_it_does_not_apply_it_is_the_fp32_kernel(seed, no_fallback):
-    """D = 72 (not a multiple of 32) everywhere, and any D where there is no AMX: bit for bit the
-    fp32 kernel's output. An fp32 cache ignores the flag."""
+    """D = 72 (not a multiple of 32) everywhere, and any D where this CPU has neither back-end:
+    bit for bit the fp32 kernel's output. An fp32 cache ignores the flag."""
     gen = generator(seed)
-    dims = [72] if kcpu.extend_amx_active(64) else [64, 72]
+    dims = [72] if KERNEL else [64, 72]
     for d in dims:
         batch = bf16_batch(gen, lens=[40, 9], q_lens=[40, 3], block_size=16, num_kv_heads=2, group=2, head_dim=d)
-        assert not kcpu.extend_amx_active(d)
+        assert kcpu.extend_bf16_products_kernel(d) is None
         assert torch.equal(kernels.paged_prefill_attention_cpu(*batch.args(), bf16_products=True),
                            kernels.paged_prefill_attention_cpu(*batch.args()))
     f32 = make_paged_batch(gen, lens=[40], q_lens=[40], block_size=16, num_kv_heads=2, group=2, head_dim=64,
@@ -131,7 +133,19 @@ def test_where_it_does_not_apply_it_is_the_fp32_kernel(seed, no_fallback):
                        kernels.paged_prefill_attention_cpu(*f32.args()))
 
 
-@needs_amx
+@pytest.mark.skipif("avx2" not in kcpu.available_isas(), reason="this CPU cannot run the avx2 build")
+def test_the_avx2_build_has_neither_back_end(seed, no_fallback):
+    """The avx2 build is compiled without AVX-512, so AVX512_BF16 and AMX are out of it: the flag
+    gives the fp32 kernel there, whatever the CPU."""
+    gen = generator(seed)
+    batch = bf16_batch(gen, lens=[40, 9], q_lens=[40, 3], block_size=16, num_kv_heads=3, group=3, head_dim=64)
+    with kcpu.using_isa("avx2"):
+        assert kcpu.extend_bf16_products_kernel(64) is None
+        assert torch.equal(kernels.paged_prefill_attention_cpu(*batch.args(), bf16_products=True),
+                           kernels.paged_prefill_attention_cpu(*batch.args()))
+
+
+@needs_kernel
 def test_out_of_range_block_ids_raise_before_reading(seed):
     gen = generator(seed)
     batch = bf16_batch(gen, lens=[40, 3], q_lens=[8, 3], block_size=16, num_kv_heads=2, group=2, head_dim=64)

@@ -1,29 +1,34 @@
 /*
- * Paged extend (prefill) attention over a bf16 cache with its two products on AMX tiles, for the
- * CPU bf16 mode (the model's activations are bf16): the same call, inputs and checks as
+ * Paged extend (prefill) attention over a bf16 cache with its two products in bf16, for the CPU
+ * bf16 mode (the model's activations are bf16): the same call, inputs and checks as
  * csrc/paged_extend.c's qw_paged_extend_bf16, whose fp32 arithmetic spends ~20% of a bf16 prefill
- * step on the two products alone.
+ * step on the two products alone. The products run on AMX tiles where the CPU and OS give AMX
+ * (Sapphire Rapids and later), else as AVX512_BF16 dot products (VDPBF16PS: Zen 4, Cooper Lake).
  *
  * Precision, as torch's bf16 flash attention and vLLM's AMX kernel: the scaled queries and the
  * softmax probabilities are rounded to bf16 (nearest even) for the products; the products are
- * summed in fp32 (TDPBF16PS), the softmax runs in fp32, and each row is normalised by the sum of
- * the rounded probabilities it was multiplied by. So results differ from qw_paged_extend_bf16's
- * by bf16 rounding, not more; an fp32 model with a bf16 cache keeps that kernel.
+ * summed in fp32 (TDPBF16PS / VDPBF16PS, which both read and write bf16/fp32 subnormals as zero),
+ * the softmax runs in fp32, and each row is normalised by the sum of the rounded probabilities it
+ * was multiplied by. So results differ from qw_paged_extend_bf16's by bf16 rounding, not more; an
+ * fp32 model with a bf16 cache keeps that kernel. The two product back-ends sum in different
+ * orders, so their bits differ from each other (each is deterministic: a row's result depends on
+ * its own sequence only, never on the batch, the work split or the thread count).
  *
  * Work is split as there (csrc/paged_extend_plan.h): an item is (sequence, KV head, tile of query
  * rows); its G query heads x rows form a block of rows (padded to whole 16-row tiles) that walks
  * the keys it can see in chunks of NK = 32. Per chunk:
- *   K is transposed into AMX's B layout, Kb[D / 2][NK] pairs (one 32-bit (d, d + 1) pair per key),
- *   V interleaved into it, Vb[NK / 2][D][2] (keys j, j + 1 per column d);
- *   S = Q . K^T per row tile (two 16-key C tiles, D / 32 products each);
+ *   K is transposed into pairs, Kb[D / 2][NK] (one 32-bit (d, d + 1) pair per key: AMX's B layout,
+ *   and the operand a broadcast query pair meets in VDPBF16PS),
+ *   V interleaved, Vb[NK / 2][D][2] (keys j, j + 1 per column d);
+ *   S = Q . K^T;
  *   an online softmax per row in fp32 (window, softcap and causal limits as paged_extend_impl.h),
- *   probabilities rounded to bf16 into P [rows][NK] (one A tile per row tile);
- *   P . V per row tile in C tiles of 16 columns, up to four at a time, added to the row's fp32
- *   output after the running max's rescale.
+ *   probabilities rounded to bf16 into P [rows][NK];
+ *   P . V added to the row's fp32 output after the running max's rescale.
  * Keys past the chunk's end are zeros in Kb/Vb with probability 0, so no garbage is ever read.
  *
- * Falls back to qw_paged_extend_bf16 (same arguments) where it does not apply: no AMX in this
- * build or from the OS, or D not a multiple of 32.
+ * Falls back to qw_paged_extend_bf16 (same arguments) where neither back-end applies: a build
+ * without AVX512_BF16, or D not a multiple of 32. qw_paged_extend_bf16_products_kernel says which
+ * runs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,32 +45,23 @@ int qw_paged_extend_bf16(const float *q, int64_t q_stride, const uint16_t *k_cac
                          int block_size, float scale, int num_threads, int64_t num_blocks, int window, float softcap);
 int qw_gemm_bf16_amx_ready(void);
 
-#if defined(QW_GEMM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-#define QW_X_AMX 1
+/* the dot-product back-end: any build whose CPU has AVX512_BF16 */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define QW_X_DP 1
 #include <immintrin.h>
+#else
+#define QW_X_DP 0
+#endif
+/* the AMX back-end: the avx512 build of an AMX CPU (it has AVX512_BF16 too) */
+#if QW_X_DP && defined(QW_GEMM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define QW_X_AMX 1
 #else
 #define QW_X_AMX 0
 #endif
 
-#if QW_X_AMX
-#define NK 32 /* keys per chunk: two 16-key C tiles for S, one 32-key product for P . V */
-#define TR 16 /* rows per tile */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* every tile 16 rows x 64 bytes; a constant in memory (see csrc/gemm_amx.c on why not the stack) */
-static const tile_config TILES __attribute__((aligned(64))) = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
-/* gcc 12's tile intrinsics do not declare the memory they touch: a barrier after the stores */
-#define TILES_STORED() __asm__ volatile("" ::: "memory")
+#if QW_X_DP
+#define NK 32 /* keys per chunk: two 16-key C tiles (two vectors) for S, one 32-key product for P . V */
+#define TR 16 /* rows per AMX tile; the block of rows is padded to whole tiles */
 
 /* exp_nonpositive (exp.h) on 16 lanes: the same steps, for x <= 0 */
 static inline __m512 exp_nonpositive16(__m512 x) {
@@ -136,8 +132,119 @@ static void load_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const i
     }
 }
 
+/* The dot-product back-end. Each output starts from zero and adds its pairs in order, one
+ * VDPBF16PS each: scores over the D / 2 channel pairs, P . V over the NK / 2 key pairs. */
+
+/* S rows [r, r + R) = Q . K^T: a query's (d, d + 1) pair broadcast against Kb[d / 2]'s 32 keys */
+static inline __attribute__((always_inline)) void scores_dp_rows(const uint16_t *restrict Qb, const uint32_t *restrict Kb,
+                                                                int D, int r, const int R, float *restrict S) {
+    __m512 acc[12][2];
+#pragma GCC unroll 12
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; p++) {
+        const __m512i k0 = _mm512_loadu_si512(Kb + (int64_t)p * NK), k1 = _mm512_loadu_si512(Kb + (int64_t)p * NK + 16);
+#pragma GCC unroll 12
+        for (int i = 0; i < R; i++) {
+            uint32_t pair;
+            memcpy(&pair, Qb + (int64_t)(r + i) * D + 2 * p, sizeof pair);
+            const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qp, (__m512bh)k0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qp, (__m512bh)k1);
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < R; i++) {
+        _mm512_storeu_ps(S + (int64_t)(r + i) * NK, acc[i][0]);
+        _mm512_storeu_ps(S + (int64_t)(r + i) * NK + 16, acc[i][1]);
+    }
+}
+
+/* S rows [r0, r1): 12 rows at a time (24 sums, 2 key loads and 12 broadcasts per 24 products) */
+static void scores_dp(const uint16_t *Qb, const uint32_t *Kb, int D, int r0, int r1, float *S) {
+    int r = r0;
+    for (; r + 12 <= r1; r += 12) scores_dp_rows(Qb, Kb, D, r, 12, S);
+    switch (r1 - r) { /* the rest, with a tile of its own size */
+#define QW_REST(n) case n: scores_dp_rows(Qb, Kb, D, r, n, S); break;
+        QW_REST(1) QW_REST(2) QW_REST(3) QW_REST(4) QW_REST(5) QW_REST(6)
+        QW_REST(7) QW_REST(8) QW_REST(9) QW_REST(10) QW_REST(11)
+#undef QW_REST
+        default: break;
+    }
+}
+
+/* O rows [r, r + R), columns [c0 * 16, (c0 + NC) * 16): O = O * alpha + P . V, a row's
+ * probability pair (keys 2m, 2m + 1) broadcast against Vb[m]'s columns */
+static inline __attribute__((always_inline)) void add_pv_dp_tile(const uint16_t *restrict Pb, const uint16_t *restrict Vb,
+                                                                int D, int r, const int R, int c0, const int NC,
+                                                                const float *restrict alpha, float *restrict O) {
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int m = 0; m < NK / 2; m++) {
+        __m512i v[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) v[c] = _mm512_loadu_si512(Vb + ((int64_t)m * D + (c0 + c) * 16) * 2);
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            uint32_t pair;
+            memcpy(&pair, Pb + (int64_t)(r + i) * NK + 2 * m, sizeof pair);
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+#pragma GCC unroll 4
+            for (int c = 0; c < NC; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pp, (__m512bh)v[c]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++) {
+        float *restrict o = O + (int64_t)(r + i) * D + c0 * 16;
+        const __m512 a = _mm512_set1_ps(alpha[r + i]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * c), a, acc[i][c]));
+    }
+}
+
+static inline __attribute__((always_inline)) void add_pv_dp_rows(const uint16_t *Pb, const uint16_t *Vb, int D, int r,
+                                                                const int R, const float *alpha, float *O) {
+    const int ncol = D / 16;
+    int c0 = 0;
+    for (; c0 + 4 <= ncol; c0 += 4) add_pv_dp_tile(Pb, Vb, D, r, R, c0, 4, alpha, O);
+    if (ncol - c0 == 2) add_pv_dp_tile(Pb, Vb, D, r, R, c0, 2, alpha, O); /* D % 32 == 0: 0 or 2 left */
+}
+
+/* O rows [r0, r1): 6 rows by 4 column vectors at a time (24 sums, 4 V loads and 6 broadcasts
+ * per 24 products) */
+static void add_pv_dp(const uint16_t *Pb, const uint16_t *Vb, int D, int r0, int r1, const float *alpha, float *O) {
+    int r = r0;
+    for (; r + 6 <= r1; r += 6) add_pv_dp_rows(Pb, Vb, D, r, 6, alpha, O);
+    switch (r1 - r) {
+#define QW_REST(n) case n: add_pv_dp_rows(Pb, Vb, D, r, n, alpha, O); break;
+        QW_REST(1) QW_REST(2) QW_REST(3) QW_REST(4) QW_REST(5)
+#undef QW_REST
+        default: break;
+    }
+}
+
+#if QW_X_AMX
+/* The AMX back-end. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* every tile 16 rows x 64 bytes; a constant in memory (see csrc/gemm_amx.c on why not the stack) */
+static const tile_config TILES __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+/* gcc 12's tile intrinsics do not declare the memory they touch: a barrier after the stores */
+#define TILES_STORED() __asm__ volatile("" ::: "memory")
+
 /* S[t rows][NK] = Q rows [16 t, 16 t + 16) . K^T for row tiles [t0, t1): C tiles 0-1, A 4, B 5-6 */
-static void scores(const uint16_t *Qb, const uint32_t *Kb, int D, int t0, int t1, float *S) {
+static void scores_amx(const uint16_t *Qb, const uint32_t *Kb, int D, int t0, int t1, float *S) {
     for (int t = t0; t < t1; t++) {
         _tile_zero(0);
         _tile_zero(1);
@@ -156,7 +263,7 @@ static void scores(const uint16_t *Qb, const uint32_t *Kb, int D, int t0, int t1
 
 /* O[r] = O[r] * alpha[r] + P[r] . V for the rows of tiles [t0, t1): C tiles 0-3 (16 columns
  * each), A 4, B 5; tmp holds 16 x 64 fp32 sums */
-static void add_pv(const uint16_t *Pb, const uint16_t *Vb, int D, int t0, int t1, const float *alpha, float *O,
+static void add_pv_amx(const uint16_t *Pb, const uint16_t *Vb, int D, int t0, int t1, const float *alpha, float *O,
                    float *restrict tmp) {
     const int ncol = D / 16;
     for (int t = t0; t < t1; t++) {
@@ -198,11 +305,13 @@ static void add_pv(const uint16_t *Pb, const uint16_t *Vb, int D, int t0, int t1
     }
 }
 
+#endif /* QW_X_AMX */
+
 /* Scratch per thread, in bf16 elements where noted (sizes for Rpad rows). */
 typedef struct {
     uint16_t *Qb, *Pb, *Vb; /* [Rpad][D], [Rpad][NK], [NK / 2][D][2] */
     uint32_t *Kb;           /* [D / 2][NK] */
-    float *S, *O, *m, *l, *alpha, *tmp; /* [Rpad][NK], [Rpad][D], [Rpad] x 3, [16][64] */
+    float *S, *O, *m, *l, *alpha, *tmp; /* [Rpad][NK], [Rpad][D], [Rpad] x 3, [16][64] (AMX's C tiles) */
 } scratch_t;
 
 static void *scratch_alloc(scratch_t *s, int Rpad, int D) {
@@ -228,11 +337,12 @@ static void *scratch_alloc(scratch_t *s, int Rpad, int D) {
 }
 
 /* One item: query rows [i0, i1) of a sequence (positions prefix + i), KV head h, its G query heads;
- * block rows r = (i - i0) * G + g. */
+ * block rows r = (i - i0) * G + g. amx: the products on tiles (whole 16-row tiles, the rows
+ * outside a chunk's [r0, r1) given probability 0 and no rescale), else dot products (rows [r0, r1)). */
 static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                         const int32_t *table, int row0, int prefix, int i0, int i1, int h, int G, int D, int block_size,
                         int64_t token_stride, float scale, int window, float softcap, float *out, int64_t out_stride,
-                        const scratch_t *w) {
+                        const scratch_t *w, int amx) {
     const int nrow = i1 - i0, R = nrow * G, Rpad = (R + TR - 1) / TR * TR;
     for (int i = 0; i < nrow; i++) {
         const float *src = q + (int64_t)(row0 + i0 + i) * q_stride + (int64_t)h * G * D;
@@ -256,8 +366,13 @@ static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cach
         if (ilo >= ihi) continue;
         load_chunk(k_cache, v_cache, table, a, e - a, block_size, token_stride, h, D, w->Kb, w->Vb);
         const int r0 = (ilo - i0) * G, r1 = (ihi - i0) * G, t0 = r0 / TR, t1 = (r1 + TR - 1) / TR;
-        scores(w->Qb, w->Kb, D, t0, t1, w->S);
-        for (int r = t0 * TR; r < t1 * TR; r++) {
+        const int lo = amx ? t0 * TR : r0, hi = amx ? t1 * TR : r1; /* the rows the products cover */
+#if QW_X_AMX
+        if (amx) scores_amx(w->Qb, w->Kb, D, t0, t1, w->S);
+        else
+#endif
+            scores_dp(w->Qb, w->Kb, D, r0, r1, w->S);
+        for (int r = lo; r < hi; r++) {
             float *restrict s = w->S + (int64_t)r * NK;
             uint16_t *restrict p = w->Pb + (int64_t)r * NK;
             if (r < r0 || r >= r1) { /* a row of the tile that sees none of these keys (or padding) */
@@ -289,7 +404,11 @@ static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cach
             _mm256_storeu_si256((__m256i *)(p + 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(p1, 16)));
             w->l[r] = w->l[r] * w->alpha[r] + sum;
         }
-        add_pv(w->Pb, w->Vb, D, t0, t1, w->alpha, w->O, w->tmp);
+#if QW_X_AMX
+        if (amx) add_pv_amx(w->Pb, w->Vb, D, t0, t1, w->alpha, w->O, w->tmp);
+        else
+#endif
+            add_pv_dp(w->Pb, w->Vb, D, r0, r1, w->alpha, w->O);
     }
     for (int i = 0; i < nrow; i++)
         for (int g = 0; g < G; g++) {
@@ -302,15 +421,32 @@ static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cach
 }
 #endif
 
+/* Which back-end runs for head size D: 2 AMX, 1 dot products, 0 neither (the fp32-product kernel). */
+int qw_paged_extend_bf16_products_kernel(int D) {
+#if QW_X_DP
+    if (D % 32 != 0 || D <= 0) return 0;
+#if QW_X_AMX
+    /* 2: the OS gave this process AMX state (1 there means only the dot-product GEMM is built) */
+    if (qw_gemm_bf16_amx_ready() == 2) return 2;
+#endif
+    return 1;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
 /* Returns 0; -1 when scratch memory could not be allocated (the caller falls back); -2, before
  * reading anything, for a block-table entry outside the cache or more query rows than tokens. */
-int qw_paged_extend_bf16_amx(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                             const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
-                             const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq, int Hkv, int D,
-                             int block_size, float scale, int num_threads, int64_t num_blocks, int window, float softcap) {
-#if QW_X_AMX
-    if (D % 32 == 0 && D > 0 && Hkv > 0 && Hq % Hkv == 0 && qw_gemm_bf16_amx_ready()) {
-        const int G = Hq / Hkv;
+int qw_paged_extend_bf16_products(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                                  const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
+                                  const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq, int Hkv, int D,
+                                  int block_size, float scale, int num_threads, int64_t num_blocks, int window,
+                                  float softcap) {
+#if QW_X_DP
+    const int kernel = Hkv > 0 && Hq % Hkv == 0 ? qw_paged_extend_bf16_products_kernel(D) : 0;
+    if (kernel) {
+        const int G = Hq / Hkv, amx = kernel == 2;
         /* query rows per item: about 128 rows of the block, at least 8 queries */
         int tm = 128 / G;
         tm = tm < 8 ? 8 : tm;
@@ -326,16 +462,20 @@ int qw_paged_extend_bf16_amx(const float *q, int64_t q_stride, const uint16_t *k
             scratch_t w;
             void *base = scratch_alloc(&w, Rpad, D);
             if (!base) failed = 1;
-            else _tile_loadconfig(&TILES);
+#if QW_X_AMX
+            else if (amx) _tile_loadconfig(&TILES);
+#endif
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < n_items; it++) {
                 if (!base) continue;
                 const qw_x_item x = items[it];
                 extend_item(q, q_stride, k_cache, v_cache, block_tables + x.b * table_stride, query_start_loc[x.b],
                             seq_lens[x.b] - (query_start_loc[x.b + 1] - query_start_loc[x.b]), x.i0, x.i1, x.h, G, D,
-                            block_size, token_stride, scale, window, softcap, out, out_stride, &w);
+                            block_size, token_stride, scale, window, softcap, out, out_stride, &w, amx);
             }
-            if (base) _tile_release();
+#if QW_X_AMX
+            if (base && amx) _tile_release();
+#endif
             free(base);
         }
         free(items);
@@ -344,14 +484,4 @@ int qw_paged_extend_bf16_amx(const float *q, int64_t q_stride, const uint16_t *k
 #endif
     return qw_paged_extend_bf16(q, q_stride, k_cache, v_cache, block_tables, table_stride, query_start_loc, seq_lens, out,
                                 out_stride, B, Hq, Hkv, D, block_size, scale, num_threads, num_blocks, window, softcap);
-}
-
-/* 1 where qw_paged_extend_bf16_amx runs on AMX for head size D, else 0 (it then runs qw_paged_extend_bf16) */
-int qw_paged_extend_bf16_amx_active(int D) {
-#if QW_X_AMX
-    return D % 32 == 0 && D > 0 && qw_gemm_bf16_amx_ready();
-#else
-    (void)D;
-    return 0;
-#endif
 }
