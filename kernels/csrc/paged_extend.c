@@ -46,7 +46,9 @@ typedef float qw_vf_u __attribute__((vector_size(QW_VL * 4), aligned(4))); /* un
 
 #define QW_NK 32                  /* keys per chunk */
 #define QW_NV (QW_NK / QW_VL)     /* vectors per score row */
-#define QW_RB (QW_VL == 4 ? 2 : 8 / QW_NV) /* rows per score micro-kernel: 8 accumulators */
+/* rows per score micro-kernel: AVX-512's 32 registers hold 12 x 2 sums, the chunk's 2 key vectors
+ * and a broadcast (2 key loads and 12 broadcasts per 24 FMAs); AVX2's 16 hold 2 x 4 sums */
+#define QW_RB (QW_VL == 16 ? 12 : 2)
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -80,25 +82,34 @@ static inline float qw_x_f16(uint16_t h) {
 #endif
 }
 
-/* S[r][0:NK] = Q[r] . Kt[:, 0:NK] for RB rows starting at r (Q rows D apart, S rows NK apart) */
-static inline void qw_x_scores(const float *restrict Q, const float *restrict Kt, int D, float *restrict S) {
+/* S[r][0:NK] = Q[r] . Kt[:, 0:NK] for a block of RB rows: Qt holds the block's queries channel by
+ * channel (Qt[d * RB + i] = row i's channel d, one base address for every broadcast), S rows NK
+ * apart. Each score sums its channels in order d = 0 .. D - 1, whatever RB. */
+static inline void qw_x_scores(const float *restrict Qt, const float *restrict Kt, int D, float *restrict S) {
     qw_vf acc[QW_RB][QW_NV];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < QW_RB; r++)
 #pragma GCC unroll 8
         for (int v = 0; v < QW_NV; v++) acc[r][v] = (qw_vf){0};
     for (int d = 0; d < D; d++) {
         qw_vf k[QW_NV];
 #pragma GCC unroll 8
-        for (int v = 0; v < QW_NV; v++) k[v] = VLOAD(Kt + (int64_t)d * QW_NK + v * QW_VL);
-#pragma GCC unroll 8
+        for (int v = 0; v < QW_NV; v++) {
+            k[v] = VLOAD(Kt + (int64_t)d * QW_NK + v * QW_VL);
+#if QW_VL == 16
+            /* in a register: gcc would otherwise fold the load into each row's FMA, 12 loads of
+             * one vector (the load ports, not the FMAs, then bound the kernel) */
+            __asm__("" : "+v"(k[v]));
+#endif
+        }
+#pragma GCC unroll 12
         for (int r = 0; r < QW_RB; r++) {
-            const float qd = Q[(int64_t)r * D + d];
+            const float qd = Qt[(int64_t)d * QW_RB + r];
 #pragma GCC unroll 8
             for (int v = 0; v < QW_NV; v++) acc[r][v] += qd * k[v];
         }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < QW_RB; r++)
 #pragma GCC unroll 8
         for (int v = 0; v < QW_NV; v++) VSTORE(S + (int64_t)r * QW_NK + v * QW_VL, acc[r][v]);

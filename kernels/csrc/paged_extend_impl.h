@@ -24,8 +24,9 @@ static void FN(load_chunk)(const KV_T *restrict k_cache, const KV_T *restrict v_
 }
 
 /* One item: query rows [i0, i1) of sequence b (positions prefix + i), KV head h, its G query heads.
- * Rows of the block are r = (i - i0) * G + g. Scratch: Q, O (R x D), S (R x NK, R padded to RB),
- * Kt (D x NK), V (NK x D), m, l, alpha (R). */
+ * Rows of the block are r = (i - i0) * G + g. Scratch (R padded to RB): Q (the scaled queries in
+ * blocks of RB rows, each block channel-major: Q[(r / RB) * D * RB + d * RB + r % RB]), O (R x D),
+ * S (R x NK), Kt (D x NK), V (NK x D), m, l, alpha (R). */
 static void FN(extend_item)(const float *restrict q, int64_t q_stride, const KV_T *restrict k_cache,
                             const KV_T *restrict v_cache, const int32_t *restrict table, int row0, int prefix,
                             int i0, int i1, int h, int G, int D, int block_size, int64_t token_stride, float scale,
@@ -33,13 +34,14 @@ static void FN(extend_item)(const float *restrict q, int64_t q_stride, const KV_
     const int nrow = i1 - i0, R = nrow * G, Rpad = (R + QW_RB - 1) / QW_RB * QW_RB;
     float *Q = scratch, *O = Q + (int64_t)Rpad * D, *S = O + (int64_t)Rpad * D, *Kt = S + (int64_t)Rpad * QW_NK;
     float *V = Kt + (int64_t)D * QW_NK, *m = V + (int64_t)QW_NK * D, *l = m + Rpad, *alpha = l + Rpad;
-    for (int i = 0; i < nrow; i++) {
-        const float *src = q + (int64_t)(row0 + i0 + i) * q_stride + (int64_t)h * G * D;
-        float *dst = Q + (int64_t)i * G * D;
-#pragma omp simd
-        for (int e = 0; e < G * D; e++) dst[e] = src[e] * scale;
-    }
-    memset(Q + (int64_t)R * D, 0, sizeof(float) * (size_t)(Rpad - R) * D);
+    memset(Q + (int64_t)R / QW_RB * QW_RB * D, 0, sizeof(float) * (size_t)(Rpad - R / QW_RB * QW_RB) * D);
+    for (int i = 0; i < nrow; i++)
+        for (int g = 0; g < G; g++) {
+            const int r = i * G + g;
+            const float *src = q + (int64_t)(row0 + i0 + i) * q_stride + (int64_t)(h * G + g) * D;
+            float *dst = Q + (int64_t)(r / QW_RB) * D * QW_RB + r % QW_RB;
+            for (int d = 0; d < D; d++) dst[(int64_t)d * QW_RB] = src[d] * scale;
+        }
     memset(O, 0, sizeof(float) * (size_t)Rpad * D);
     for (int r = 0; r < Rpad; r++) {
         m[r] = -INFINITY;
@@ -59,7 +61,7 @@ static void FN(extend_item)(const float *restrict q, int64_t q_stride, const KV_
         FN(load_chunk)(k_cache, v_cache, table, a, e - a, block_size, token_stride, h, D, Kt, V);
         const int r0 = (ilo - i0) * G, r1 = (ihi - i0) * G;
         for (int r = r0 / QW_RB * QW_RB; r < r1; r += QW_RB)
-            qw_x_scores(Q + (int64_t)r * D, Kt, D, S + (int64_t)r * QW_NK);
+            qw_x_scores(Q + (int64_t)r * D, Kt, D, S + (int64_t)r * QW_NK); /* r * D: block r / RB */
         for (int r = r0; r < r1; r++) {
             const int pos = prefix + i0 + r / G;
             /* this row's keys in the chunk, as offsets from a: [j0, j1) */
