@@ -91,9 +91,11 @@ static inline __m512i round_bf16(__m512 v) {
     return _mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u));
 }
 
-/* Keys [c0, c0 + n) of KV head h into Kb (uint32 pairs, [D / 2][NK]) and Vb ([NK / 2][D][2]),
- * keys n..NK zero. */
-static void load_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int c0, int n,
+/* The chunk of keys [c0, c0 + NK) of KV head h into Kb (uint32 pairs, [D / 2][NK]) and Vb
+ * ([NK / 2][D][2]): key t in slot t - c0, the keys outside [a, e) (before a window's first key,
+ * past the context) zero. Slots follow positions, so the P . V pairs are keys (c0 + 2m, c0 + 2m + 1)
+ * (c0 a multiple of NK) wherever a window starts and however a prompt was split into steps. */
+static void load_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int c0, int a, int e,
                        int block_size, int64_t token_stride, int h, int D, uint32_t *restrict Kb, uint16_t *restrict Vb) {
     /* vpermw index interleaving two 16-value rows a (0..15) and b (16..31): a0 b0 a1 b1 ... */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -103,7 +105,7 @@ static void load_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const i
         const uint16_t *kr[2], *vr[2];
         for (int u = 0; u < 2; u++) {
             const int t = c0 + j + u;
-            if (j + u < n) {
+            if (t >= a && t < e) {
                 const int64_t at = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride + (int64_t)h * D;
                 kr[u] = k_cache + at;
                 vr[u] = v_cache + at;
@@ -362,9 +364,9 @@ static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cach
         const int a = c0 > kmin ? c0 : kmin, e = c0 + NK < kend ? c0 + NK : kend;
         int ilo = a - prefix > i0 ? a - prefix : i0;
         int ihi = i1;
-        if (window > 0 && e - 1 + window - prefix < ihi) ihi = e - 1 + window - prefix;
+        if (window > 0 && (int64_t)e - 1 + window - prefix < ihi) ihi = e - 1 + window - prefix; /* int64: window may be INT_MAX */
         if (ilo >= ihi) continue;
-        load_chunk(k_cache, v_cache, table, a, e - a, block_size, token_stride, h, D, w->Kb, w->Vb);
+        load_chunk(k_cache, v_cache, table, c0, a, e, block_size, token_stride, h, D, w->Kb, w->Vb);
         const int r0 = (ilo - i0) * G, r1 = (ihi - i0) * G, t0 = r0 / TR, t1 = (r1 + TR - 1) / TR;
         const int lo = amx ? t0 * TR : r0, hi = amx ? t1 * TR : r1; /* the rows the products cover */
 #if QW_X_AMX
@@ -380,9 +382,11 @@ static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cach
                 w->alpha[r] = 1.0f;
                 continue;
             }
+            /* the row's keys as slots of the chunk: [j0, j1), j0 >= a - c0 (a row's window never
+             * starts before the item's first key) */
             const int pos = prefix + i0 + r / G;
-            const int j1 = (pos + 1 < e ? pos + 1 : e) - a;
-            const int j0 = window > 0 && pos - window + 1 > a ? pos - window + 1 - a : 0;
+            const int j1 = (pos + 1 < e ? pos + 1 : e) - c0;
+            const int j0 = window > 0 && pos - window + 1 > c0 ? pos - window + 1 - c0 : 0;
             if (softcap > 0.0f) {
 #pragma omp simd
                 for (int j = 0; j < NK; j++) s[j] = qw_softcap(s[j], softcap);

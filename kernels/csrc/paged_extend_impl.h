@@ -56,7 +56,7 @@ static void FN(extend_item)(const float *restrict q, int64_t q_stride, const KV_
         /* rows that see any key of [a, e): position >= a, and (window) position - window < e - 1 */
         int ilo = a - prefix > i0 ? a - prefix : i0;
         int ihi = i1;
-        if (window > 0 && e - 1 + window - prefix < ihi) ihi = e - 1 + window - prefix;
+        if (window > 0 && (int64_t)e - 1 + window - prefix < ihi) ihi = e - 1 + window - prefix; /* int64: window may be INT_MAX */
         if (ilo >= ihi) continue;
         FN(load_chunk)(k_cache, v_cache, table, a, e - a, block_size, token_stride, h, D, Kt, V);
         const int r0 = (ilo - i0) * G, r1 = (ihi - i0) * G;

@@ -154,3 +154,35 @@ def test_out_of_range_block_ids_raise_before_reading(seed):
     args[3][0, 1] = batch.k_cache.shape[0] + 5
     with pytest.raises(IndexError):
         kernels.paged_prefill_attention_cpu(*args, bf16_products=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [64, 37, 1])
+def test_a_windowed_token_has_the_same_bits_however_its_prompt_was_split(seed, no_fallback, window):
+    """Chunked prefill splits a prompt at any token: the rows after the split must come out as in
+    the one-step prefill. With a window, an item's first key is then odd or even by the split, and
+    the P . V pairs must still be the same keys (found by an attack: pairs counted from that first
+    key changed ~1 ulp in rows after an odd split)."""
+    gen = generator(seed)
+    n = 300
+    whole = bf16_batch(gen, lens=[n], q_lens=[n], block_size=16, num_kv_heads=3, group=3, head_dim=64)
+    q, k, v, tables, starts, lens, scale, _ = whole.args()
+    full = kernels.paged_prefill_attention_cpu(q, k, v, tables, starts, lens, scale, n, sliding_window=window,
+                                               bf16_products=True)
+    for prefix in (1, 2, 3, 17, 150, 151):
+        rest = kernels.paged_prefill_attention_cpu(q[prefix:], k, v, tables, torch.tensor([0, n - prefix]), lens, scale,
+                                                   n - prefix, sliding_window=window, bf16_products=True)
+        assert torch.equal(rest, full[prefix:]), f"window {window}, split after {prefix} tokens"
+
+
+@pytest.mark.parametrize("bf16_products", [False, True])
+def test_a_window_past_int32_is_no_window(seed, no_fallback, bf16_products):
+    """``sliding_window`` of 2**31 - 1 or more is passed as INT_MAX, which must mean no window (an
+    int overflow in the rows-that-see-a-chunk test once made every row NaN), in both kernels."""
+    gen = generator(seed)
+    batch = bf16_batch(gen, lens=[40, 70], q_lens=[40, 30], block_size=16, num_kv_heads=2, group=2, head_dim=64)
+    none = kernels.paged_prefill_attention_cpu(*batch.args(), bf16_products=bf16_products)
+    assert torch.isfinite(none).all()
+    for w in (2**31 - 2, 2**31 - 1, 2**40):
+        out = kernels.paged_prefill_attention_cpu(*batch.args(), sliding_window=w, bf16_products=bf16_products)
+        assert torch.equal(out, none), f"window {w}"
