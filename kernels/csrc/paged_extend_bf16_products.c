@@ -357,15 +357,10 @@ static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cach
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
-    const int p_first = prefix + i0, p_last = prefix + i1 - 1;
-    const int kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
-    const int kend = p_last + 1;
+    int kmin, kend, a, e, ilo, ihi;
+    qw_x_keys(prefix, i0, i1, window, &kmin, &kend);
     for (int c0 = kmin / NK * NK; c0 < kend; c0 += NK) {
-        const int a = c0 > kmin ? c0 : kmin, e = c0 + NK < kend ? c0 + NK : kend;
-        int ilo = a - prefix > i0 ? a - prefix : i0;
-        int ihi = i1;
-        if (window > 0 && (int64_t)e - 1 + window - prefix < ihi) ihi = e - 1 + window - prefix; /* int64: window may be INT_MAX */
-        if (ilo >= ihi) continue;
+        if (!qw_x_chunk(c0, NK, kmin, kend, prefix, i0, i1, window, &a, &e, &ilo, &ihi)) continue;
         load_chunk(k_cache, v_cache, table, c0, a, e, block_size, token_stride, h, D, w->Kb, w->Vb);
         const int r0 = (ilo - i0) * G, r1 = (ihi - i0) * G, t0 = r0 / TR, t1 = (r1 + TR - 1) / TR;
         const int lo = amx ? t0 * TR : r0, hi = amx ? t1 * TR : r1; /* the rows the products cover */

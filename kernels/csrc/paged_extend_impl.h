@@ -47,17 +47,10 @@ static void FN(extend_item)(const float *restrict q, int64_t q_stride, const KV_
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    const int p_first = prefix + i0, p_last = prefix + i1 - 1; /* positions of the tile's first and last rows */
-    const int kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
-    const int kend = p_last + 1;
+    int kmin, kend, a, e, ilo, ihi;
+    qw_x_keys(prefix, i0, i1, window, &kmin, &kend);
     for (int c0 = kmin / QW_NK * QW_NK; c0 < kend; c0 += QW_NK) {
-        /* keys [a, e) of this chunk are read: the window's first chunk starts mid-way */
-        const int a = c0 > kmin ? c0 : kmin, e = c0 + QW_NK < kend ? c0 + QW_NK : kend;
-        /* rows that see any key of [a, e): position >= a, and (window) position - window < e - 1 */
-        int ilo = a - prefix > i0 ? a - prefix : i0;
-        int ihi = i1;
-        if (window > 0 && (int64_t)e - 1 + window - prefix < ihi) ihi = e - 1 + window - prefix; /* int64: window may be INT_MAX */
-        if (ilo >= ihi) continue;
+        if (!qw_x_chunk(c0, QW_NK, kmin, kend, prefix, i0, i1, window, &a, &e, &ilo, &ihi)) continue;
         FN(load_chunk)(k_cache, v_cache, table, a, e - a, block_size, token_stride, h, D, Kt, V);
         const int r0 = (ilo - i0) * G, r1 = (ihi - i0) * G;
         for (int r = r0 / QW_RB * QW_RB; r < r1; r += QW_RB)

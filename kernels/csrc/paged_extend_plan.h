@@ -16,3 +16,25 @@ typedef struct {
  * *items NULL), -1 when the list could not be allocated, -2 as above. */
 int64_t qw_x_plan(int B, int Hkv, int tm, int block_size, int window, int64_t num_blocks, const int32_t *block_tables,
                   int64_t table_stride, const int32_t *query_start_loc, const int32_t *seq_lens, qw_x_item **items);
+
+/* The keys an item reads: query rows [i0, i1) at positions prefix + i see keys [kmin, kend) (kmin
+ * > 0 only under a window: a query at p sees (p - window, p]). */
+static inline void qw_x_keys(int prefix, int i0, int i1, int window, int *kmin, int *kend) {
+    const int p_first = prefix + i0;
+    *kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
+    *kend = prefix + i1;
+}
+
+/* Chunk [c0, c0 + nk) of such an item: the keys of it that are read, [*a, *e) (a window's first
+ * chunk starts mid-way), and the rows that see any of them, [*ilo, *ihi): position >= a and, under
+ * a window, position - window < e - 1. Returns 0 when no row does (the chunk is skipped). */
+static inline int qw_x_chunk(int c0, int nk, int kmin, int kend, int prefix, int i0, int i1, int window, int *a, int *e,
+                             int *ilo, int *ihi) {
+    *a = c0 > kmin ? c0 : kmin;
+    *e = c0 + nk < kend ? c0 + nk : kend;
+    *ilo = *a - prefix > i0 ? *a - prefix : i0;
+    *ihi = i1;
+    /* in int64: a window past int32 arrives as INT_MAX (no window) */
+    if (window > 0 && (int64_t)*e - 1 + window - prefix < *ihi) *ihi = *e - 1 + window - prefix;
+    return *ilo < *ihi;
+}
