@@ -70,27 +70,7 @@ static int amx_ready(void) {
     return s;
 }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* all eight tiles 16 rows x 64 bytes: C (fp32 16 x 16), A (bf16 16 x 32), B (16 k pairs x 16
- * columns). A constant in memory: gcc does not see that LDTILECFG reads its operand, and dropped
- * the stores of a configuration built on the stack (found when the function was not inlined: a
- * garbage configuration, #GP, a segfault) */
-static const tile_config TILES_16x64 __attribute__((aligned(64))) = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
-static void configure_tiles(void) { _tile_loadconfig(&TILES_16x64); }
-
-/* gcc 12's tile intrinsics do not declare the memory they touch (TILESTORED's writes, TILELOADD's
- * reads): after the stores, a barrier, so that the sums are read back only once written */
-#define TILES_STORED() __asm__ volatile("" ::: "memory")
+#include "amx_tiles.h"
 
 /* the finished 16 x 16 sums (c, 16 floats a row) + bias -> rows [0, rows) x columns [0, ncols) of y */
 static void store_tile(const float *c, const float *bias, void *y, int64_t ldy, int ybf, int rows, int ncols) {
@@ -180,7 +160,7 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
     const int esz = ybf ? 2 : 4;
     float c[4 * MT * NR] __attribute__((aligned(64)));
     int64_t lda, lda1;
-    configure_tiles();
+    qw_configure_tiles();
     if (Mp == MT) { /* one row tile: three panels at a time */
         const uint16_t *a0 = tile_rows(a, 0, &lda);
         for (int64_t p = p0; p < p1; p += 3) {

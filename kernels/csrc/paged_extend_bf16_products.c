@@ -229,21 +229,7 @@ static void add_pv_dp(const uint16_t *Pb, const uint16_t *Vb, int D, int r0, int
 
 #if QW_X_AMX
 /* The AMX back-end. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* every tile 16 rows x 64 bytes; a constant in memory (see csrc/gemm_amx.c on why not the stack) */
-static const tile_config TILES __attribute__((aligned(64))) = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
-/* gcc 12's tile intrinsics do not declare the memory they touch: a barrier after the stores */
-#define TILES_STORED() __asm__ volatile("" ::: "memory")
+#include "amx_tiles.h"
 
 /* S[t rows][NK] = Q rows [16 t, 16 t + 16) . K^T for row tiles [t0, t1): C tiles 0-1, A 4, B 5-6 */
 static void scores_amx(const uint16_t *Qb, const uint32_t *Kb, int D, int t0, int t1, float *S) {
@@ -446,9 +432,7 @@ int qw_paged_extend_bf16_products(const float *q, int64_t q_stride, const uint16
     const int kernel = Hkv > 0 && Hq % Hkv == 0 ? qw_paged_extend_bf16_products_kernel(D) : 0;
     if (kernel) {
         const int G = Hq / Hkv, amx = kernel == 2;
-        /* query rows per item: about 128 rows of the block, at least 8 queries */
-        int tm = 128 / G;
-        tm = tm < 8 ? 8 : tm;
+        const int tm = qw_x_rows_per_item(G);
         qw_x_item *items;
         const int64_t n_items = qw_x_plan(B, Hkv, tm, block_size, window, num_blocks, block_tables, table_stride,
                                           query_start_loc, seq_lens, &items);
@@ -462,7 +446,7 @@ int qw_paged_extend_bf16_products(const float *q, int64_t q_stride, const uint16
             void *base = scratch_alloc(&w, Rpad, D);
             if (!base) failed = 1;
 #if QW_X_AMX
-            else if (amx) _tile_loadconfig(&TILES);
+            else if (amx) qw_configure_tiles();
 #endif
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < n_items; it++) {

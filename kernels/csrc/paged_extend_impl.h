@@ -104,9 +104,7 @@ int FN(qw_paged_extend)(const float *q, int64_t q_stride, const KV_T *k_cache, c
                         const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq, int Hkv, int D,
                         int block_size, float scale, int num_threads, int64_t num_blocks, int window, float softcap) {
     const int G = Hq / Hkv;
-    /* query rows per item: about 128 rows of the block (G heads each), at least 8 queries */
-    int tm = 128 / G;
-    tm = tm < 8 ? 8 : tm;
+    const int tm = qw_x_rows_per_item(G);
     qw_x_item *items;
     const int64_t n_items = qw_x_plan(B, Hkv, tm, block_size, window, num_blocks, block_tables, table_stride,
                                       query_start_loc, seq_lens, &items);

@@ -10,6 +10,10 @@ typedef struct {
     int b, h, i0, i1;
 } qw_x_item;
 
+/* Query rows per item for G query heads per KV head: about 128 rows of the block, at least 8
+ * queries (both kernels split a step the same way). */
+static inline int qw_x_rows_per_item(int G) { return 128 / G < 8 ? 8 : 128 / G; }
+
 /* Checks the inputs (-2: a block-table entry the kernel would read is outside [0, num_blocks), or
  * a sequence has more query rows than tokens) and lists the items, tm query rows each, most costly
  * first, in *items (malloc'd; the caller frees it). Returns the number of items (0: nothing to do,
