@@ -220,9 +220,12 @@ class KVCacheManager:
         seq.cpu_block_ids = cpu_ids
         self.blocks_swapped_out += len(cpu_ids)
 
-    def swap_in_cost(self, seq: Sequence) -> int:
-        """Free device blocks a swap-in takes: fresh ones, plus resident cached-free ones it revives."""
-        return self._swap_in_cost(seq, self._resident_prefix(seq))
+    def swap_in_cost(self, seq: Sequence, num_new_tokens: int = 0) -> int:
+        """Free device blocks a swap-in takes: fresh ones, plus resident cached-free ones it revives,
+        plus the blocks ``num_new_tokens`` more tokens then open. Only full blocks are ever resident,
+        so a partial last block comes back as the sequence's own copy: no copy-on-write after it."""
+        opened = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.cpu_block_ids)
+        return self._swap_in_cost(seq, self._resident_prefix(seq)) + max(0, opened)
 
     def _swap_in_cost(self, seq: Sequence, resident: list[Block]) -> int:
         return len(seq.cpu_block_ids) - len(resident) + sum(1 for b in resident if b.ref_count == 0)

@@ -264,6 +264,7 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput) -> list[Request]:
         masks: StepMasks | None = None
+        seeded: list[tuple[torch.Generator, torch.Tensor]] = []
         try:
             if sched.empty:
                 if sched.copies:  # a step that runs nothing still owes its swap-outs
@@ -274,8 +275,13 @@ class LLMEngine:
             sampling, rows, drafts, num_rows = sampling_rows(order, self._new_fork)
             masks = self.structured.start_masks(sampling)
             logits = self.runner.execute(batch)
+            # a sampler that fails after drawing (the logprobs part, a verification's later
+            # positions) must leave seeded requests' streams where they were: the step is redone
+            seeded = [(g, g.get_state()) for g in {id(q.generator): q.generator for q in sampling if q.generator is not None}.values()]
             tokens, logprobs = self._sample(logits, sampling, rows, drafts, num_rows, masks)
         except BaseException as e:
+            for generator, state in seeded:
+                generator.set_state(state)
             if masks is not None:
                 masks.settle()
             if not isinstance(e, Exception) or isinstance(e, ExecutorFailed):

@@ -29,8 +29,9 @@ found alone and fails alone.
 
 Speculative decoding: ``schedule(drafts)`` takes draft tokens for decoding running sequences (by
 ``seq_id``). Such a sequence is scheduled ``1 + len(draft)`` tokens when budget and blocks allow;
-drafts go first: a draft is cut so every running decode after it still gets its one token, and
-dropped (not preempting anyone) when its blocks do not fit. Drafts are not part of
+a draft is speculative work, cut so that every running sequence after it still gets the tokens
+(a decode's one, a prefill's chunk) and the blocks it needs this step, and dropped (not preempting
+anyone) when its blocks do not fit. Drafts are not part of
 ``token_ids``; they travel in ``ScheduledSeq.draft``.
 """
 
@@ -192,14 +193,19 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         only = self._isolated() if self.suspects else None
         running = list(self.running)
-        # decodes still to come after each position: a draft never takes their one token
-        decodes_after = [0] * len(running)
+        # what the running sequences after each position still need this step: a draft is
+        # speculative work and never takes a token or a block that one of them needs (a decode's
+        # one token, a prefill chunk: delaying a chunk can cost its sequence its place later)
+        tokens_after = [0] * len(running)
+        blocks_after = [0] * len(running)
         if drafts:
-            n = 0
+            n = b = 0
             for i in range(len(running) - 1, -1, -1):
-                decodes_after[i] = n
+                tokens_after[i], blocks_after[i] = n, b
                 s = running[i]
-                n += len(s.token_ids) - s.num_computed_tokens == 1
+                pending = min(len(s.token_ids) - s.num_computed_tokens, budget)
+                n += pending
+                b += self.kv.blocks_needed(s, pending)
 
         for i, seq in enumerate(running):
             if budget == 0:
@@ -211,7 +217,7 @@ class Scheduler:
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             draft = drafts.get(seq.seq_id) if drafts else None
             if draft and num_new == 1 and len(seq.token_ids) - seq.num_computed_tokens == 1:
-                draft = self._fit_draft(seq, draft, budget - 1 - decodes_after[i], decodes_after[i])
+                draft = self._fit_draft(seq, draft, budget - 1 - tokens_after[i], blocks_after[i])
                 if draft and self.kv.allocate_slots(seq, 1 + len(draft)):
                     out.scheduled.append(ScheduledSeq(seq, 1 + len(draft), list(draft)))
                     scheduled_ids.add(seq.seq_id)
@@ -235,15 +241,15 @@ class Scheduler:
         out.registered = self.kv.take_registered()
         return out
 
-    def _fit_draft(self, seq: Sequence, draft: list[int], max_tokens: int, later_decodes: int) -> list[int]:
-        """``draft`` cut to ``max_tokens`` and, when taking new blocks for it could leave a later
-        decode (at most one new block each) short, cut to the blocks the sequence needs anyway:
-        a draft must never cost another sequence its place."""
+    def _fit_draft(self, seq: Sequence, draft: list[int], max_tokens: int, later_blocks: int) -> list[int]:
+        """``draft`` cut to ``max_tokens`` and, when taking new blocks for it could leave the
+        running sequences after it short of the ``later_blocks`` their tokens need this step, cut
+        to the blocks the sequence needs anyway: a draft must never cost another sequence its place."""
         draft = draft[: max(0, max_tokens)]
         if not draft:
             return draft
         base = self.kv.blocks_needed(seq, 1)
-        if self.kv.pool.num_free - self.kv.blocks_needed(seq, 1 + len(draft)) >= later_decodes:
+        if self.kv.pool.num_free - self.kv.blocks_needed(seq, 1 + len(draft)) >= later_blocks:
             return draft
         n = len(draft)
         while n and self.kv.blocks_needed(seq, 1 + n) > base:
@@ -331,9 +337,10 @@ class Scheduler:
         """Swaps ``seq`` back in; returns the tokens scheduled for it (0: it runs from the next
         step on), or None when it does not fit."""
         num_new = len(seq.token_ids) - seq.num_computed_tokens  # 1: the token sampled last
-        # room for the blocks it brings back plus the one its next token may open
+        # room for the blocks it brings back plus the one its next token may open (only when it
+        # opens one: a sequence that held the whole pool must be able to come back to it)
         headroom = self._watermark_blocks if self.running else 0
-        if self.kv.swap_in_cost(seq) + 1 > self.kv.pool.num_free - headroom:
+        if self.kv.swap_in_cost(seq, num_new) > self.kv.pool.num_free - headroom:
             return None
         if not self.kv.swap_in(seq):
             return None
