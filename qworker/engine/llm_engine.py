@@ -64,6 +64,17 @@ def _freeze_start_up_heap() -> None:
     gc.freeze()
 
 
+def load_tokenizer(path: str):
+    """``path``'s tokenizer; one line naming the folder when transformers finds none it can read
+    there (its own error blames missing packages, in many lines)."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{path}: no tokenizer that transformers can load (tokenizer.json, tokenizer.model or "
+                         f"vocabulary files; tokenizer=DIR names another folder): {why}") from None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         # in a thread of its own: the OpenMP pool start-up creates must not outlive it in the
@@ -73,6 +84,7 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig) -> None:
         self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)  # before the weights: fail fast
         if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group: the followers start here
             from qworker.model.parallel.leader import ParallelRunner
 
@@ -91,7 +103,6 @@ class LLMEngine:
             raise
 
     def _start_after_runner(self, config: EngineConfig) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.model_name = config.model.rstrip("/").split("/")[-1]
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model)
         self.vocab_size = self.runner.model.vocab_size

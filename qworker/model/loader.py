@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from qworker.model.families import FAMILIES, SUPPORTED
@@ -16,6 +16,9 @@ try:  # transformers 5.x validates configs strictly through huggingface_hub; old
 except ImportError:  # pragma: no cover - depends on the installed huggingface_hub
     class StrictDataclassError(Exception):  # type: ignore[no-redef]
         """Never raised: stands in where huggingface_hub has no strict dataclasses."""
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # checkpoint dtypes read as weights
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -91,7 +94,13 @@ def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dt
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     weights: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                weights[name] = f.get_tensor(name).to(dtype)
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    # only real numbers are cast; anything else (an integer or fp8 export without
+                    # its quantization config) is refused by name when a family takes it
+                    weights[name] = t.to(dtype) if t.dtype in FLOAT_DTYPES else t
+        except (SafetensorError, OSError) as exc:  # truncated, not safetensors at all, unreadable
+            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
     return weights

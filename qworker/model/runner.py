@@ -6,6 +6,7 @@ It owns the weights and the KV tensors and knows nothing of scheduling.
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,8 @@ from qworker.model.linear import check_cpu_bf16
 from qworker.model.decoder import DecoderModel
 from qworker.model.loader import load_config, load_state_dict, resolve_device, resolve_dtype
 from qworker.model.rope import exact_context
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -36,6 +39,9 @@ class ModelRunner:
         model_len = getattr(self.config, "max_position_embeddings", 4096)
         exact = exact_context(self.config)  # past it a fixed rope table would serve other tokens
         model_len = min(model_len, exact) if exact else model_len
+        if max_model_len and max_model_len > model_len:  # served, but shorter than asked: say so
+            log.warning("max_model_len=%d is past what %s serves exactly (%d positions%s); using %d", max_model_len,
+                        model_dir, model_len, ", longrope's short factors" if exact and exact == model_len else "", model_len)
         self.max_model_len = min(max_model_len or model_len, model_len)
         if tp is None:
             weights = load_state_dict(model_dir, self.device, self.dtype)

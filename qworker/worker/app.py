@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -316,16 +317,20 @@ class Worker:
         for t in self._loops:
             t.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
+        # the broker's part of the stop shares one time limit: a broker that is gone or frozen
+        # costs the unanswered jobs a rerun elsewhere (they stay uncommitted), never a stop
+        # that does not end within the pod's grace period
+        deadline = time.monotonic() + min(self.settings.request_timeout_ms / 1000, _KAFKA_CLOSE_S)
         if self.consumer is not None:
-            await self.partitions.commit()
+            await _bounded("the final commit", self.partitions.commit(), deadline)
         log.info("drain: committed; leaving the group")
         if self._cancel_watcher is not None:
-            await self._cancel_watcher.stop()
+            await _bounded("the cancel watcher's stop", self._cancel_watcher.stop(), deadline)
         if self.consumer is not None:
-            await self.consumer.stop()  # sends LeaveGroup: partitions move at once
+            await _bounded("leaving the group", self.consumer.stop(), deadline)  # LeaveGroup: partitions move at once
             self.partitions.joined = False
         if self.producer is not None:
-            await self.producer.stop()  # flushes
+            await _bounded("the producer's flush", self.producer.stop(), deadline)
         if self._owns_engine and self.engine is not None:
             await self.engine.shutdown()
         if self.telemetry is not None:
@@ -359,6 +364,28 @@ class Worker:
         async for _ in self.engine.generate("qworker-warm-up", self.engine.encode("warm-up"), params):
             pass
         self.warmed_up = True
+
+
+_KAFKA_CLOSE_S = 20.0  # the chart's grace period is the drain timeout + 30 s
+
+
+async def _bounded(what: str, step: Any, deadline: float) -> None:
+    """Awaits one step of the stop until ``deadline`` (at least half a second, so a live broker
+    always gets its requests); a step that times out or fails is logged and left behind."""
+    try:
+        async with asyncio.timeout(max(0.5, deadline - time.monotonic())):
+            await step
+    except TimeoutError:
+        log.warning("stop: %s did not finish in time (broker unreachable?); going on without it", what)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the stop itself is being cancelled
+        # aiokafka's close cancels its own fetch tasks and can let that escape (a fetch asleep in
+        # its retry back-off): not ours to propagate
+        log.warning("stop: %s was cancelled inside the Kafka client; going on without it", what)
+    except Exception as e:  # noqa: BLE001 - the rest of the stop (engine, telemetry) must still run
+        log.warning("stop: %s failed: %r; going on without it", what, e)
 
 
 async def serve(settings: WorkerSettings, engine: Any | None = None) -> int:

@@ -51,13 +51,16 @@ class Intake:
     async def poll_once(self) -> None:
         w = self.w
         assert w.consumer is not None and w.pauser is not None and w.registry.wake is not None
-        want_pause = w.draining or w.admission.should_pause(len(w.registry.pending), w.pauser.paused)
+        # fetched and not yet admitted: the pending queue and the jobs whose grammar compiles (a
+        # burst of distinct schemas would otherwise fetch the whole topic while they compile)
+        held = len(w.registry.pending) + len(self.validating)
+        want_pause = w.draining or w.admission.should_pause(held, w.pauser.paused)
         try:
             if w.pauser.apply(want_pause):
                 w.stats.pause_events += 1
         except (KafkaError, AssertionError) as e:  # assignment changing under us: next round
             log.debug("pause/resume skipped: %r", e)
-        room = max(1, w.settings.max_waiting_jobs - len(w.registry.pending))
+        room = max(1, w.settings.max_waiting_jobs - held)
         try:
             # Polling continues while paused: it keeps this member alive in the group
             # (max_poll_interval_ms) however long the engine works.

@@ -115,11 +115,15 @@ class Partitions:
             reg.forget(st)
             if st.waiters:
                 (tp, off), rest = st.waiters[0], st.waiters[1:]
+                # everything intake settled for the job carries over: its prompt, parameters, wire
+                # shape, adapter (without it the heir would answer from the base model) and grammar check
                 heir = JobState(job=st.job, tp=tp, offset=off, produced_at=st.produced_at, received_at=st.received_at, waiters=rest, prompt_ids=st.prompt_ids, params=st.params,
-                                wire=st.wire)
+                                wire=st.wire, lora=st.lora, structured_validated=st.structured_validated)
                 heir.attempt = reg.attempts.next(st.job.id, self.generation)  # for an answer before its run
                 assert w.telemetry is not None
                 heir.tele = w.telemetry.job(st.job.id, tp.topic, tp.partition, off, st.job.id, None, st.received_at)
+                if st.lora is not None:
+                    heir.tele.set_lora(st.lora.lora_name)
                 reg.jobs[st.job.id] = heir
                 # still tokenizing when abandoned: the heir tokenizes here (rare: a duplicate on
                 # another partition during a revoke)

@@ -24,6 +24,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "gemma3_text": gemma.build,
 }
 SUPPORTED = sorted(FAMILIES)
+SILU_NAMES = ("silu", "swish")  # transformers' names for x * sigmoid(x)
 
 
 def spec_for(config: PretrainedConfig) -> DecoderSpec:
@@ -33,6 +34,6 @@ def spec_for(config: PretrainedConfig) -> DecoderSpec:
     spec = build(config)
     # the silu families read no activation name themselves: one they would silently replace is refused
     act = getattr(config, "hidden_act", None) or "silu"
-    if spec.activation == "silu" and act != "silu":
-        raise ValueError(f"{config.model_type}: unsupported hidden_act {act!r}; supported: 'silu'")
+    if spec.activation == "silu" and act not in SILU_NAMES:
+        raise ValueError(f"{config.model_type}: unsupported hidden_act {act!r}; supported: {', '.join(map(repr, SILU_NAMES))}")
     return spec

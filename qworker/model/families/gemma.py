@@ -18,7 +18,8 @@ from transformers import PretrainedConfig
 
 from qworker.model.families.spec import DecoderSpec, LayerAttention, RawLayer, dims, take, take_attention, take_dense_mlp, typed_layers
 
-ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# transformers' names for GELU's tanh approximation (each computes 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))))
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:

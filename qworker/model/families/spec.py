@@ -118,13 +118,26 @@ class DecoderSpec:
 
 
 def take(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Pops ``name`` from the checkpoint, checking its shape: one clear line if it is absent or wrong."""
+    """Pops ``name`` from the checkpoint, checking its shape, type and values: one clear line if it
+    is absent, has another shape, is not stored as real numbers (``loader.load_state_dict`` casts
+    only those) or holds a NaN or an infinity (a model that would answer every job with token 0)."""
     t = w.pop(name, None)
     if t is None:
         raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+    if not t.is_floating_point() or t.dtype.itemsize < 2:
+        raise ValueError(f"tensor {name!r} is stored as {t.dtype}, not as floating-point weights "
+                         "(quantized checkpoints are not supported)")
+    if not _finite(t):
+        raise ValueError(f"tensor {name!r} holds NaN or infinite values")
     return t
+
+
+def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Every value finite, checked a slice at a time (no mask the size of an embedding table)."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
 def take_optional(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:

@@ -1,0 +1,143 @@
+"""Regressions from helper-43's attack on the worker (2026-12-06), through the real broker and the
+tiny-model engine. Each failed before its fix.
+
+1. A job inherited by a duplicate record's partition after a revoke (``Partitions.abandon``'s
+   heir) lost its LoRA adapter and answered from the base model.
+2. Jobs whose structured-output grammar compiles at admission were not counted as held: a burst of
+   distinct schemas fetched the whole topic and never paused a partition.
+3. ``Worker.stop`` waited for a frozen broker for as long as it stayed frozen (the final commit,
+   LeaveGroup and the producer's flush had no time limit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import pytest
+from aiokafka import TopicPartition
+
+from qworker.messages import Job, Sampling
+from qworker.worker.client import submit
+from tests.engine.engine_support import HeldForward
+
+from .conftest import Results
+from .test_defects import partition_of, produce_raw
+from .test_flow import engines, job, started  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "The capital of France is"
+
+
+async def _direct(eng, lora) -> list[int]:
+    from qworker.engine import SamplingParams
+
+    ids: list[int] = []
+    kw = {} if lora is None else {"lora_request": lora}
+    async for out in eng.generate(f"direct-{time.monotonic_ns()}", eng.encode(PROMPT),
+                                  SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), **kw):
+        ids.extend(out.outputs[0].token_ids)
+    return ids
+
+
+async def _until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_an_heir_answers_under_the_jobs_adapter(topics, results: Results, engines, tiny_model_dir, tmp_path) -> None:
+    from tests.engine.lora_support import ALL_MODULES, make_peft_adapter
+
+    root = tmp_path / "adapters"
+    make_peft_adapter(tiny_model_dir, root / "a", rank=4, target_modules=ALL_MODULES, seed=1, b_std=1.0)
+    s = topics.model_copy(update={"lora_modules": json.dumps({"a": str(root / "a")}), "lora_root": str(root)})
+    # 16 blocks of 16 tokens: the blocker's 150 + 100 tokens take them all, so X waits in the queue
+    eng = await engines(16, enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8)
+    w = await started(s, eng)
+    try:
+        want, base = await _direct(eng, w.adapters.served["a"]), await _direct(eng, None)
+        assert want != base  # the adapter changes the greedy tokens
+        held = HeldForward(eng.engine)  # busy with the blocker: X stays queued, not admitted
+        blocker = Job(id="blocker", prompt_token_ids=[300] * 150, sampling=Sampling(max_tokens=100, temperature=0.0, ignore_eos=True))
+        await submit(s, [blocker])
+        await asyncio.to_thread(held.entered.wait, 20)
+        home = partition_of(s, "X")
+        x = Job(id="X", prompt=PROMPT, lora="a", sampling=Sampling(max_tokens=6, temperature=0.0, ignore_eos=True))
+        await submit(s, [x])
+        await produce_raw(s, s.jobs_topic, b"X-copy", x.model_dump_json().encode(), [], partition=(home + 1) % 4)
+        await _until(lambda: "X" in w.jobs and w.jobs["X"].waiters and not w.jobs["X"].admitted, 20, "X queued with a waiter")
+        first = w.jobs["X"]
+        w.partitions.abandon({TopicPartition(s.jobs_topic, home)})  # the revoke of X's partition
+        heir = w.jobs["X"]
+        assert heir is not first and heir.lora is not None and heir.lora.lora_name == "a"
+        held.release()
+        await results.wait(lambda: "X" in results.completions, 60)
+        (answer,) = results.completions["X"]
+        assert answer["model"] == "a" and answer["choices"][0]["token_ids"] == want
+    finally:
+        await w.stop()
+
+
+async def test_jobs_whose_grammar_compiles_count_as_held(topics, results: Results, engines) -> None:
+    s = topics.model_copy(update={"max_waiting_jobs": 4})
+    eng = await engines()
+    w = await started(s, eng)
+    # compiles that take a while (a large schema's take seconds): each waits for the test
+    release = asyncio.Event()
+    real = eng.validate_structured
+
+    async def slow(params):
+        await release.wait()
+        await real(params)
+
+    eng.validate_structured = slow
+    try:
+        n = 30
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+        await submit(s, [job(f"v{i}", prompt="json:", max_tokens=4, response_format=fmt) for i in range(n)])
+        await _until(lambda: w.intake.validating, 20, "a job compiling")
+        peak, paused = 0, False
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            peak = max(peak, len(w.intake.validating) + len(w.registry.pending))
+            paused |= w.pauser.paused
+            await asyncio.sleep(0.02)
+        # a poll takes at least one record even when full (aiokafka needs a positive max_records)
+        assert paused and peak <= s.max_waiting_jobs + 1 and w.stats.records < n, (peak, paused, w.stats.records)
+        release.set()
+        await results.wait(lambda: len(results.completions) == n, 60)  # and then every job is answered
+    finally:
+        release.set()
+        eng.validate_structured = real
+        await w.stop()
+
+
+async def test_stop_is_bounded_while_the_broker_is_frozen(broker, topics, results: Results, engines) -> None:
+    s = topics.model_copy(update={"request_timeout_ms": 2000})
+    eng = await engines(512)
+    w = await started(s, eng)
+    ids = [f"f{i}" for i in range(4)]
+    await submit(s, [job(i, prompt=f"frozen {i}", max_tokens=900, stream=True) for i in ids])
+    await results.wait(lambda: all(i in results.deltas for i in ids), 30, "every job streaming")
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        stop = asyncio.create_task(w.stop(1.0))
+        done, _ = await asyncio.wait([stop], timeout=15)
+        assert done, "stop() still waits for the frozen broker"
+        stop.result()
+        assert time.monotonic() - t0 < 1.0 + 2.0 + 3.0  # the drain, one request timeout, slack
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+    # nothing was committed past them: a new worker answers every one
+    w2 = await started(s, eng)
+    try:
+        await results.wait(lambda: all(i in results.completions for i in ids), 120, "every job answered")
+    finally:
+        await w2.stop()
