@@ -130,7 +130,7 @@ def take(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         raise ValueError(f"tensor {name!r} is stored as {t.dtype}, not as floating-point weights "
                          "(quantized checkpoints are not supported)")
     if not _finite(t):
-        raise ValueError(f"tensor {name!r} holds NaN or infinite values")
+        raise ValueError(f"tensor {name!r} holds NaN or infinite values (as {t.dtype})")
     return t
 
 
