@@ -38,8 +38,13 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item) -> bool:
+        """From the engine thread; False when the stream's event loop has closed (nobody reads it)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
 
 class AsyncEngine:
@@ -55,9 +60,10 @@ class AsyncEngine:
         self.last_step_time = time.monotonic()
         self.ready = False
         self.step_error: BaseException | None = None
-        # a fatal engine failure (a dead tensor-parallel rank): the engine thread has ended and
+        # a fatal engine failure (a dead tensor-parallel rank, a defect that ended the engine
+        # thread): the engine thread has ended and
         # ``on_fatal`` (set by the worker) was called with it from that thread
-        self.fatal: ExecutorFailed | None = None
+        self.fatal: BaseException | None = None
         self.on_fatal = None
         # snapshots written by the engine thread, read by the loop: the loop never walks the
         # scheduler's queues while the engine thread changes them
@@ -238,10 +244,35 @@ class AsyncEngine:
 
     # -- the engine thread -------------------------------------------------------------------------
     def _emit(self, request_id: str, item: RequestOutput) -> None:
-        """Hands ``item`` to the stream that added the request; forgets the stream at the end."""
+        """Hands ``item`` to the stream that added the request; forgets the stream at the end. A
+        stream whose event loop has closed aborts its request (nobody will read it)."""
         stream = self._listeners.pop(request_id, None) if item.finished else self._listeners.get(request_id)
+        if stream is not None and not stream.put(item) and not item.finished:
+            del self._listeners[request_id]
+            self.engine.abort(request_id)
+
+    def _end_with(self, request_id: str, error: BaseException) -> None:
+        """Ends the request's stream with ``error`` (its outputs could not be made) and the
+        request itself, if it is still in the engine."""
+        stream = self._listeners.pop(request_id, None)
         if stream is not None:
-            stream.put(item)
+            stream.put(error)
+        try:
+            self.engine.abort(request_id, f"{error!r}", ERR_ENGINE)
+        except Exception:  # noqa: BLE001 - already logged with the error that brought us here
+            log.exception("aborting %s failed", request_id)
+
+    def _report(self, req) -> None:
+        """Emits what ``req`` changed (``final``: its last delta); a failure to build it ends
+        that request alone."""
+        try:
+            out = delta_output(req)
+        except Exception as e:  # noqa: BLE001 - one request's outputs must not stop the others'
+            log.exception("request %s: building its output failed", req.request_id)
+            self._end_with(req.request_id, e)
+            return
+        if out is not None:
+            self._emit(req.request_id, out)
 
     def _drain_commands(self) -> bool:
         while True:
@@ -277,9 +308,26 @@ class AsyncEngine:
         req = self.engine.abort(request_id, error, error_code)
         if req is not None:
             self._snapshot()  # before the caller hears of the abort, so stats already show it
-            self._emit(request_id, _last_delta(req))
+            self._finish(req)
+
+    def _finish(self, req) -> None:
+        """Emits the last delta of an ended request (or its stream's error, if it cannot be made)."""
+        try:
+            out = _last_delta(req)
+        except Exception as e:  # noqa: BLE001 - the stream must end whatever its outputs hit
+            log.exception("request %s: building its last output failed", req.request_id)
+            self._end_with(req.request_id, e)
+            return
+        self._emit(req.request_id, out)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a defect of the engine thread itself: nothing can run any more
+            log.exception("the engine thread failed")
+            self._fail(e)
+
+    def _serve(self) -> None:
         while True:
             if not self._drain_commands():
                 self._snapshot()
@@ -305,25 +353,26 @@ class AsyncEngine:
                 # the engine's own bookkeeping: fail what was in flight, keep serving new work
                 log.exception("engine step failed")
                 self.step_error = e
+                for req in self.engine.take_unreported():  # ended by the step before it failed
+                    self._finish(req)
                 for rid in list(self.engine.requests):
                     self._abort(rid, f"engine step failed: {e!r}", ERR_ENGINE)
                 continue
             self.last_step_time = time.monotonic()
             self._snapshot()
             for req in changed:
-                out = delta_output(req)
-                if out is not None:
-                    self._emit(req.request_id, out)
+                self._report(req)
             if not changed and self.engine.counters["steps"] == steps and self.engine._compiling:
                 # nothing can run until a grammar compiles: sleep until one does (the compile
                 # service sets _wake), a command arrives, or the next request deadline is due
                 self._wake.wait(timeout=self._idle_wait())
                 self._wake.clear()
 
-    def _fail(self, e: ExecutorFailed) -> None:
-        """The engine cannot run any more: ``on_fatal`` first (the worker gives up on its jobs,
-        uncommitted, and exits non-zero), then every stream raises ``e`` rather than wait forever.
-        No request is answered with an error: each is left for a healthy engine to redo."""
+    def _fail(self, e: BaseException) -> None:
+        """The engine cannot run any more (a dead tensor-parallel rank, or a defect that ended the
+        engine thread): ``on_fatal`` first (the worker gives up on its jobs, uncommitted, and exits
+        non-zero), then every stream raises ``e`` rather than wait forever. No request is answered
+        with an error: each is left for a healthy engine to redo."""
         log.error("engine stopped: %s", e)
         self.fatal = self.step_error = e
         self.ready = False

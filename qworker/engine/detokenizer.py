@@ -110,9 +110,9 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        start = max(len(self.text) - max((len(s) for s in self.stop), default=0) + 1, 0)
+        old_len = len(self.text)
         self.text += delta
-        return self._find_stop(start) if find_stop and self.stop else None
+        return self._find_stop(old_len) if find_stop and self.stop else None
 
     def flush(self) -> None:
         """The output ended: emit what an incomplete character held back (as U+FFFD)."""
@@ -124,10 +124,13 @@ class IncrementalDetokenizer:
             self.text += new_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset = len(self.ids)
 
-    def _find_stop(self, search_from: int) -> str | None:
+    def _find_stop(self, old_len: int) -> str | None:
+        """The earliest stop string that ends in the text added after ``old_len``: each is searched
+        from where it could first end there (a stop string that lay wholly in older text was
+        either searched already or, before ``min_tokens``, is not one)."""
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, search_from)
+            i = self.text.find(s, max(old_len - len(s) + 1, 0))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

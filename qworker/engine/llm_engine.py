@@ -103,6 +103,7 @@ class LLMEngine:
             raise
 
     def _start_after_runner(self, config: EngineConfig) -> None:
+        self._unreported: list[Request] = []  # see take_unreported
         self.model_name = config.model.rstrip("/").split("/")[-1]
         self.eos_token_ids = eos_token_ids(self.tokenizer, config.model)
         self.vocab_size = self.runner.model.vocab_size
@@ -251,7 +252,8 @@ class LLMEngine:
         """Runs one step; returns the requests whose state changed (finished ones are removed from
         ``self.requests`` and returned one last time). A failing step does not raise: see
         ``step_recovery.recover``."""
-        expired = self.book.expire(time.time()) if self.book.deadlines else []
+        expired, self._unreported = self._unreported, []
+        expired += self.book.expire(time.time()) if self.book.deadlines else []
         expired += self.structured.poll(self.book, time.time())
         expired += self.loras.poll(self.book, time.time())
         t0 = time.perf_counter()
@@ -262,7 +264,9 @@ class LLMEngine:
         except BaseException:
             # a bookkeeping bug (not a model failure) or an interrupt: the caller fails what is in
             # flight; drop the half-made step so no copy of it is applied later and no unwritten
-            # block stays hit-able
+            # block stays hit-able. What this step already ended (expired, a failed compile or
+            # adapter load) is out of ``requests``: it waits for take_unreported or the next step
+            self._unreported = expired
             self.kv.unregister(self.kv.take_registered())
             self.kv.take_copies()
             raise
@@ -272,6 +276,12 @@ class LLMEngine:
         changed = self._run(sched)
         self.speculator.observe_step(sched, self.counters["steps"] > steps, time.perf_counter() - t0)
         return expired + changed
+
+    def take_unreported(self) -> list[Request]:
+        """Requests that a step ended (and took out of ``requests``) before it raised: no step has
+        returned them yet. A caller that recovers from the exception reports them."""
+        unreported, self._unreported = self._unreported, []
+        return unreported
 
     def _run(self, sched: SchedulerOutput) -> list[Request]:
         masks: StepMasks | None = None

@@ -183,9 +183,13 @@ class RequestBook:
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        seq.detokenizer.flush()
+        # its blocks go back first: a tokenizer that fails on the last piece must not leak them
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
+        try:
+            seq.detokenizer.flush()
+        except Exception:  # noqa: BLE001 - the text stays what was decoded so far
+            log.exception("request %s: detokenizing its last piece failed", seq.request.request_id)
 
     def expire(self, now: float) -> list[Request]:
         """Finishes the requests whose deadline has passed (``now``, the engine's clock) before
