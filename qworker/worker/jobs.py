@@ -71,6 +71,15 @@ class JobState:
         self.in_engine = self.gen_done = self.cancel_requested = False
 
 
+MIN_LOGPROB = -9999.0  # what vLLM's server writes for a token of probability 0 (JSON has no -inf)
+
+
+def wire_logprob(value: float) -> float:
+    """A logprob as the answers carry it: a finite number. A token a grammar masked is in a
+    top-k list at -inf (orjson would write null, which no OpenAI type accepts)."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN too
+
+
 ATTEMPT_SPAN = 1000  # answers to one id one pod numbers apart within one generation
 
 
@@ -208,7 +217,7 @@ class JobRunner:
                     if c.finish_reason is not None:
                         acc.finish_reason = c.finish_reason
                     if want_logprobs and c.logprobs:
-                        acc.logprobs = (acc.logprobs or []) + [{str(k): v.logprob for k, v in lp.items()} for lp in c.logprobs]
+                        acc.logprobs = (acc.logprobs or []) + [{str(k): wire_logprob(v.logprob) for k, v in lp.items()} for lp in c.logprobs]
                     if stream is not None:
                         stream.coalescer.add(c.index, c.text, list(c.token_ids))
                 if out.finished:

@@ -27,6 +27,11 @@ UNENFORCED_KEYWORDS = frozenset(
     {"not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
      "dependentRequired", "dependentSchemas", "dependencies", "oneOf"}
 )
+# compiled alone by xgrammar: a constraint beside one of them is dropped (measured on 0.2.8)
+ALONE = ("$ref", "anyOf", "allOf", "enum", "const")
+# keywords that say nothing about which instances are valid
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+                         "$schema", "$id", "$anchor", "$defs", "definitions"})
 # references: only a local "$ref" is resolved; the dynamic and recursive forms are refused too
 REF_KEYWORDS = frozenset({"$ref", "$dynamicRef", "$recursiveRef"})
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
@@ -75,7 +80,7 @@ class StructuredOutputsParams:
         schema = None
         if kind == "json":
             schema = _parse_schema(self.json)
-            check_schema_supported(schema)
+            check_schema_supported(schema, root=schema)
             value = schema
         elif kind == "json_object":
             if self.json_object is not True:
@@ -86,6 +91,8 @@ class StructuredOutputsParams:
                 raise StructuredOutputError(f"{kind} must be a non-empty string")
             if len(text) > MAX_SPEC_CHARS:
                 raise StructuredOutputError(f"{kind} is {len(text)} characters; at most {MAX_SPEC_CHARS}")
+            if kind == "regex":
+                check_regex_supported(text)
             value = text
         else:
             choices = _check_choices(self.choice)
@@ -95,8 +102,12 @@ class StructuredOutputsParams:
         if kind == "json":
             shape["strict"] = self.strict
         canon = json.dumps({"kind": kind, "value": value, **shape}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        try:
+            encoded = canon.encode()
+        except UnicodeEncodeError:  # valid JSON ("\ud800") but not text: no grammar can hold it
+            raise StructuredOutputError(f"{kind} holds a lone UTF-16 surrogate, which is not a character") from None
         object.__setattr__(self, "schema", schema)
-        object.__setattr__(self, "key", hashlib.sha256(canon.encode()).hexdigest())
+        object.__setattr__(self, "key", hashlib.sha256(encoded).hexdigest())
 
     @property
     def kind(self) -> str:
@@ -176,19 +187,27 @@ def _parse_schema(value: object) -> dict:
     return json.loads(text)  # a private copy: the caller's dict may change, the key must not
 
 
-def check_schema_supported(schema: object, path: str = "#") -> None:
-    """Raise for a keyword in ``UNENFORCED_KEYWORDS`` anywhere a subschema can be (property
-    names and ``enum``/``const`` values are data, not keywords, and are not looked into), and
-    for a ``$ref`` that is not local to the schema: xgrammar resolves only ``#`` and ``#/...``
-    and would quietly allow any JSON for another one. Nothing is ever fetched."""
+def check_schema_supported(schema: object, path: str = "#", root: object = None, seen: set | None = None) -> None:
+    """Raise for what xgrammar would accept without enforcing, anywhere a subschema can be
+    (property names and ``enum``/``const`` values are data, not keywords, and are not looked into):
+    a keyword in ``UNENFORCED_KEYWORDS``; a constraint beside a keyword xgrammar compiles alone
+    (``ALONE``); ``required`` naming a property ``properties`` does not define; a ``$ref`` that is
+    not local to the schema (xgrammar resolves only ``#`` and ``#/...`` and would quietly allow any
+    JSON for another one) or that points nowhere. Each local reference's target is checked too,
+    wherever in ``root`` it lies. Nothing is ever fetched."""
     if not isinstance(schema, dict):
         return
+    root = schema if root is None else root
+    seen = set() if seen is None else seen
     for kw in REF_KEYWORDS & schema.keys():
         ref = schema[kw]
         if kw != "$ref" or not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise StructuredOutputError(
                 f"JSON Schema {kw} {ref!r} at {path} is not supported: only local references ('#' or '#/...') are resolved, "
                 "nothing is fetched; inline the referenced schema (under $defs)")
+        if ref not in seen:
+            seen.add(ref)
+            check_schema_supported(_resolve(root, ref, path), ref, root, seen)
     for kw in sorted(UNENFORCED_KEYWORDS & schema.keys()):
         if kw == "uniqueItems" and schema[kw] is False:
             continue
@@ -197,18 +216,93 @@ def check_schema_supported(schema: object, path: str = "#") -> None:
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         raise StructuredOutputError(f"JSON Schema 'allOf' with more than one subschema at {path} is not supported by the structured-output backend")
+    _check_alone(schema, path)
+    required, props = schema.get("required"), schema.get("properties")
+    if isinstance(required, list):
+        missing = [r for r in required if not isinstance(props, dict) or r not in props]
+        if missing:
+            raise StructuredOutputError(f"JSON Schema 'required' at {path} names {missing[:3]}, which 'properties' does not define: "
+                                        "the structured-output backend only generates properties the schema defines")
     for kw in _SCHEMA_MAPS:
         sub = schema.get(kw)
         if isinstance(sub, dict):
             for name, s in sub.items():
-                check_schema_supported(s, f"{path}/{kw}/{name}")
+                check_schema_supported(s, f"{path}/{kw}/{name}", root, seen)
     for kw in _SCHEMA_ONE:
-        check_schema_supported(schema.get(kw), f"{path}/{kw}")
+        check_schema_supported(schema.get(kw), f"{path}/{kw}", root, seen)
     for kw in _SCHEMA_LISTS:
         sub = schema.get(kw)
         if isinstance(sub, list):
             for i, s in enumerate(sub):
-                check_schema_supported(s, f"{path}/{kw}/{i}")
+                check_schema_supported(s, f"{path}/{kw}/{i}", root, seen)
+
+
+def _check_alone(schema: dict, path: str) -> None:
+    """xgrammar compiles a ``$ref``, ``anyOf``, ``allOf``, ``enum`` or ``const`` alone and drops what
+    stands beside it: only annotations may (and ``type`` beside ``enum``/``const`` when every value
+    has that type, the common way of writing them)."""
+    for kw in ALONE:
+        if kw not in schema:
+            continue
+        beside = sorted(schema.keys() - ANNOTATIONS - {kw})
+        if kw in ("enum", "const") and beside == ["type"]:
+            values = schema[kw] if kw == "enum" and isinstance(schema[kw], list) else [schema[kw]]
+            if all(_has_type(v, schema["type"]) for v in values):
+                continue
+            raise StructuredOutputError(f"JSON Schema {kw!r} at {path} holds a value that is not of its 'type'")
+        if beside:
+            raise StructuredOutputError(f"JSON Schema {beside[:3]} beside {kw!r} at {path} is not supported: the structured-output "
+                                        f"backend compiles {kw!r} alone; move the constraint into the subschemas or values")
+
+
+def _has_type(value: object, types: object) -> bool:
+    names = types if isinstance(types, list) else [types]
+    checks = {"string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool), "null": lambda v: v is None,
+              "array": lambda v: isinstance(v, list), "object": lambda v: isinstance(v, dict),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())}
+    return any(name in checks and checks[name](value) for name in names)
+
+
+def _resolve(root: object, ref: str, path: str) -> object:
+    """The subschema a local JSON pointer (``#/a/b``, RFC 6901 escapes) names in ``root``."""
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise StructuredOutputError(f"JSON Schema $ref {ref!r} at {path} points to nothing in the schema")
+    return node
+
+
+def check_regex_supported(regex: str) -> None:
+    """Raise for anchors xgrammar's regex dialect does not know (it matches ``\\A`` as the letter A
+    and ignores a ``$`` inside the pattern, with only a warning): the whole output must match
+    the regex anyway, so ``^`` may only open it and ``$`` only close it."""
+    in_class = False
+    i = 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\":
+            if not in_class and regex[i + 1:i + 2] in ("A", "Z", "z", "G"):
+                raise StructuredOutputError(f"regex anchor \\{regex[i + 1]} at {i} is not supported: the whole output matches the regex "
+                                            "(a leading ^ and a trailing $ are accepted)")
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + (regex[i + 1:i + 2] == "^")
+            i += regex[i:i + 1] == "]"  # a ']' first in a class is literal
+            continue
+        elif (c == "^" and i != 0) or (c == "$" and i != len(regex) - 1):
+            raise StructuredOutputError(f"regex anchor {c!r} at {i} is not supported: the whole output matches the regex, so "
+                                        "'^' may only open it and '$' only close it")
+        i += 1
 
 
 def _check_choices(choices: object) -> tuple[str, ...]:

@@ -1,0 +1,81 @@
+"""Regressions from helper-46's attack on structured output (2026-12-06): specs xgrammar 0.2.8
+compiles without enforcing were served, so a job could finish "stop" with output that breaks its
+own schema or regex. Each is now refused with ``invalid_structured_output`` before any compile;
+the shapes people write every day are still accepted. Before the fixes every ``refused`` case
+compiled (and the surrogate one raised a UnicodeEncodeError, answered as ``invalid_prompt``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qworker.engine.structured.spec import ERROR_CODE, StructuredOutputError, StructuredOutputsParams
+from qworker.worker.jobs import MIN_LOGPROB, wire_logprob
+
+REFUSED = {
+    # xgrammar compiles $ref / anyOf / allOf / enum / const alone and drops what stands beside them
+    "a bound beside anyOf": ({"json": {"type": "object", "properties": {"n": {"anyOf": [{"type": "integer", "maximum": 3}], "minimum": 5}}}},
+                             "['minimum'] beside 'anyOf' at #/properties/n"),
+    "maxLength beside enum": ({"json": {"enum": ["red", "green", "blue"], "maxLength": 2}}, "['maxLength'] beside 'enum'"),
+    "maxLength beside $ref": ({"json": {"$defs": {"c": {"type": "string"}}, "$ref": "#/$defs/c", "maxLength": 3}},
+                              "['maxLength'] beside '$ref'"),
+    "type beside allOf": ({"json": {"type": "integer", "allOf": [{"minimum": 5}]}}, "['type'] beside 'allOf'"),
+    "properties beside anyOf": ({"json": {"type": "object", "properties": {"a": {"type": "string"}},
+                                          "anyOf": [{"required": ["a"]}]}}, "beside 'anyOf'"),
+    "a const of another type": ({"json": {"type": "string", "const": 1}}, "'const' at # holds a value that is not of its 'type'"),
+    "an enum value of another type": ({"json": {"type": "integer", "enum": [1, "two"]}}, "'enum' at # holds a value"),
+    # required names a property the schema does not define: never generated, so {} came out
+    "required, no properties": ({"json": {"type": "object", "required": ["name", "age"]}}, "names ['name', 'age']"),
+    "required past properties": ({"json": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}},
+                                 "names ['b']"),
+    # a $ref's target is checked wherever it lies
+    "uniqueItems behind a $ref outside $defs": ({"json": {"$ref": "#/components/tags",
+                                                          "components": {"tags": {"type": "array", "uniqueItems": True}}}},
+                                                "'uniqueItems' at #/components/tags"),
+    "a $ref to nothing": ({"json": {"$ref": "#/$defs/missing"}}, "points to nothing"),
+    # anchors xgrammar's regex dialect reads as letters or ignores
+    r"\A and \Z": ({"regex": r"\A[0-9]{3}\Z"}, r"anchor \A"),
+    r"\z": ({"regex": r"[0-9]+\z"}, r"anchor \z"),
+    "a $ inside": ({"regex": "ab$|cd"}, "anchor '$'"),
+    "a ^ inside": ({"regex": "ab|^cd"}, "anchor '^'"),
+    # valid JSON, not text
+    "a lone surrogate in a choice": ({"choice": ["ok", "a\ud800"]}, "lone UTF-16 surrogate"),
+    "a lone surrogate in a schema": ({"json": {"enum": ["\udfff"]}}, "lone UTF-16 surrogate"),
+    "a lone surrogate in a regex": ({"regex": "a\ud800"}, "lone UTF-16 surrogate"),
+}
+
+ACCEPTED = {
+    "a typed enum": {"json": {"type": "string", "enum": ["a", "b"], "description": "colour"}},
+    "integers as floats": {"json": {"type": "integer", "enum": [1, 2.0]}},
+    "an Optional field (pydantic)": {"json": {"type": "object", "properties": {"x": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                                                                       "default": None, "title": "X"}}}},
+    "a $ref with a description": {"json": {"$defs": {"c": {"type": "string"}}, "type": "object",
+                                           "properties": {"a": {"$ref": "#/$defs/c", "description": "d"}}, "required": ["a"]}},
+    "a recursive $ref": {"json": {"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+                                  "$ref": "#/$defs/n"}},
+    "a one-subschema allOf (pydantic v1)": {"json": {"allOf": [{"$ref": "#/definitions/m"}], "title": "T",
+                                                     "definitions": {"m": {"type": "string"}}}},
+    "anchors at the ends, ^ and $ in classes, escaped": {"regex": r"^[a-z^$]+\$\^[^]x]$"},
+    "a literal backslash before A": {"regex": r"\\A"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_spec_the_backend_would_not_enforce_is_refused(name):
+    kwargs, words = REFUSED[name]
+    with pytest.raises(StructuredOutputError) as info:
+        StructuredOutputsParams(**kwargs)
+    assert info.value.code == ERROR_CODE and words in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_everyday_specs_are_still_accepted(name):
+    assert StructuredOutputsParams(**ACCEPTED[name]).key
+
+
+@pytest.mark.parametrize(("value", "want"), [(-math.inf, MIN_LOGPROB), (math.nan, MIN_LOGPROB), (-1e6, MIN_LOGPROB),
+                                             (-0.25, -0.25), (0.0, 0.0)])
+def test_logprobs_on_the_wire_are_finite(value, want):
+    # a token the grammar masked sits in a top-k list at -inf, which orjson wrote as null
+    assert wire_logprob(value) == want
