@@ -378,7 +378,10 @@ class AsyncEngine:
         self.ready = False
         self._closed = True
         if self.on_fatal is not None:
-            self.on_fatal(e)
+            try:
+                self.on_fatal(e)
+            except Exception:  # noqa: BLE001 - the streams below must end whatever the callback hit
+                log.exception("on_fatal failed")
         for stream in self._listeners.values():
             stream.put(e)
         self._listeners.clear()

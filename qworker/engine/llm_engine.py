@@ -251,11 +251,21 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """Runs one step; returns the requests whose state changed (finished ones are removed from
         ``self.requests`` and returned one last time). A failing step does not raise: see
-        ``step_recovery.recover``."""
-        expired, self._unreported = self._unreported, []
-        expired += self.book.expire(time.time()) if self.book.deadlines else []
-        expired += self.structured.poll(self.book, time.time())
-        expired += self.loras.poll(self.book, time.time())
+        ``step_recovery.recover``. A defect that does raise leaves what the step had already ended
+        (expired, a failed compile or adapter load: out of ``requests``) to ``take_unreported``."""
+        ended, self._unreported = self._unreported, []
+        try:
+            return self._step(ended)
+        except BaseException:
+            self._unreported = ended
+            raise
+
+    def _step(self, ended: list[Request]) -> list[Request]:
+        """``step``'s body; ``ended`` grows in place, so a raise anywhere leaves it complete."""
+        if self.book.deadlines:
+            ended += self.book.expire(time.time())
+        ended += self.structured.poll(self.book, time.time())
+        ended += self.loras.poll(self.book, time.time())
         t0 = time.perf_counter()
         try:
             drafts = self.speculator.propose(self.scheduler.running)
@@ -264,9 +274,7 @@ class LLMEngine:
         except BaseException:
             # a bookkeeping bug (not a model failure) or an interrupt: the caller fails what is in
             # flight; drop the half-made step so no copy of it is applied later and no unwritten
-            # block stays hit-able. What this step already ended (expired, a failed compile or
-            # adapter load) is out of ``requests``: it waits for take_unreported or the next step
-            self._unreported = expired
+            # block stays hit-able
             self.kv.unregister(self.kv.take_registered())
             self.kv.take_copies()
             raise
@@ -275,7 +283,7 @@ class LLMEngine:
         steps = self.counters["steps"]
         changed = self._run(sched)
         self.speculator.observe_step(sched, self.counters["steps"] > steps, time.perf_counter() - t0)
-        return expired + changed
+        return ended + changed
 
     def take_unreported(self) -> list[Request]:
         """Requests that a step ended (and took out of ``requests``) before it raised: no step has

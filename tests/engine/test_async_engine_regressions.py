@@ -187,3 +187,53 @@ async def test_a_longer_stop_string_does_not_move_the_cut(tiny_model_dir, stops)
     final = outs[-1].outputs[0]
     assert streamed == "".join(c.text for o in ref for c in o.outputs)  # an unmatched stop string changes nothing
     assert final.finish_reason == ref[-1].outputs[0].finish_reason
+
+
+async def test_a_request_that_expired_in_a_step_failing_after_scheduling_is_still_answered(tiny_model_dir, monkeypatch):
+    # helper-48: the same as above when the step fails later (a tokenizer failing on another
+    # request's token while the step's outputs are applied)
+    offset, armed, poison = [0.0], [False], 4242
+
+    class Clock:
+        def time(self):
+            return time.time() + offset[0]
+
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+    class Failing(IncrementalDetokenizer):
+        def __init__(self, tokenizer, prompt_ids, *a, **k):
+            super().__init__(tokenizer, prompt_ids, *a, **k)
+            if poison in prompt_ids:
+                real = self._decode
+
+                def decode(ids):
+                    if armed[0]:
+                        armed[0] = False
+                        raise RuntimeError("tokenizer: decode failed (injected)")
+                    return real(ids)
+                self._decode = decode
+
+    monkeypatch.setattr(llm_engine, "time", Clock())
+    monkeypatch.setattr(requests_module, "IncrementalDetokenizer", Failing)
+    e = await _started(tiny_model_dir, max_num_seqs=1)
+    real, fired = e.engine.scheduler.schedule, []
+
+    def schedule(*a, **k):
+        if offset[0] > 0 and "queued" not in e.engine.requests and not fired:
+            armed[0] = True  # "queued" expired as this step began; "bad"'s token fails in this step
+            fired.append(1)
+        return real(*a, **k)
+
+    e.engine.scheduler.schedule = schedule
+    try:
+        bad = asyncio.create_task(collect(e, "bad", [5, 6, 7, poison], greedy(800)))
+        await asyncio.sleep(0.3)
+        queued = asyncio.create_task(e.generate("queued", [5, 6, 8], greedy(3), deadline=time.time() + 60).__anext__())
+        await asyncio.sleep(0.3)
+        offset[0] = 120.0
+        _, out = await _settle([bad, queued])
+        assert fired
+        assert out.finished and out.error_code == "deadline_exceeded"
+    finally:
+        await e.shutdown()

@@ -37,8 +37,10 @@ REFUSED = {
     # anchors xgrammar's regex dialect reads as letters or ignores
     r"\A and \Z": ({"regex": r"\A[0-9]{3}\Z"}, r"anchor \A"),
     r"\z": ({"regex": r"[0-9]+\z"}, r"anchor \z"),
-    "a $ inside": ({"regex": "ab$|cd"}, "anchor '$'"),
-    "a ^ inside": ({"regex": "ab|^cd"}, "anchor '^'"),
+    "a $ inside": ({"regex": "ab$cd"}, "anchor '$'"),
+    "a ^ inside": ({"regex": "ab^cd"}, "anchor '^'"),
+    "a $ closing a group with more after it": ({"regex": "(a|b$)c"}, "anchor '$'"),
+    "a ^ opening a group with something before it": ({"regex": "x(^a)"}, "anchor '^'"),
     # valid JSON, not text
     "a lone surrogate in a choice": ({"choice": ["ok", "a\ud800"]}, "lone UTF-16 surrogate"),
     "a lone surrogate in a schema": ({"json": {"enum": ["\udfff"]}}, "lone UTF-16 surrogate"),
@@ -58,6 +60,14 @@ ACCEPTED = {
                                                      "definitions": {"m": {"type": "string"}}}},
     "anchors at the ends, ^ and $ in classes, escaped": {"regex": r"^[a-z^$]+\$\^[^]x]$"},
     "a literal backslash before A": {"regex": r"\\A"},
+    # helper-48: annotations the backend ignores may stand beside $ref / enum
+    "an OpenAPI example beside $ref": {"json": {"$ref": "#/$defs/a", "example": {"x": 1}, "$defs": {"a": {"type": "string"}}}},
+    "nullable beside $ref (OpenAPI 3.0)": {"json": {"$ref": "#/$defs/a", "nullable": True, "$defs": {"a": {"type": "string"}}}},
+    "x-enumNames beside enum": {"json": {"type": "string", "enum": ["a", "b"], "x-enumNames": ["A", "B"]}},
+    # helper-48: anchors that can only stand where the output starts or ends change nothing
+    "anchors at the ends of alternatives": {"regex": "^yes$|^no$"},
+    "anchors at the ends of a group's alternatives": {"regex": r"^(?:\d{3}$|\d{5}$)"},
+    "a ^ opening a leading group": {"regex": "(^a|^b)c$"},
 }
 
 

@@ -29,9 +29,15 @@ UNENFORCED_KEYWORDS = frozenset(
 )
 # compiled alone by xgrammar: a constraint beside one of them is dropped (measured on 0.2.8)
 ALONE = ("$ref", "anyOf", "allOf", "enum", "const")
-# keywords that say nothing about which instances are valid
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
-                         "$schema", "$id", "$anchor", "$defs", "definitions"})
+# the keywords that decide which instances are valid (anything else, "title", "example", "nullable",
+# "x-..." and the like, is an annotation the backend ignores everywhere, harmlessly)
+CONSTRAINT_KEYWORDS = frozenset({
+    "type", "enum", "const", "$ref", "anyOf", "allOf", "oneOf", "not", "if", "then", "else",
+    "properties", "required", "additionalProperties", "patternProperties", "propertyNames", "unevaluatedProperties",
+    "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "dependencies",
+    "items", "prefixItems", "additionalItems", "unevaluatedItems", "minItems", "maxItems", "uniqueItems",
+    "contains", "minContains", "maxContains", "minLength", "maxLength", "pattern", "format",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 # references: only a local "$ref" is resolved; the dynamic and recursive forms are refused too
 REF_KEYWORDS = frozenset({"$ref", "$dynamicRef", "$recursiveRef"})
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
@@ -239,12 +245,12 @@ def check_schema_supported(schema: object, path: str = "#", root: object = None,
 
 def _check_alone(schema: dict, path: str) -> None:
     """xgrammar compiles a ``$ref``, ``anyOf``, ``allOf``, ``enum`` or ``const`` alone and drops what
-    stands beside it: only annotations may (and ``type`` beside ``enum``/``const`` when every value
-    has that type, the common way of writing them)."""
+    stands beside it: no other constraint may (annotations may, and ``type`` beside ``enum``/``const``
+    when every value has that type, the common way of writing them)."""
     for kw in ALONE:
         if kw not in schema:
             continue
-        beside = sorted(schema.keys() - ANNOTATIONS - {kw})
+        beside = sorted((schema.keys() & CONSTRAINT_KEYWORDS) - {kw})
         if kw in ("enum", "const") and beside == ["type"]:
             values = schema[kw] if kw == "enum" and isinstance(schema[kw], list) else [schema[kw]]
             if all(_has_type(v, schema["type"]) for v in values):
@@ -279,30 +285,73 @@ def _resolve(root: object, ref: str, path: str) -> object:
 
 
 def check_regex_supported(regex: str) -> None:
-    """Raise for anchors xgrammar's regex dialect does not know (it matches ``\\A`` as the letter A
-    and ignores a ``$`` inside the pattern, with only a warning): the whole output must match
-    the regex anyway, so ``^`` may only open it and ``$`` only close it."""
-    in_class = False
-    i = 0
-    while i < len(regex):
+    """Raise for anchors xgrammar's regex dialect does not know: it reads ``\\A``, ``\\Z``, ``\\z``
+    and ``\\G`` as letters and ignores ``^`` and ``$`` (with a warning). The whole output matches
+    the regex anyway, so an anchor that can only stand where the output starts (``^``) or ends
+    (``$``) changes nothing and is accepted (``^yes$|^no$``, ``(^a|^b)c$``); one with something to
+    match before or after it (``a$b``) is refused."""
+    tokens = _regex_tokens(regex)
+    for t, _ in tokens:
+        if t in ("\\A", "\\Z", "\\z", "\\G"):
+            raise StructuredOutputError(f"regex anchor {t} is not supported: the whole output matches the regex "
+                                        "(a ^ where it starts and a $ where it ends are accepted)")
+    mirrored = [(t, _MIRROR.get(k, k)) for t, k in reversed(tokens)]  # read from the end: a close opens
+    for anchor, order in (("^", tokens), ("$", mirrored)):
+        at_edge, saved = True, []  # nothing consumed yet on this path; the flag at each open group
+        for t, kind in order:
+            if t == anchor:
+                if not at_edge:
+                    raise StructuredOutputError(f"regex anchor {anchor!r} with something to match on its "
+                                                f"{'left' if anchor == '^' else 'right'} is not supported: the whole "
+                                                "output matches the regex, so '^' may only stand where it starts and '$' where it ends")
+            elif kind == "open":
+                saved.append(at_edge)
+            elif kind == "alt":
+                at_edge = saved[-1] if saved else True
+            elif kind == "close":
+                at_edge = False
+                if saved:
+                    saved.pop()
+            elif t not in ("^", "$"):
+                at_edge = False
+
+
+_MIRROR = {"open": "close", "close": "open"}
+
+
+def _regex_tokens(regex: str) -> list[tuple[str, str]]:
+    """``regex`` as (text, kind) tokens: "open" (a group opener: ``(``, ``(?:``, ``(?P<n>``...),
+    "close", "alt" (``|``), or "atom" (a character, escape, class or quantifier)."""
+    out, i, n = [], 0, len(regex)
+    while i < n:
         c = regex[i]
         if c == "\\":
-            if not in_class and regex[i + 1:i + 2] in ("A", "Z", "z", "G"):
-                raise StructuredOutputError(f"regex anchor \\{regex[i + 1]} at {i} is not supported: the whole output matches the regex "
-                                            "(a leading ^ and a trailing $ are accepted)")
+            out.append((regex[i:i + 2], "atom"))
             i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
         elif c == "[":
-            in_class = True
-            i += 1 + (regex[i + 1:i + 2] == "^")
-            i += regex[i:i + 1] == "]"  # a ']' first in a class is literal
-            continue
-        elif (c == "^" and i != 0) or (c == "$" and i != len(regex) - 1):
-            raise StructuredOutputError(f"regex anchor {c!r} at {i} is not supported: the whole output matches the regex, so "
-                                        "'^' may only open it and '$' only close it")
-        i += 1
+            j = i + 1 + (regex[i + 1:i + 2] == "^")
+            j += regex[j:j + 1] == "]"  # a ']' first in a class is literal
+            while j < n and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            out.append((regex[i:j + 1], "atom"))
+            i = j + 1
+        elif c == "(":
+            j = i + 1
+            if regex[j:j + 1] == "?":  # (?:  (?P<name>  (?<name>  and the like: up to the group's body
+                k = regex.find(">", j) if regex[j + 1:j + 3] in ("P<", "<") or regex[j + 1:j + 2] == "<" else j + 1
+                j = (k if k != -1 else j + 1) + 1
+            out.append(("(", "open"))
+            i = j
+        elif c == ")":
+            out.append((")", "close"))
+            i += 1
+        elif c == "|":
+            out.append(("|", "alt"))
+            i += 1
+        else:
+            out.append((c, "atom"))
+            i += 1
+    return out
 
 
 def _check_choices(choices: object) -> tuple[str, ...]:
