@@ -61,8 +61,8 @@ class AsyncEngine:
         self.ready = False
         self.step_error: BaseException | None = None
         # a fatal engine failure (a dead tensor-parallel rank, a defect that ended the engine
-        # thread): the engine thread has ended and
-        # ``on_fatal`` (set by the worker) was called with it from that thread
+        # thread): the engine thread has ended and ``on_fatal`` (set by the worker) was called
+        # with it from that thread
         self.fatal: BaseException | None = None
         self.on_fatal = None
         # snapshots written by the engine thread, read by the loop: the loop never walks the
@@ -263,8 +263,7 @@ class AsyncEngine:
             log.exception("aborting %s failed", request_id)
 
     def _report(self, req) -> None:
-        """Emits what ``req`` changed (``final``: its last delta); a failure to build it ends
-        that request alone."""
+        """Emits what ``req`` changed this step; a failure to build that ends the request alone."""
         try:
             out = delta_output(req)
         except Exception as e:  # noqa: BLE001 - one request's outputs must not stop the others'
