@@ -56,6 +56,7 @@ from qworker.worker.stats import WorkerStats
 from qworker.worker.wire import IdText, token_text
 
 log = logging.getLogger("qworker.worker")
+_KAFKA_CLOSE_S = 20.0  # the longest the stop waits on the broker (the chart's grace period is drain + 30 s)
 
 
 class StartupError(Exception):
@@ -364,9 +365,6 @@ class Worker:
         async for _ in self.engine.generate("qworker-warm-up", self.engine.encode("warm-up"), params):
             pass
         self.warmed_up = True
-
-
-_KAFKA_CLOSE_S = 20.0  # the chart's grace period is the drain timeout + 30 s
 
 
 async def _bounded(what: str, step: Any, deadline: float) -> None:

@@ -106,40 +106,54 @@ async def test_a_failure_building_one_requests_output_fails_that_request_alone(t
         await e.shutdown()
 
 
-async def test_a_request_that_expired_in_a_failed_step_is_still_answered(tiny_model_dir, monkeypatch):
-    offset = [0.0]
+class _ShiftedClock:
+    """Stands in for ``llm_engine``'s ``time`` module: ``time()`` runs ``offset`` seconds ahead."""
 
-    class Clock:
-        def time(self):
-            return time.time() + offset[0]
+    def __init__(self):
+        self.offset = 0.0
 
-        def __getattr__(self, name):
-            return getattr(time, name)
+    def time(self):
+        return time.time() + self.offset
 
-    monkeypatch.setattr(llm_engine, "time", Clock())
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+async def _expire_in_a_failing_step(tiny_model_dir, monkeypatch, first_prompt, on_expired_step):
+    """One engine slot: "first" runs, "queued" waits with a deadline that the clock then jumps
+    past; ``on_expired_step()`` runs at the schedule of the step that expired it (it injects the
+    failure). Returns "queued"'s one output, once "first" has ended too."""
+    clock = _ShiftedClock()
+    monkeypatch.setattr(llm_engine, "time", clock)
     e = await _started(tiny_model_dir, max_num_seqs=1)
-    real = e.engine.scheduler.schedule
-    raised = []
+    real, fired = e.engine.scheduler.schedule, []
 
     def schedule(*a, **k):
-        # a bookkeeping defect in the very step where "queued" expired
-        if not raised and offset[0] > 0 and "queued" not in e.engine.requests:
-            raised.append(1)
-            raise AssertionError("scheduler bookkeeping defect (injected)")
+        if clock.offset > 0 and "queued" not in e.engine.requests and not fired:
+            fired.append(1)
+            on_expired_step()
         return real(*a, **k)
 
     e.engine.scheduler.schedule = schedule
     try:
-        first = asyncio.create_task(collect(e, "first", [5, 6, 7], greedy(800)))
+        first = asyncio.create_task(collect(e, "first", first_prompt, greedy(800)))
         await asyncio.sleep(0.3)
         queued = asyncio.create_task(e.generate("queued", [5, 6, 8], greedy(3), deadline=time.time() + 60).__anext__())
         await asyncio.sleep(0.3)
-        offset[0] = 120.0
+        clock.offset = 120.0
         _, out = await _settle([first, queued])
-        assert raised
-        assert out.finished and out.error_code == "deadline_exceeded"
+        assert fired
+        return out
     finally:
         await e.shutdown()
+
+
+async def test_a_request_that_expired_in_a_failed_step_is_still_answered(tiny_model_dir, monkeypatch):
+    def fail_the_schedule():  # a bookkeeping defect in the very step where "queued" expired
+        raise AssertionError("scheduler bookkeeping defect (injected)")
+
+    out = await _expire_in_a_failing_step(tiny_model_dir, monkeypatch, [5, 6, 7], fail_the_schedule)
+    assert out.finished and out.error_code == "deadline_exceeded"
 
 
 def test_a_stream_whose_loop_closed_does_not_end_the_engine(tiny_model_dir):
@@ -192,14 +206,7 @@ async def test_a_longer_stop_string_does_not_move_the_cut(tiny_model_dir, stops)
 async def test_a_request_that_expired_in_a_step_failing_after_scheduling_is_still_answered(tiny_model_dir, monkeypatch):
     # helper-48: the same as above when the step fails later (a tokenizer failing on another
     # request's token while the step's outputs are applied)
-    offset, armed, poison = [0.0], [False], 4242
-
-    class Clock:
-        def time(self):
-            return time.time() + offset[0]
-
-        def __getattr__(self, name):
-            return getattr(time, name)
+    armed, poison = [False], 4242
 
     class Failing(IncrementalDetokenizer):
         def __init__(self, tokenizer, prompt_ids, *a, **k):
@@ -214,26 +221,6 @@ async def test_a_request_that_expired_in_a_step_failing_after_scheduling_is_stil
                     return real(ids)
                 self._decode = decode
 
-    monkeypatch.setattr(llm_engine, "time", Clock())
     monkeypatch.setattr(requests_module, "IncrementalDetokenizer", Failing)
-    e = await _started(tiny_model_dir, max_num_seqs=1)
-    real, fired = e.engine.scheduler.schedule, []
-
-    def schedule(*a, **k):
-        if offset[0] > 0 and "queued" not in e.engine.requests and not fired:
-            armed[0] = True  # "queued" expired as this step began; "bad"'s token fails in this step
-            fired.append(1)
-        return real(*a, **k)
-
-    e.engine.scheduler.schedule = schedule
-    try:
-        bad = asyncio.create_task(collect(e, "bad", [5, 6, 7, poison], greedy(800)))
-        await asyncio.sleep(0.3)
-        queued = asyncio.create_task(e.generate("queued", [5, 6, 8], greedy(3), deadline=time.time() + 60).__anext__())
-        await asyncio.sleep(0.3)
-        offset[0] = 120.0
-        _, out = await _settle([bad, queued])
-        assert fired
-        assert out.finished and out.error_code == "deadline_exceeded"
-    finally:
-        await e.shutdown()
+    out = await _expire_in_a_failing_step(tiny_model_dir, monkeypatch, [5, 6, 7, poison], lambda: armed.__setitem__(0, True))
+    assert out.finished and out.error_code == "deadline_exceeded"
