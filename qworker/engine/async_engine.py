@@ -23,7 +23,7 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.llm_engine import Capacity, LLMEngine, Prompt
 from qworker.engine.lora_request import LoRARequest
 from qworker.engine.output_processor import delta_output, final_output
-from qworker.engine.outputs import ERR_ENGINE, RequestOutput
+from qworker.engine.outputs import ERR_ENGINE, ERR_SHUTDOWN, RequestOutput
 from qworker.engine.sampling_params import SamplingParams
 from qworker.engine.transient_thread import in_transient_thread
 from qworker.model.parallel.errors import ExecutorFailed
@@ -280,8 +280,9 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             if kind == "stop":
+                # a shutdown is not a cancel: the code tells a caller the request is worth redoing
                 for rid in list(self.engine.requests):
-                    self._abort(rid)
+                    self._abort(rid, "the engine shut down before the request finished", ERR_SHUTDOWN)
                 return False
             if kind == "add":
                 stream, rid, ids, params, priority, deadline, text, validated, lora = arg

@@ -12,6 +12,7 @@ ABORT = "abort"  # aborted by the caller (cancel, shutdown, rebalance), or faile
 # RequestOutput.error_code: why the engine (not the caller) ended a request with ABORT
 ERR_DEADLINE = "deadline_exceeded"  # its deadline passed before it was first scheduled
 ERR_ENGINE = "engine_error"  # a failed engine step that could not be retried for it
+ERR_SHUTDOWN = "engine_shutdown"  # the engine shut down before the request finished (not a cancel)
 
 
 @dataclass(slots=True)
@@ -99,7 +100,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed the request (finish_reason "abort")
-    error_code: str | None = None  # machine-readable reason next to ``error``: ERR_DEADLINE or ERR_ENGINE
+    error_code: str | None = None  # machine-readable reason next to ``error``: ERR_DEADLINE, ERR_ENGINE or ERR_SHUTDOWN
     # vLLM's field; always None: ``SamplingParams.prompt_logprobs`` is refused at admission
     prompt_logprobs: list | None = None
     # vLLM's field: the LoRARequest the request ran under (None: the base model)

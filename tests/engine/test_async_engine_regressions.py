@@ -9,6 +9,8 @@ every list), and the last cut a stop string's text behind what had been streamed
 4. A stream whose event loop had closed ended the engine thread (others' loops then waited).
 5. With ``min_tokens``, a stop string streamed before it counted was found later when a longer
    stop string widened the search: the final text ended behind what had been streamed.
+6. A shutdown ended every stream as "abort" with no error code, so a caller could not tell it from
+   its own cancel (a request worth redoing elsewhere from one nobody wants).
 """
 
 from __future__ import annotations
@@ -224,3 +226,25 @@ async def test_a_request_that_expired_in_a_step_failing_after_scheduling_is_stil
     monkeypatch.setattr(requests_module, "IncrementalDetokenizer", Failing)
     out = await _expire_in_a_failing_step(tiny_model_dir, monkeypatch, [5, 6, 7, poison], lambda: armed.__setitem__(0, True))
     assert out.finished and out.error_code == "deadline_exceeded"
+
+
+async def test_a_shutdown_is_told_apart_from_a_cancel(tiny_model_dir):
+    e = await _started(tiny_model_dir)
+    first = asyncio.Event()
+
+    async def until_ended(rid: str) -> list:
+        outs = []
+        async for o in e.generate(rid, [5, 6, 7], greedy(100_000)):
+            outs.append(o)
+            first.set()
+        return outs
+
+    cancelled, running = asyncio.create_task(until_ended("cancelled")), asyncio.create_task(until_ended("running"))
+    await asyncio.wait_for(first.wait(), 30)
+    await e.abort("cancelled")
+    (cut,) = await _settle([cancelled])
+    await e.shutdown()
+    (shut,) = await _settle([running])
+    assert cut[-1].finished and cut[-1].outputs[0].finish_reason == "abort" and cut[-1].error_code is None
+    assert shut[-1].finished and shut[-1].outputs[0].finish_reason == "abort"
+    assert shut[-1].error_code == "engine_shutdown" and "shut down" in shut[-1].error
