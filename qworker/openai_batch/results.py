@@ -199,13 +199,25 @@ def error_line(custom_id: str, code: str, message: str, run_id: str = "", param:
 
 
 def output_line(msg: Completion | JobError, ctx: OpenAIRequest, text: TokenText, param: str | None = None) -> dict[str, Any]:
-    """The batch output line answering ``msg`` (``param``: the field an error is about)."""
+    """The batch output line answering ``msg`` (``param``: the field an error is about; for a
+    refusal made after the line was mapped, the field its code points at)."""
     if isinstance(msg, JobError):
-        return error_line(ctx.custom_id, msg.error.code, msg.error.message, msg.run_id, param)
+        return error_line(ctx.custom_id, msg.error.code, msg.error.message, msg.run_id, param or refused_field(msg.error.code, ctx))
     if msg.status == "cancelled":  # OpenAI has no "cancelled" finish reason: an error line
         return error_line(ctx.custom_id, "cancelled", "the job was cancelled (a cancel record) before it finished", msg.run_id)
     return {"id": f"batch_req_{msg.run_id}", "custom_id": ctx.custom_id,
             "response": {"status_code": 200, "request_id": f"req_{msg.run_id}", "body": completion_body(msg, ctx, text)}, "error": None}
+
+
+def refused_field(code: str, ctx: OpenAIRequest) -> str | None:
+    """The body field behind a refusal the engine or the worker makes after mapping the line (the
+    line's own checks name theirs): a grammar that does not compile is the response_format's, a
+    prompt that cannot run is the messages' (or the prompt's); other codes name no one field."""
+    if code == "invalid_structured_output":
+        return "body.response_format"
+    if code in ("prompt_too_long", "empty_prompt", "invalid_prompt"):
+        return "body.messages" if ctx.endpoint == "chat" else "body.prompt"
+    return None
 
 
 def run_headers(attempt: int, run_id: str, seq: int | None = None) -> list[tuple[str, bytes]]:

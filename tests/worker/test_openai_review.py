@@ -307,3 +307,26 @@ async def test_collect_stops_its_consumer_when_the_topic_never_appears(broker, m
     rep, [line] = await collect_lines(s, lines, None, timeout_s=1.0)
     assert rep.timed_out and line["response"]["status_code"] == 504
     assert len(stopped) == 1
+
+
+@pytest.mark.parametrize(("endpoint", "code", "param"), [
+    ("chat", "invalid_structured_output", "body.response_format"),
+    ("completions", "invalid_structured_output", "body.response_format"),
+    ("chat", "prompt_too_long", "body.messages"),
+    ("completions", "prompt_too_long", "body.prompt"),
+    ("chat", "invalid_prompt", "body.messages"),
+    ("chat", "engine_error", None),
+    ("completions", "deadline_exceeded", None),
+])
+def test_a_refusal_after_mapping_names_its_field(endpoint, code, param) -> None:
+    """The engine's and the worker's own refusals (made after the line was mapped, so without the
+    line checks' ``param``) said ``param: null`` even where the code points at one field."""
+    from qworker.messages import JobError
+    from qworker.openai_batch.requests import OpenAIRequest
+    from qworker.openai_batch.results import output_line
+
+    err = JobError.model_validate({"job_id": "a", "attempt": 0, "run_id": "r", "error": {"code": code, "message": "m", "retryable": False}})
+    out = output_line(err, OpenAIRequest("a", endpoint), IdText())
+    validate_line(out)
+    assert out["response"]["body"]["error"]["param"] == param
+    assert output_line(err, OpenAIRequest("a", endpoint), IdText(), "body.stop")["response"]["body"]["error"]["param"] == "body.stop"

@@ -119,6 +119,9 @@ async def test_openai_lines_answered_in_openai_shapes(real_engine, topics) -> No
             # structured output: the native response_format, constrained from the first token
             assert "".join(validate_line(out["json"]).choices[0].message.content.split()).startswith('{"name"')
             assert (out["bad-schema"]["response"]["status_code"], out["bad-schema"]["error"]["code"]) == (400, "invalid_structured_output")
+            # refusals made after the line was mapped name their field too (they said null)
+            assert out["bad-schema"]["response"]["body"]["error"]["param"] == "body.response_format"
+            assert out["too-long"]["response"]["body"]["error"]["param"] == "body.prompt"
             # streams: chunks with the answer's body id rebuild its text, end with finish and usage
             for key, text_of in (("chat-stream", lambda c: c["choices"][0]["delta"].get("content", "")), ("cmpl-lp", lambda c: c["choices"][0]["text"])):
                 body = out[key]["response"]["body"]
