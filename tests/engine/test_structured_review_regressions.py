@@ -2,7 +2,9 @@
 compiles without enforcing were served, so a job could finish "stop" with output that breaks its
 own schema or regex. Each is now refused with ``invalid_structured_output`` before any compile;
 the shapes people write every day are still accepted. Before the fixes every ``refused`` case
-compiled (and the surrogate one raised a UnicodeEncodeError, answered as ``invalid_prompt``)."""
+compiled (and the surrogate one raised a UnicodeEncodeError, answered as ``invalid_prompt``).
+The two pattern cases came later (2026-12-06, second session): a schema's ``pattern`` had no
+anchor check."""
 
 from __future__ import annotations
 
@@ -41,6 +43,11 @@ REFUSED = {
     "a ^ inside": ({"regex": "ab^cd"}, "anchor '^'"),
     "a $ closing a group with more after it": ({"regex": "(a|b$)c"}, "anchor '$'"),
     "a ^ opening a group with something before it": ({"regex": "x(^a)"}, "anchor '^'"),
+    # a schema's pattern goes through the same dialect (this session: served "ab" for "^a$b")
+    "a $ inside a schema's pattern": ({"json": {"type": "object", "properties": {"a": {"type": "string", "pattern": "^a$b"}}, "required": ["a"]}},
+                                      "JSON Schema pattern '^a$b' at #/properties/a: anchor '$'"),
+    "a ^ inside a patternProperties name": ({"json": {"type": "object", "patternProperties": {"x^y": {"type": "string"}}}},
+                                            "JSON Schema pattern 'x^y' at #: anchor '^'"),
     # valid JSON, not text
     "a lone surrogate in a choice": ({"choice": ["ok", "a\ud800"]}, "lone UTF-16 surrogate"),
     "a lone surrogate in a schema": ({"json": {"enum": ["\udfff"]}}, "lone UTF-16 surrogate"),
@@ -68,6 +75,8 @@ ACCEPTED = {
     "anchors at the ends of alternatives": {"regex": "^yes$|^no$"},
     "anchors at the ends of a group's alternatives": {"regex": r"^(?:\d{3}$|\d{5}$)"},
     "a ^ opening a leading group": {"regex": "(^a|^b)c$"},
+    "a schema pattern anchored at its ends": {"json": {"type": "object", "properties": {"z": {"type": "string", "pattern": r"^\d{3}-\d{4}$"}},
+                                                       "patternProperties": {"^x-": {"type": "string"}}}},
 }
 
 

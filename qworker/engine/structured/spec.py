@@ -223,6 +223,13 @@ def check_schema_supported(schema: object, path: str = "#", root: object = None,
     if isinstance(all_of, list) and len(all_of) > 1:
         raise StructuredOutputError(f"JSON Schema 'allOf' with more than one subschema at {path} is not supported by the structured-output backend")
     _check_alone(schema, path)
+    # a string's pattern (and a patternProperties name) goes through the same regex dialect: an
+    # anchor inside it is ignored there, so "^a$b" (which nothing matches) would serve "ab"
+    patterns = [schema["pattern"]] if isinstance(schema.get("pattern"), str) else []
+    if isinstance(schema.get("patternProperties"), dict):
+        patterns += list(schema["patternProperties"])
+    for pattern in patterns:
+        _check_edge_anchors(_regex_tokens(pattern), f"JSON Schema pattern {pattern[:80]!r} at {path}:")
     required, props = schema.get("required"), schema.get("properties")
     if isinstance(required, list):
         missing = [r for r in required if not isinstance(props, dict) or r not in props]
@@ -295,13 +302,19 @@ def check_regex_supported(regex: str) -> None:
         if t in ("\\A", "\\Z", "\\z", "\\G"):
             raise StructuredOutputError(f"regex anchor {t} is not supported: the whole output matches the regex "
                                         "(a ^ where it starts and a $ where it ends are accepted)")
+    _check_edge_anchors(tokens, "regex")
+
+
+def _check_edge_anchors(tokens: list[tuple[str, str]], what: str) -> None:
+    """Raise where a ``^`` has something to match on its left or a ``$`` on its right (xgrammar
+    ignores both and would serve text the regex can never match)."""
     mirrored = [(t, _MIRROR.get(k, k)) for t, k in reversed(tokens)]  # read from the end: a close opens
     for anchor, order in (("^", tokens), ("$", mirrored)):
         at_edge, saved = True, []  # nothing consumed yet on this path; the flag at each open group
         for t, kind in order:
             if t == anchor:
                 if not at_edge:
-                    raise StructuredOutputError(f"regex anchor {anchor!r} with something to match on its "
+                    raise StructuredOutputError(f"{what} anchor {anchor!r} with something to match on its "
                                                 f"{'left' if anchor == '^' else 'right'} is not supported: the whole "
                                                 "output matches the regex, so '^' may only stand where it starts and '$' where it ends")
             elif kind == "open":
