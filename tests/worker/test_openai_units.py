@@ -194,7 +194,9 @@ def test_error_lines_validate_and_carry_status(code: str) -> None:
     body = validate_line(out)
     assert isinstance(body, ErrorBody) and out["response"]["status_code"] == STATUS[code] and out["error"]["code"] == code
     assert body.error.type == ("server_error" if STATUS[code] >= 500 else "invalid_request_error")
-    assert body.error.param == ("body.n" if code == "invalid_job" else None)
+    field = {"invalid_job": "body.n", "invalid_structured_output": "body.response_format",
+             "prompt_too_long": "body.messages", "invalid_prompt": "body.messages", "empty_prompt": "body.messages"}
+    assert body.error.param == field.get(code)
 
 
 def test_cancelled_completion_is_an_error_line(tokenizer) -> None:
