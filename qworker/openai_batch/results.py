@@ -18,12 +18,13 @@ Invariants:
 
 from __future__ import annotations
 
+import codecs
 import uuid
 from functools import lru_cache
 from typing import Any, Protocol
 
 from qworker.messages import Completion, JobError
-from qworker.openai_batch.requests import OpenAIRequest
+from qworker.openai_batch.requests import CHAT_FIELDS, COMPLETIONS_FIELDS, OpenAIRequest
 
 # error code -> HTTP status of the output line. Unknown codes: 400 (the engine's
 # InvalidRequestError codes are all the request's fault).
@@ -153,17 +154,28 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[str, float]], n: int
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[str, float]], n: int, text: TokenText) -> dict[str, Any]:
     """The legacy completions shape: parallel ``tokens`` / ``token_logprobs`` /
-    ``top_logprobs`` ({token: logprob}) / ``text_offset`` (character offsets in the text; null
-    when the pieces are stand-ins, whose lengths say nothing)."""
-    tokens, values, tops, offsets, at = [], [], [], [], 0
+    ``top_logprobs`` ({token: logprob}) / ``text_offset`` (null when the pieces are stand-ins,
+    whose lengths say nothing)."""
+    tokens, values, tops = [], [], []
     for tid, lp in zip(token_ids, logprobs):
-        tok = text.piece(tid)[0]
-        tokens.append(tok)
+        tokens.append(text.piece(tid)[0])
         values.append(lp.get(str(tid), -9999.0))
         tops.append({text.piece(i)[0]: v for i, v in _top(lp, n)})
+    offsets = text_offsets([text.piece(t)[1] for t in token_ids[:len(logprobs)]]) if text.spells_text else None
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def text_offsets(pieces: list[list[int] | None]) -> list[int]:
+    """Where each token starts in the text, in characters: the characters its predecessors' bytes
+    complete. Counted from bytes, not from each piece decoded alone: a character split over two
+    tokens decodes alone as one or two U+FFFD each, which would push every later offset past the
+    text (so a token that starts inside a character starts where that character does)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    offsets, at = [], 0
+    for b in pieces:
         offsets.append(at)
-        at += len(tok)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets if text.spells_text else None}
+        at += len(decoder.decode(bytes(b or ())))
+    return offsets
 
 
 def body_id(ctx: OpenAIRequest, run_id: str) -> str:
@@ -202,22 +214,25 @@ def output_line(msg: Completion | JobError, ctx: OpenAIRequest, text: TokenText,
     """The batch output line answering ``msg`` (``param``: the field an error is about; for a
     refusal made after the line was mapped, the field its code points at)."""
     if isinstance(msg, JobError):
-        return error_line(ctx.custom_id, msg.error.code, msg.error.message, msg.run_id, param or refused_field(msg.error.code, ctx))
+        return error_line(ctx.custom_id, msg.error.code, msg.error.message, msg.run_id, param or refused_field(msg.error.code, msg.error.message, ctx))
     if msg.status == "cancelled":  # OpenAI has no "cancelled" finish reason: an error line
         return error_line(ctx.custom_id, "cancelled", "the job was cancelled (a cancel record) before it finished", msg.run_id)
     return {"id": f"batch_req_{msg.run_id}", "custom_id": ctx.custom_id,
             "response": {"status_code": 200, "request_id": f"req_{msg.run_id}", "body": completion_body(msg, ctx, text)}, "error": None}
 
 
-def refused_field(code: str, ctx: OpenAIRequest) -> str | None:
+def refused_field(code: str, message: str, ctx: OpenAIRequest) -> str | None:
     """The body field behind a refusal the engine or the worker makes after mapping the line (the
     line's own checks name theirs): a grammar that does not compile is the response_format's, a
-    prompt that cannot run is the messages' (or the prompt's); other codes name no one field."""
+    prompt that cannot run is the messages' (or the prompt's), a sampling refusal the field its
+    message starts with (the engine names it first: "logit_bias token ids out of range ...");
+    anything else names no one field."""
     if code == "invalid_structured_output":
         return "body.response_format"
     if code in ("prompt_too_long", "empty_prompt", "invalid_prompt"):
         return "body.messages" if ctx.endpoint == "chat" else "body.prompt"
-    return None
+    first = message.split(maxsplit=1)[0] if code == "invalid_sampling" and message.strip() else ""
+    return f"body.{first}" if first in (CHAT_FIELDS if ctx.endpoint == "chat" else COMPLETIONS_FIELDS) else None
 
 
 def run_headers(attempt: int, run_id: str, seq: int | None = None) -> list[tuple[str, bytes]]:

@@ -10,7 +10,7 @@ import pytest
 
 from qworker.messages import Choice, Completion, ErrorInfo, JobError, Timings, Usage
 from qworker.openai_batch.requests import UNCAPPED, OpenAIRequest, RequestError, map_line
-from qworker.openai_batch.results import STATUS, IdText, TokenizerText, error_line, output_line
+from qworker.openai_batch.results import STATUS, IdText, TokenizerText, completion_logprobs, error_line, output_line
 from qworker.worker.decode import Invalid, Unparseable, Valid, decode
 from qworker.worker.stream import StreamCoalescer, StreamEnd
 from qworker.worker.wire import chunk_render
@@ -285,3 +285,27 @@ def test_an_answer_too_large_in_openai_shape_becomes_a_413_line() -> None:
     line = orjson.loads(data)
     validate_line(line)
     assert isinstance(out, JobError) and line["custom_id"] == "big" and line["response"]["status_code"] == 413 and line["error"]["code"] == "result_too_large"
+
+
+@pytest.mark.parametrize("words", ["ok 😀😀 done", "日本語の文章です。", "a🙂b", "plain ascii text", "ünïcödé ✓ 𝄞 end"])
+def test_text_offsets_are_character_offsets_in_the_text(tokenizer, words: str) -> None:
+    """Each token's offset is where its text starts in the completion's text, also after a
+    character split over tokens (helper-52: each piece was decoded alone, a split emoji counted as
+    two or three U+FFFD, and later offsets pointed past the end of the text)."""
+    ids = tokenizer.encode(words, add_special_tokens=False)
+    assert tokenizer.decode(ids) == words
+    offsets = completion_logprobs(ids, [{str(i): -0.5} for i in ids], 0, TokenizerText(tokenizer))["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(words)
+    for i, at in enumerate(offsets):  # the text before a token is what the tokens before it spell
+        assert words[:at] == tokenizer.decode(ids[:i]).rstrip("\ufffd"), (i, at)
+
+
+@pytest.mark.parametrize(("endpoint", "message", "param"), [
+    ("chat", "logit_bias token ids out of range [0, 49152): [999999]", "body.logit_bias"),
+    ("completions", "stop_token_ids out of range [0, 49152): [-1]", "body.stop_token_ids"),
+    ("chat", "min_tokens 9000 exceeds the 100 tokens of context left after the prompt", "body.min_tokens"),
+    ("chat", "params must be a SamplingParams", None),
+])
+def test_a_sampling_refusal_names_the_field_its_message_starts_with(endpoint: str, message: str, param) -> None:
+    msg = JobError(job_id="e1", attempt=1, run_id="r9", error=ErrorInfo(code="invalid_sampling", message=message, retryable=False))
+    assert validate_line(output_line(msg, OpenAIRequest("e1", endpoint), IdText())).error.param == param
