@@ -487,6 +487,18 @@ INVALID_CASES = [
     ("short-startup-budget", {"probes": {"startup": {"failureThreshold": 2}}}, "startup"),
     ("unknown-key-typo", {"kafka": {"bootstrapServer": "kafka:9092"}}, "bootstrapServer"),
     ("wrong-type", {"autoscaling": {"maxReplicas": "many"}}, "maxReplicas"),
+    # helper-52: values the schema let through that rendered a wrong image, an invalid object, or a
+    # PDB that blocks every drain or that the API server refuses
+    ("image-tag-as-number", {"image": {"tag": 20240101}}, "/image/tag"),
+    ("extra-env-value-as-number", {"worker": {"extraEnv": [{"name": "A", "value": 5}]}}, "/worker/extraEnv/0/value"),
+    ("pod-label-as-boolean", {"podLabels": {"a": True}}, "/podLabels/a"),
+    ("common-label-as-number", {"commonLabels": {"tier": 1}}, "/commonLabels/tier"),
+    ("pod-annotation-as-number", {"podAnnotations": {"a": 1}}, "/podAnnotations/a"),
+    ("pdb-zero-written-00", {"podDisruptionBudget": {"maxUnavailable": "00%"}}, "maxUnavailable"),
+    ("pdb-negative", {"podDisruptionBudget": {"maxUnavailable": -1}}, "maxUnavailable"),
+    ("pdb-not-a-count", {"podDisruptionBudget": {"maxUnavailable": "abc"}}, "maxUnavailable"),
+    ("pdb-min-all", {"podDisruptionBudget": {"maxUnavailable": None, "minAvailable": "100%"}}, "minAvailable"),
+    ("otel-attribute-name-with-comma", {"otel": {"resourceAttributes": {"a,b": "c"}}}, "a,b"),
     ("kv-cache-bytes-as-number", {"worker": {"kvCacheMemory": 4294967296}}, "kvCacheMemory"),
     ("kv-cache-zero", {"worker": {"kvCacheMemory": "0"}}, "kvCacheMemory"),
     ("kv-cache-fraction-above-one", {"worker": {"kvCacheMemory": "1.5"}}, "kvCacheMemory"),
@@ -504,3 +516,25 @@ def test_bad_values_fail_with_a_clear_message(render, values, needle):
     with pytest.raises(helm.HelmError) as info:
         render(values)
     assert needle in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(("value", "fraction"), [(1.0, 1.0), (1, 1.0), (0.9, 0.9), ("0.90", 0.9), (0.25, 0.25)])
+def test_a_kv_cache_fraction_reaches_the_worker_as_a_fraction(render, value, fraction):
+    """helper-52: 1.0 as a YAML number rendered "1", which the worker reads as one byte and refuses."""
+    from qworker.config import parse_kv_memory
+
+    got = parse_kv_memory(render({"worker": {"kvCacheMemory": value}}).config["QWORKER_KV_CACHE_MEMORY"])
+    assert isinstance(got, float) and got == pytest.approx(fraction)
+
+
+def test_otel_resource_attribute_values_are_escaped(render, monkeypatch):
+    """helper-52: a "," or "=" in a value started another attribute; the SDK must read back each
+    value whole (it percent-decodes them)."""
+    from opentelemetry.sdk.resources import Resource
+
+    attrs = {"team": "a,b=c", "cost.center": 42, "note": "x y+z $(HOME) 100%"}
+    env = render({"otel": {"enabled": True, "resourceAttributes": attrs}, "model": {"name": "m=1,2"}}).env()
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", env["OTEL_RESOURCE_ATTRIBUTES"])
+    read = Resource.create().attributes
+    assert {k: read[k] for k in attrs} == {k: str(v) for k, v in attrs.items()}
+    assert read["gen_ai.request.model"] == "m=1,2" and read["k8s.pod.name"] == "$(POD_NAME)"

@@ -327,7 +327,7 @@ def test_chart_defaults_limit_cpu_and_name_the_served_model(render) -> None:
     assert named.config["QWORKER_MODEL"] == "/models/smollm2-135m"
 
 
-@pytest.mark.parametrize("given, env", [("0.90", "0.90"), (0.9, "0.9"), ("4GiB", "4GiB"), ("1073741824", "1073741824"), ("", None)])
+@pytest.mark.parametrize("given, env", [("0.90", "0.90"), (0.9, "0.9"), (1.0, "1.0"), (1, "1.0"), ("4GiB", "4GiB"), ("1073741824", "1073741824"), ("", None)])
 def test_kv_cache_memory_reaches_the_worker_as_it_reads_it(render, given, env) -> None:
     from qworker.config import WorkerSettings
 
