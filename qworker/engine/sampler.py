@@ -181,9 +181,12 @@ def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if any(tp < 1.0 for tp in top_ps):
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         sorted_p = sorted_x.softmax(dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (keeps at least one)
+        # drop a token when the mass strictly before it already reaches top_p (keeps at least one);
+        # rows at top_p 1 keep every token: their fp32 cumsum can reach 1 before the vocabulary
+        # ends, and cutting there would make a seeded row's draw depend on its batch
         before = sorted_p.cumsum(dim=-1) - sorted_p
-        drop = before >= torch.tensor(top_ps, device=dev, dtype=x.dtype).unsqueeze(1)
+        tp = torch.tensor(top_ps, device=dev, dtype=x.dtype).unsqueeze(1)
+        drop = (before >= tp) & (tp < 1.0)
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     probs = x.softmax(dim=-1)
     min_ps = [s.request.params.min_p for s in seqs]

@@ -106,3 +106,27 @@ def test_chat_prompt_uses_template(model_dir):
     templated = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert out.prompt_token_ids == list(templated)
     assert out.outputs[0].text
+
+
+def test_a_row_without_top_p_is_not_cut_by_its_batch() -> None:
+    """helper-49: once any row of a step had top_p < 1 the nucleus cut ran on every row, and a
+    top_p = 1 row whose fp32 cumulative mass reached 1 before the vocabulary's end lost its tail:
+    a seeded request drew another token beside such a row than alone. Its probabilities must be
+    the same bits alone and batched."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qworker.engine.sampler import _filtered_probs
+
+    def seq(**kw):
+        return SimpleNamespace(request=SimpleNamespace(params=SamplingParams(temperature=1.0, **kw)))
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 49152, generator=gen) * 3
+    plain, nucleus = seq(seed=20), seq(top_p=0.9)
+    alone = _filtered_probs(logits[:1].clone(), [plain])
+    batched = _filtered_probs(logits.clone(), [plain, nucleus])
+    assert (alone > 0).sum() == logits.shape[1], "a top_p = 1 row keeps every token"
+    assert torch.equal(batched[0], alone[0])
+    assert (batched[1] == 0).any(), "the top_p = 0.9 row is still cut"
