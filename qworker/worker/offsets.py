@@ -80,6 +80,11 @@ class OffsetTracker(Generic[TP]):
         p = self._parts.get(tp)
         return p.committed if p else None
 
+    def seen_up_to(self, tp: TP) -> int | None:
+        """One past the highest offset seen of ``tp`` (None if none in this ownership)."""
+        p = self._parts.get(tp)
+        return p.high if p else None
+
     def pending(self, tp: TP) -> set[int]:
         p = self._parts.get(tp)
         return set(p.pending) if p else set()

@@ -72,28 +72,58 @@ class Partitions:
         truncated by an unclean election, memory storage restarted) or an operator reset the
         group's offsets. Its new records reuse offsets we already saw; keeping our "seen up to"
         mark would take them for refetches and never answer them. So the partition starts
-        afresh; its in-flight jobs still answer, but no longer mark offsets of the new log."""
+        afresh; its in-flight jobs still answer, but no longer mark offsets of the new log.
+
+        A partition we read but never committed is checked too: a group with no offset at all
+        for it may be a new group that has committed nothing yet, or a broker that lost its data
+        before our first commit (whose new records the stale mark would skip, and whose next
+        commit would then step over them: lost). The two cannot be told apart, so it starts
+        afresh either way: the consumer rewinds, jobs still held are recognised by id, and only
+        jobs finished since the last commit round run again (at-least-once, never a loss)."""
         # One deadline for all of them: a stalled broker must not hold up the rebalance (5 s per
         # partition, one after the other, was 40 s for 8 partitions). Unchecked ones stay as they are.
         deadline = asyncio.get_running_loop().time() + KEPT_CHECK_TIMEOUT_S
         for tp in sorted(assigned & set(self.tracker.partitions()), key=lambda t: t.partition):
             ours = self.tracker.last_committed(tp)
-            if ours is None:
-                continue
             try:
                 async with asyncio.timeout_at(deadline):
                     theirs = await self.w.consumer.committed(tp)
             except (KafkaError, TimeoutError) as e:
                 log.debug("committed(%s) failed: %r", tp, e)
                 continue
-            if theirs is not None and theirs >= ours:
+            if theirs is not None and (ours is None or theirs >= ours):
                 continue
-            log.warning("%s/%d: the group's offset is %s, below the %d we committed: the log was reset; starting the partition afresh", tp.topic, tp.partition, theirs, ours)
-            for st in self.w.registry.jobs.values():
-                st.waiters = [wt for wt in st.waiters if wt[0] != tp]
-                if st.tp == tp:
-                    st.tp = DETACHED
-            self.tracker.drop(tp)
+            if ours is None:
+                self.start_afresh(tp, "the group has no offset for a partition we read but never committed: its log may have been reset")
+            else:
+                self.start_afresh(tp, f"the group's offset is {theirs}, below the {ours} we committed: the log was reset")
+
+    def start_afresh(self, tp: TopicPartition, why: str) -> None:
+        """Forget what we saw of ``tp``'s log: its jobs in flight still answer but mark no offset."""
+        log.warning("%s/%d: %s; starting the partition afresh", tp.topic, tp.partition, why)
+        for st in self.w.registry.jobs.values():
+            st.waiters = [wt for wt in st.waiters if wt[0] != tp]
+            if st.tp == tp:
+                st.tp = DETACHED
+        self.tracker.drop(tp)
+
+    async def check_shrunk(self, tps: list[TopicPartition]) -> list[TopicPartition]:
+        """The partitions of ``tps`` whose log now ends below an offset we read, started afresh
+        from the log's beginning; the rest. A broker that lost its data between two of our
+        commits (memory storage restarted, a topic re-created, an unclean leader election) is
+        seen here first: the fetch position sits past the new log's end and its records are
+        never fetched, while the group (a new one on that broker) has no offset to compare, or
+        the one our next commit round would write over them. So before any commit, the high
+        watermark of the last fetch is checked against what we read."""
+        kept = []
+        for tp in tps:
+            end, seen = self.w.consumer.highwater(tp), self.tracker.seen_up_to(tp)
+            if end is None or seen is None or end >= seen:
+                kept.append(tp)
+                continue
+            self.start_afresh(tp, f"its log now ends at {end}, below the {seen} we read: the log was reset")
+            await self.w.consumer.seek_to_beginning(tp)
+        return kept
 
     def abandon(self, lost: set[TopicPartition]) -> None:
         """Abort the lost partitions' unfinished jobs without committing them: the new owner
@@ -144,6 +174,7 @@ class Partitions:
     async def commit(self) -> None:
         w = self.w
         assigned = w.consumer.assignment()
-        c, f = await kc.commit(w.consumer, self.tracker, [tp for tp in self.tracker.partitions() if tp in assigned])
+        mine = await self.check_shrunk([tp for tp in self.tracker.partitions() if tp in assigned])
+        c, f = await kc.commit(w.consumer, self.tracker, mine)
         w.stats.commits += c
         w.stats.commit_failures += f

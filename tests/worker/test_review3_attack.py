@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,32 @@ async def test_a_delivery_retry_is_logged_with_its_job_id(tmp_path: Path, caplog
             await producer.stop()
     finally:
         stop_broker(broker)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (the SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def test_a_sigterm_while_the_worker_imports_is_a_clean_stop(tiny_model_dir: Path) -> None:
+    """helper-50: a SIGTERM that landed while ``qworker run`` was still importing (torch takes
+    seconds, before serve() installs the draining handler) ended it with 143, not the 0 of a
+    clean stop; nothing is held then. Sent as soon as the command has its first handler."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "qworker.cli", "run"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_clean_env(QWORKER_MODEL=str(tiny_model_dir), QWORKER_BOOTSTRAP_SERVERS="127.0.0.1:9", QWORKER_HTTP_PORT="-1"))
+    try:
+        deadline = time.monotonic() + 60
+        while p.poll() is None and not _catches(p.pid, signal.SIGTERM) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, (p.returncode, err.decode()[-2000:])

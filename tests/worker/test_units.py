@@ -303,3 +303,86 @@ def test_kept_partitions_check_has_one_deadline_for_all_partitions(monkeypatch) 
     elapsed = time.monotonic() - t0
     assert elapsed < 8 * 1.0 / 2, f"{elapsed:.2f} s: the deadline was per partition"
     assert sorted(tp.partition for tp in w.tracker.partitions()) == list(range(8)), "unchecked partitions are kept"
+
+
+def test_a_partition_read_but_never_committed_starts_afresh_when_the_group_has_no_offset() -> None:
+    """helper-50: a memory-storage broker restarted before our first commit on a partition. The
+    check skipped partitions we had never committed, so our "seen up to 8" mark stayed: the new
+    log's records 0-4 were taken for refetches (never answered) and the next commit round
+    committed 8 over them. A group with no offset now starts such a partition afresh; one with an
+    offset (a new owner's start, our own reads above it) keeps it."""
+    import asyncio
+
+    from aiokafka.structs import TopicPartition
+
+    from qworker.worker import app as app_mod
+    from qworker.worker.jobs import JobState
+    from qworker.worker.partitions import DETACHED
+
+    class Group:
+        offsets = {TopicPartition("jobs", 1): 3}
+
+        async def committed(self, tp):
+            return self.offsets.get(tp)
+
+    w = app_mod.Worker(WorkerSettings())
+    w.consumer = Group()
+    reset, kept = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
+    for tp, first in ((reset, 0), (kept, 3)):
+        for off in range(first, 8):
+            assert w.tracker.add(tp, off)
+        for off in range(first, 7):
+            w.tracker.done(tp, off)  # answered, not committed yet; 7 still running
+    running = JobState(job=Job(id="running", prompt="x"), tp=reset, offset=7, produced_at=0.0, received_at=0.0)
+    w.registry.jobs["running"] = running
+    asyncio.run(w.partitions.check_kept({reset, kept}))
+    assert reset not in w.tracker.partitions() and running.tp == DETACHED
+    assert w.tracker.add(reset, 0), "the new log's first record must count as new"
+    assert w.tracker.committable(kept) == 7 and not w.tracker.add(kept, 5)
+
+
+def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit() -> None:
+    """helper-50 again: with the broker's group state gone too, the commit round after the
+    restart wrote our stale "read up to 8" into the new log (the broker took it) before any
+    rebalance could compare offsets, and the new records 0-4 were never fetched or answered.
+    A fetch's high watermark below what we read now starts the partition afresh from the log's
+    beginning, and nothing of it is committed in that round."""
+    import asyncio
+
+    from aiokafka.structs import TopicPartition
+
+    from qworker.worker import app as app_mod
+    from qworker.worker.jobs import JobState
+    from qworker.worker.partitions import DETACHED
+
+    shrunk, grown = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
+
+    class Consumer:
+        commits: list = []
+        rewound: list = []
+
+        def assignment(self):
+            return {shrunk, grown}
+
+        def highwater(self, tp):
+            return {shrunk: 5, grown: 12}[tp]
+
+        async def seek_to_beginning(self, *tps):
+            self.rewound += tps
+
+        async def commit(self, offsets):
+            self.commits.append(dict(offsets))
+
+    w = app_mod.Worker(WorkerSettings())
+    w.consumer = Consumer()
+    for tp in (shrunk, grown):
+        for off in range(8):
+            w.tracker.add(tp, off)
+        for off in range(7):
+            w.tracker.done(tp, off)
+    running = JobState(job=Job(id="running", prompt="x"), tp=shrunk, offset=7, produced_at=0.0, received_at=0.0)
+    w.registry.jobs["running"] = running
+    asyncio.run(w.partitions.commit())
+    assert Consumer.rewound == [shrunk] and running.tp == DETACHED
+    assert Consumer.commits == [{grown: 7}], "nothing of the shrunk log is committed"
+    assert w.tracker.add(shrunk, 0), "the new log's first record counts as new"
