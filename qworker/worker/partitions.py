@@ -117,7 +117,11 @@ class Partitions:
         watermark of the last fetch is checked against what we read."""
         kept = []
         for tp in tps:
-            end, seen = self.w.consumer.highwater(tp), self.tracker.seen_up_to(tp)
+            try:
+                end = self.w.consumer.highwater(tp)
+            except AssertionError:  # aiokafka's "not assigned": a rebalance began since we listed them
+                continue
+            seen = self.tracker.seen_up_to(tp)
             if end is None or seen is None or end >= seen:
                 kept.append(tp)
                 continue
