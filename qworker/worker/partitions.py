@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("qworker.worker")
 # how long a rebalance may wait, in all, for the group's offsets of the partitions it keeps
 KEPT_CHECK_TIMEOUT_S = 5.0
+# how long a partition's log must stay shorter than what we read before we believe it was reset
+SHRUNK_CONFIRM_S = 10.0
 
 # The partition of a job whose log was reset under it: it still answers, marks no offset.
 DETACHED = TopicPartition("", -1)
@@ -42,6 +44,7 @@ class Partitions:
         self.generation = 0
         self.joined = False  # the consumer joined its group (it may own no partition)
         self.revoked: set[TopicPartition] = set()
+        self._shrunk_since: dict[TopicPartition, float] = {}  # see check_shrunk
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Commit what is done before ownership may move. Jobs keep running until we learn, in
@@ -108,13 +111,18 @@ class Partitions:
         self.tracker.drop(tp)
 
     async def check_shrunk(self, tps: list[TopicPartition]) -> list[TopicPartition]:
-        """The partitions of ``tps`` whose log now ends below an offset we read, started afresh
-        from the log's beginning; the rest. A broker that lost its data between two of our
-        commits (memory storage restarted, a topic re-created, an unclean leader election) is
-        seen here first: the fetch position sits past the new log's end and its records are
-        never fetched, while the group (a new one on that broker) has no offset to compare, or
-        the one our next commit round would write over them. So before any commit, the high
-        watermark of the last fetch is checked against what we read."""
+        """Those of ``tps`` that may be committed this round. A broker that lost its data between
+        two of our commits (memory storage restarted, a topic re-created, an unclean leader
+        election) shows first here: the fetch position sits past the new log's end, so its
+        records are never fetched, and the group, a new one on that broker, has no offset to
+        compare, or the one our next commit round would write over them. So before a commit the
+        last fetch's high watermark is checked against what we read. Below it, the partition is
+        not committed; once it has stayed below for SHRUNK_CONFIRM_S (a new leader's high
+        watermark can trail the old one's for a moment after a failover, which must not replay a
+        partition), the partition starts afresh from the group's offset where that lies inside
+        the log (a truncated log), else from the log's beginning (a new one)."""
+        now = asyncio.get_running_loop().time()
+        self._shrunk_since = {tp: t for tp, t in self._shrunk_since.items() if tp in tps}
         kept = []
         for tp in tps:
             try:
@@ -123,11 +131,25 @@ class Partitions:
                 continue
             seen = self.tracker.seen_up_to(tp)
             if end is None or seen is None or end >= seen:
+                self._shrunk_since.pop(tp, None)
                 kept.append(tp)
-                continue
-            self.start_afresh(tp, f"its log now ends at {end}, below the {seen} we read: the log was reset")
-            await self.w.consumer.seek_to_beginning(tp)
+            elif now - self._shrunk_since.setdefault(tp, now) >= SHRUNK_CONFIRM_S:
+                await self._restart_shrunk(tp, end, seen)
         return kept
+
+    async def _restart_shrunk(self, tp: TopicPartition, end: int, seen: int) -> None:
+        try:
+            async with asyncio.timeout(KEPT_CHECK_TIMEOUT_S):
+                theirs = await self.w.consumer.committed(tp)
+        except (KafkaError, TimeoutError) as e:  # asked again next round
+            log.debug("committed(%s) failed: %r", tp, e)
+            return
+        del self._shrunk_since[tp]
+        self.start_afresh(tp, f"its log now ends at {end}, below the {seen} we read: the log was reset")
+        if theirs is not None and theirs <= end:
+            self.w.consumer.seek(tp, theirs)
+        else:
+            await self.w.consumer.seek_to_beginning(tp)
 
     def abandon(self, lost: set[TopicPartition]) -> None:
         """Abort the lost partitions' unfinished jobs without committing them: the new owner

@@ -341,48 +341,74 @@ def test_a_partition_read_but_never_committed_starts_afresh_when_the_group_has_n
     assert w.tracker.committable(kept) == 7 and not w.tracker.add(kept, 5)
 
 
-def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit() -> None:
+def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit(monkeypatch) -> None:
     """helper-50 again: with the broker's group state gone too, the commit round after the
     restart wrote our stale "read up to 8" into the new log (the broker took it) before any
     rebalance could compare offsets, and the new records 0-4 were never fetched or answered.
-    A fetch's high watermark below what we read now starts the partition afresh from the log's
-    beginning, and nothing of it is committed in that round."""
+    A fetch's high watermark below what we read now withholds the partition's commits; if it stays
+    below (a failover's new leader can trail for a moment: that must not replay the partition),
+    the partition starts afresh: from the group's offset where that lies inside the new log (a
+    truncated one), else from its beginning."""
     import asyncio
+    import time
 
     from aiokafka.structs import TopicPartition
 
     from qworker.worker import app as app_mod
+    from qworker.worker import partitions as partitions_mod
     from qworker.worker.jobs import JobState
     from qworker.worker.partitions import DETACHED
 
-    shrunk, grown = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
+    monkeypatch.setattr(partitions_mod, "SHRUNK_CONFIRM_S", 0.3)
+    reset, truncated, fine = (TopicPartition("jobs", p) for p in range(3))
 
     class Consumer:
+        ends = {reset: 5, truncated: 6, fine: 12}
+        group = {truncated: 4}
         commits: list = []
         rewound: list = []
+        sought: list = []
 
         def assignment(self):
-            return {shrunk, grown}
+            return set(self.ends)
 
         def highwater(self, tp):
-            return {shrunk: 5, grown: 12}[tp]
+            return self.ends[tp]
+
+        async def committed(self, tp):
+            return self.group.get(tp)
 
         async def seek_to_beginning(self, *tps):
             self.rewound += tps
+
+        def seek(self, tp, offset):
+            self.sought.append((tp, offset))
 
         async def commit(self, offsets):
             self.commits.append(dict(offsets))
 
     w = app_mod.Worker(WorkerSettings())
-    w.consumer = Consumer()
-    for tp in (shrunk, grown):
+    w.consumer = c = Consumer()
+    for tp in c.ends:
         for off in range(8):
             w.tracker.add(tp, off)
         for off in range(7):
             w.tracker.done(tp, off)
-    running = JobState(job=Job(id="running", prompt="x"), tp=shrunk, offset=7, produced_at=0.0, received_at=0.0)
+    running = JobState(job=Job(id="running", prompt="x"), tp=reset, offset=7, produced_at=0.0, received_at=0.0)
     w.registry.jobs["running"] = running
-    asyncio.run(w.partitions.commit())
-    assert Consumer.rewound == [shrunk] and running.tp == DETACHED
-    assert Consumer.commits == [{grown: 7}], "nothing of the shrunk log is committed"
-    assert w.tracker.add(shrunk, 0), "the new log's first record counts as new"
+
+    async def rounds() -> None:
+        await w.partitions.commit()  # both short logs seen: withheld, not yet believed
+        assert c.commits == [{fine: 7}] and not c.rewound and not c.sought and running.tp == reset
+        c.ends[truncated] = 9  # a leader that caught up: an ordinary partition again
+        await w.partitions.commit()
+        assert c.commits[-1] == {truncated: 7}
+        c.ends[truncated] = 6
+        await w.partitions.commit()
+        time.sleep(0.35)
+        await w.partitions.commit()
+
+    asyncio.run(rounds())
+    assert c.rewound == [reset] and c.sought == [(truncated, 4)] and running.tp == DETACHED
+    assert all(reset not in done for done in c.commits), "nothing of the reset log is committed"
+    assert w.tracker.add(reset, 0) and w.tracker.add(truncated, 4), "the new logs' records count as new"
