@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import os
+import signal
 import sys
-import time
-import uuid
-from pathlib import Path
-from typing import Optional
 
-import typer
 
-from qworker.config import WorkerSettings
+def _stop_before_start(signum: int, frame: object) -> None:
+    """``qworker run`` before serve() installs its draining handler (after the imports: torch alone
+    takes seconds): nothing is joined, consumed or written yet, so a SIGTERM or SIGINT is a clean
+    stop, status 0 (the default action ended it with 143). At once, so that a second signal cannot
+    land in the unwinding of an import."""
+    os._exit(0)
+
+
+if sys.argv[1:2] == ["run"]:  # the worker's own process, before any import below
+    for _signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_signum, _stop_before_start)
+
+import asyncio  # noqa: E402 - after the handler above
+import logging  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
+
+import typer  # noqa: E402
+
+from qworker.config import WorkerSettings  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 topics_app = typer.Typer(no_args_is_help=True, help="Manage qworker's topics.")
@@ -49,13 +65,6 @@ def run(
     option: list[str] = typer.Option([], "--option", "-o", help="Any other setting as KEY=VALUE (e.g. -o session_timeout_ms=6000)"),
 ) -> None:
     """Run the worker until SIGTERM (which drains, commits and exits 0)."""
-    # Until serve() installs the draining handler (after the imports below: torch alone takes
-    # seconds), a SIGTERM finds nothing to drain and nothing joined: a clean stop, status 0 (the
-    # default action would end the process with 143)
-    import signal
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _stop_before_start)
     from pydantic import ValidationError
 
     flags = dict(bootstrap_servers=bootstrap_servers, model=model, group_id=group_id, http_port=http_port, drain_timeout_s=drain_timeout_s,
@@ -82,10 +91,6 @@ def run(
         typer.echo(f"qworker: {e}", err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(code)
-
-
-def _stop_before_start(signum: int, frame: object) -> None:
-    raise SystemExit(0)
 
 
 @app.command()

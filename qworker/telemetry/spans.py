@@ -31,15 +31,20 @@ GENERATE = "generate"
 PUBLISH = "publish"
 
 
+# a record key is copied into its span for finding the record, not as data: keys of a megabyte held
+# that much per queued span (2,048 of them) while a collector stalled
+MAX_KEY_CHARS = 256
+
+
 def _key_text(key: bytes | str | None) -> str | None:
     if key is None:
         return None
-    if isinstance(key, str):
-        return key
-    try:
-        return key.decode("utf-8")
-    except UnicodeDecodeError:
-        return None  # the convention asks for the key only when it is readable text
+    if isinstance(key, bytes):
+        try:
+            key = key[:4 * MAX_KEY_CHARS].decode("utf-8", "strict" if len(key) <= 4 * MAX_KEY_CHARS else "ignore")
+        except UnicodeDecodeError:
+            return None  # the convention asks for the key only when it is readable text
+    return key if len(key) <= MAX_KEY_CHARS else key[:MAX_KEY_CHARS - 1] + "…"
 
 
 class JobTracer:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 log = logging.getLogger(__name__)
 
 INSTRUMENTATION_NAME = "qworker"
+CLOSE_TIMEOUT_S = 5.0  # the longest a flush or the shutdown waits for the collector
 DEFAULT_SERVICE_NAME = "qworker"
 
 
@@ -45,15 +47,28 @@ class Tracing:
     def enabled(self) -> bool:
         return self.provider is not None
 
-    def flush(self) -> None:
-        """Exports queued spans now (bounded by ``OTEL_BSP_EXPORT_TIMEOUT``)."""
+    def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Exports queued spans now, waiting at most ``timeout_s``."""
         if self.provider is not None:
-            self.provider.force_flush()
+            _within(self.provider.force_flush, timeout_s, "flush")
 
-    def shutdown(self) -> None:
-        """Flushes queued spans and stops the exporters; for the provider's owner only."""
+    def shutdown(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Flushes queued spans and stops the exporters, waiting at most ``timeout_s``; for the
+        provider's owner only."""
         if self.provider is not None:
-            self.provider.shutdown()
+            _within(self.provider.shutdown, timeout_s, "shutdown")
+
+
+def _within(call, timeout_s: float, what: str) -> None:
+    """``call()`` on a daemon thread, waited for at most ``timeout_s``: the SDK's flush waits on
+    a collector without limit and its shutdown for every queued batch at the exporter's timeout
+    each (a collector that accepted and never answered held a worker's stop for 30 s, past its
+    grace period). Spans not exported by then are dropped with the process."""
+    t = threading.Thread(target=call, name=f"otel-{what}", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("tracing %s: the collector did not take the queued spans within %.0f s; they are dropped", what, timeout_s)
 
 
 def disabled() -> Tracing:
@@ -121,7 +136,9 @@ def configure_tracing(env: Mapping[str, str] | None = None, *, install_global: b
     if not names:
         return disabled()
     attrs = {} if env.get("OTEL_SERVICE_NAME") or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", "") else {SERVICE_NAME: DEFAULT_SERVICE_NAME}
-    provider = TracerProvider(resource=Resource.create(attrs))
+    # shutdown_on_exit off: the worker shuts the provider down itself, within a time limit; the
+    # SDK's exit hook would wait for the collector again, without one
+    provider = TracerProvider(resource=Resource.create(attrs), shutdown_on_exit=False)
     for name in names:
         provider.add_span_processor(BatchSpanProcessor(_exporter(name, env)))
     if install_global:

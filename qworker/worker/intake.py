@@ -166,6 +166,7 @@ class Intake:
         holder = reg.jobs.get(job.id)
         if holder is not None:
             holder.waiters.append((tp, rec.offset))
+            holder.waiter_records[tp, rec.offset] = (rec.key, rec.headers)
             w.stats.duplicates += 1
             return None
         ts = rec.timestamp / 1000 if rec.timestamp and rec.timestamp > 0 else now

@@ -29,6 +29,8 @@ class JobState:
     produced_at: float  # the record's timestamp, seconds
     received_at: float
     waiters: list[tuple[Any, int]] = field(default_factory=list)
+    # each waiter's record key and headers: an heir (see Partitions.abandon) continues its trace
+    waiter_records: dict[tuple[Any, int], tuple[Any, Any]] = field(default_factory=dict)
     prompt_ids: list[int] = field(default_factory=list)
     params: Any = None  # engine SamplingParams
     structured_validated: bool = False  # its structured-output spec compiled at admission

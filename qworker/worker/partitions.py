@@ -174,10 +174,12 @@ class Partitions:
                 # everything intake settled for the job carries over: its prompt, parameters, wire
                 # shape, adapter (without it the heir would answer from the base model) and grammar check
                 heir = JobState(job=st.job, tp=tp, offset=off, produced_at=st.produced_at, received_at=st.received_at, waiters=rest, prompt_ids=st.prompt_ids, params=st.params,
-                                wire=st.wire, lora=st.lora, structured_validated=st.structured_validated)
+                                wire=st.wire, lora=st.lora, structured_validated=st.structured_validated, waiter_records=st.waiter_records)
                 heir.attempt = reg.attempts.next(st.job.id, self.generation)  # for an answer before its run
                 assert w.telemetry is not None
-                heir.tele = w.telemetry.job(st.job.id, tp.topic, tp.partition, off, st.job.id, None, st.received_at)
+                # the heir's trace continues its own record's (the producer's traceparent in its headers)
+                key, headers = st.waiter_records.get((tp, off), (st.job.id, None))
+                heir.tele = w.telemetry.job(st.job.id, tp.topic, tp.partition, off, key, headers, st.received_at)
                 if st.lora is not None:
                     heir.tele.set_lora(st.lora.lora_name)
                 reg.jobs[st.job.id] = heir

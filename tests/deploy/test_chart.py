@@ -518,9 +518,10 @@ def test_bad_values_fail_with_a_clear_message(render, values, needle):
     assert needle in str(info.value), str(info.value)
 
 
-@pytest.mark.parametrize(("value", "fraction"), [(1.0, 1.0), (1, 1.0), (0.9, 0.9), ("0.90", 0.9), (0.25, 0.25)])
+@pytest.mark.parametrize(("value", "fraction"), [(1.0, 1.0), (1, 1.0), (0.9, 0.9), ("0.90", 0.9), (0.25, 0.25), (1e-05, 1e-05), (2.5e-7, 2.5e-7)])
 def test_a_kv_cache_fraction_reaches_the_worker_as_a_fraction(render, value, fraction):
-    """helper-52: 1.0 as a YAML number rendered "1", which the worker reads as one byte and refuses."""
+    """helper-52: 1.0 as a YAML number rendered "1", which the worker reads as one byte and refuses;
+    helper-53: 1e-05 rendered in e-notation, which the worker refuses too."""
     from qworker.config import parse_kv_memory
 
     got = parse_kv_memory(render({"worker": {"kvCacheMemory": value}}).config["QWORKER_KV_CACHE_MEMORY"])

@@ -149,3 +149,48 @@ def test_disabled_tracing_is_inert():
         assert dict(headers)["traceparent"].decode() == TP  # passes through
     jt.end("completed")
     assert gen._events_seen == 0  # nothing recorded, the engine's events not even read
+
+
+def test_a_record_key_enters_its_span_bounded(tracing, exporter):
+    """helper-54: a megabyte key was copied whole into its span; 2,048 such spans queued behind a
+    stalled collector held over 500 MB. The key is for finding the record: cut to 256 characters."""
+    from qworker.telemetry.spans import MAX_KEY_CHARS
+
+    for key in (b"k" * 1_000_000, "é" * 100_000, b"\xc3\xa9" * 300_000, b"short-key"):
+        jt = JobTracer(tracing, group_id="g", model="m").start_job("jobs", 0, 1, key, [])
+        jt.end("completed")
+    got = [s.attributes.get("messaging.kafka.message.key") for s in exporter.get_finished_spans() if s.name == "process jobs"]
+    assert len(got) == 4 and all(len(k) <= MAX_KEY_CHARS for k in got)
+    assert got[3] == "short-key" and got[1].startswith("é" * 200) and got[2].startswith("é" * 200)
+
+
+def test_the_tracing_stop_is_bounded_when_the_collector_never_answers():
+    """helper-54: the SDK's shutdown waited on a collector that accepted and never answered for
+    ~30 s (every queued batch at the exporter's timeout), past the pod's grace period."""
+    import threading
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    from qworker.telemetry.tracing import from_provider
+
+    never = threading.Event()
+
+    class Hanging(SpanExporter):
+        def export(self, spans):
+            never.wait(60)
+            return SpanExportResult.FAILURE
+
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(Hanging(), schedule_delay_millis=10))
+    t = from_provider(provider)
+    for _ in range(600):
+        t.tracer.start_span("x").end()
+    try:
+        for stop in (t.flush, t.shutdown):
+            t0 = time.monotonic()
+            stop(0.5)
+            assert time.monotonic() - t0 < 3, stop
+    finally:
+        never.set()

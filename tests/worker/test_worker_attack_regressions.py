@@ -2,7 +2,8 @@
 tiny-model engine. Each failed before its fix.
 
 1. A job inherited by a duplicate record's partition after a revoke (``Partitions.abandon``'s
-   heir) lost its LoRA adapter and answered from the base model.
+   heir) lost its LoRA adapter and answered from the base model (and, found by helper-54, the
+   trace its record's traceparent started: the heir's span was a new root).
 2. Jobs whose structured-output grammar compiles at admission were not counted as held: a burst of
    distinct schemas fetched the whole topic and never paused a partition.
 3. ``Worker.stop`` waited for a frozen broker for as long as it stayed frozen (the final commit,
@@ -70,12 +71,19 @@ async def test_an_heir_answers_under_the_jobs_adapter(topics, results: Results, 
         home = partition_of(s, "X")
         x = Job(id="X", prompt=PROMPT, lora="a", sampling=Sampling(max_tokens=6, temperature=0.0, ignore_eos=True))
         await submit(s, [x])
-        await produce_raw(s, s.jobs_topic, b"X-copy", x.model_dump_json().encode(), [], partition=(home + 1) % 4)
+        parent = b"00-bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb-bbbbbbbbbbbbbbbb-01"
+        await produce_raw(s, s.jobs_topic, b"X-copy", x.model_dump_json().encode(), [("traceparent", parent)], partition=(home + 1) % 4)
         await _until(lambda: "X" in w.jobs and w.jobs["X"].waiters and not w.jobs["X"].admitted, 20, "X queued with a waiter")
         first = w.jobs["X"]
+        made, real_job = [], w.telemetry.job
+        w.telemetry.job = lambda *a, **k: made.append(a) or real_job(*a, **k)
         w.partitions.abandon({TopicPartition(s.jobs_topic, home)})  # the revoke of X's partition
+        w.telemetry.job = real_job
         heir = w.jobs["X"]
         assert heir is not first and heir.lora is not None and heir.lora.lora_name == "a"
+        # helper-54: the heir continues its own record's trace (it was started with no headers)
+        (args,) = made
+        assert args[4] == b"X-copy" and ("traceparent", parent) in list(args[5])
         held.release()
         await results.wait(lambda: "X" in results.completions, 60)
         (answer,) = results.completions["X"]
