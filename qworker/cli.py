@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -15,7 +16,9 @@ def _stop_before_start(signum: int, frame: object) -> None:
     os._exit(0)
 
 
-if sys.argv[1:2] == ["run"]:  # the worker's own process, before any import below
+# the worker's own process, before any import below; not a tensor-parallel follower, which a
+# multiprocessing spawn starts with the leader's argv and this module imported again
+if sys.argv[1:2] == ["run"] and multiprocessing.current_process().name == "MainProcess":
     for _signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(_signum, _stop_before_start)
 

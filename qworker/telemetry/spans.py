@@ -14,6 +14,7 @@ context, so they do not depend on which asyncio task (contextvars) runs them.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -40,8 +41,10 @@ def _key_text(key: bytes | str | None) -> str | None:
     if key is None:
         return None
     if isinstance(key, bytes):
+        # strict, but a longer key's first bytes may end inside a character: that one is left out
+        whole = len(key) <= 4 * MAX_KEY_CHARS
         try:
-            key = key[:4 * MAX_KEY_CHARS].decode("utf-8", "strict" if len(key) <= 4 * MAX_KEY_CHARS else "ignore")
+            key = codecs.getincrementaldecoder("utf-8")().decode(key[:4 * MAX_KEY_CHARS], final=whole)
         except UnicodeDecodeError:
             return None  # the convention asks for the key only when it is readable text
     return key if len(key) <= MAX_KEY_CHARS else key[:MAX_KEY_CHARS - 1] + "…"

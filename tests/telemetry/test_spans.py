@@ -162,6 +162,12 @@ def test_a_record_key_enters_its_span_bounded(tracing, exporter):
     got = [s.attributes.get("messaging.kafka.message.key") for s in exporter.get_finished_spans() if s.name == "process jobs"]
     assert len(got) == 4 and all(len(k) <= MAX_KEY_CHARS for k in got)
     assert got[3] == "short-key" and got[1].startswith("é" * 200) and got[2].startswith("é" * 200)
+    # a key that is not text is left out however long it is (helper-55: past 1 KiB its bad bytes were dropped)
+    from qworker.telemetry.spans import _key_text
+
+    for binary in (b"\xff" * 1025, bytes(range(256)) * 8, b"\xff" + b"a" * 2000, b"\xff"):
+        assert _key_text(binary) is None, binary[:8]
+    assert _key_text("a" * MAX_KEY_CHARS) == "a" * MAX_KEY_CHARS and len(_key_text("a" * (MAX_KEY_CHARS + 1))) == MAX_KEY_CHARS
 
 
 def test_the_tracing_stop_is_bounded_when_the_collector_never_answers():

@@ -394,3 +394,32 @@ def test_a_sigterm_while_the_worker_imports_is_a_clean_stop(tiny_model_dir: Path
             p.kill()
             p.wait()
     assert p.returncode == 0, (p.returncode, err.decode()[-2000:])
+
+
+_SPAWNS_A_FOLLOWER = """
+import multiprocessing as mp, os, signal, sys, time
+from qworker.cli import app  # as the console script does; sys.argv is [.., "run"]
+
+
+def follower():
+    time.sleep(60)
+
+
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=follower, daemon=True)
+    p.start()
+    time.sleep(5)  # its bootstrap re-imports this file, and qworker.cli with it
+    os.kill(p.pid, signal.SIGTERM)
+    p.join(30)
+    print(p.exitcode)
+"""
+
+
+def test_a_spawned_follower_keeps_the_default_sigterm(tmp_path: Path) -> None:
+    """helper-55: a tensor-parallel follower is spawned with the leader's argv and re-imports
+    qworker.cli, so it took the pre-start handler too and a SIGTERM ended it with 0 (the leader
+    then read a clean stop); it must die of the signal as before."""
+    script = tmp_path / "leader.py"
+    script.write_text(_SPAWNS_A_FOLLOWER)
+    out = subprocess.run([sys.executable, str(script), "run"], cwd=REPO, env=_clean_env(), capture_output=True, timeout=180)
+    assert out.stdout.decode().split()[-1:] == ["-15"], (out.stdout.decode(), out.stderr.decode()[-2000:])

@@ -61,6 +61,7 @@ async def test_an_heir_answers_under_the_jobs_adapter(topics, results: Results, 
     # 16 blocks of 16 tokens: the blocker's 150 + 100 tokens take them all, so X waits in the queue
     eng = await engines(16, enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8)
     w = await started(s, eng)
+    held = None
     try:
         want, base = await _direct(eng, w.adapters.served["a"]), await _direct(eng, None)
         assert want != base  # the adapter changes the greedy tokens
@@ -71,6 +72,9 @@ async def test_an_heir_answers_under_the_jobs_adapter(topics, results: Results, 
         home = partition_of(s, "X")
         x = Job(id="X", prompt=PROMPT, lora="a", sampling=Sampling(max_tokens=6, temperature=0.0, ignore_eos=True))
         await submit(s, [x])
+        # X held from its home partition before the copy exists (helper-55: fetched the other way
+        # round, the copy's record held the job and the revoke made no heir)
+        await _until(lambda: "X" in w.jobs and w.jobs["X"].tp.partition == home, 20, "X held from its home partition")
         parent = b"00-bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb-bbbbbbbbbbbbbbbb-01"
         await produce_raw(s, s.jobs_topic, b"X-copy", x.model_dump_json().encode(), [("traceparent", parent)], partition=(home + 1) % 4)
         await _until(lambda: "X" in w.jobs and w.jobs["X"].waiters and not w.jobs["X"].admitted, 20, "X queued with a waiter")
@@ -89,6 +93,8 @@ async def test_an_heir_answers_under_the_jobs_adapter(topics, results: Results, 
         (answer,) = results.completions["X"]
         assert answer["model"] == "a" and answer["choices"][0]["token_ids"] == want
     finally:
+        if held is not None:
+            held.release()  # a failure above must not leave the engine thread held (the stop hung)
         await w.stop()
 
 
