@@ -21,6 +21,7 @@ unavailable or slower (chosen at start-up, see :mod:`qworker.model.linear`).
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import os
@@ -41,6 +42,8 @@ from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLa
 from qworker.model.linear import Linear, cpu_linear_backend
 from qworker.model.moe import MoE
 from qworker.model.rope import RotaryEmbedding, rotary_embedding
+
+log = logging.getLogger(__name__)
 
 
 class GatedMLP:
@@ -117,9 +120,15 @@ class DecoderModel:
         embed = take(weights, "model.embed_tokens.weight", (d.vocab, d.hidden))
         self.embed = embed.to(act)  # the lookup table
         self.norm = self._norm_weight(take(weights, "model.norm.weight", (d.hidden,)))
-        if getattr(config, "tie_word_embeddings", False):
-            weights.pop("lm_head.weight", None)  # tied: transformers reads the embedding, whatever is stored
+        stored = weights.get("lm_head.weight")
+        if getattr(config, "tie_word_embeddings", False) and (stored is None or torch.equal(stored, embed)):
+            weights.pop("lm_head.weight", None)
             lm_head = embed
+        elif getattr(config, "tie_word_embeddings", False):
+            # tied in the config, yet a different head is stored: transformers then unties them and
+            # serves the stored head (it says so in a warning), and so does this decoder
+            log.warning("tie_word_embeddings is set but lm_head.weight differs from the embedding: serving the stored head, as transformers does")
+            lm_head = take(weights, "lm_head.weight", (d.vocab, d.hidden))
         else:  # an untied head that is absent would be random in transformers: never the embedding here
             lm_head = take(weights, "lm_head.weight", (d.vocab, d.hidden))
         # every layer's tensors are taken (and checked) before any is converted
@@ -146,7 +155,7 @@ class DecoderModel:
         self.final_softcap = spec.final_softcap
         self.greedy_head = self._bounded_greedy_head(shard)
 
-        self.ropes = {key: rotary_embedding(config, self.head_dim, max_positions, device, act, backend, layer_type)
+        self.ropes = {key: rotary_embedding(config, self.head_dim, max_positions, device, act, backend, layer_type, spec.partial_rotary)
                       for key, layer_type in spec.rope_tables.items()}
         scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
         attns: dict[int | None, PagedAttention] = {}

@@ -2,8 +2,8 @@
 
 ``layer_type``: for configs whose ``rope_parameters`` hold one dict per layer type (Gemma 3:
 "sliding_attention" / "full_attention"), the table of that type. A ``partial_rotary_factor``
-below 1 (Phi) gives a table narrower than the head: only the first ``rotary_dim`` channels of
-each head rotate (:attr:`RotaryEmbedding.rotary_dim`)."""
+below 1 gives a table narrower than the head, for the families that honour it (Phi-3): only the
+first ``rotary_dim`` channels of each head rotate (:attr:`RotaryEmbedding.rotary_dim`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from transformers import PretrainedConfig
 import kernels
 
 
-def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None, partial: bool = True) -> dict:
+    """``partial=False``: the family rotates whole heads, ``partial_rotary_factor`` or not."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if layer_type is not None:
         params = params[layer_type]
@@ -21,11 +22,14 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> 
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if not partial:
+        params["partial_rotary_factor"] = 1.0
     return params
 
 
-def inverse_frequencies(config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(config, layer_type)
+def inverse_frequencies(config: PretrainedConfig, head_dim: int, layer_type: str | None = None,
+                        partial: bool = True) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config, layer_type, partial)
     if params["rope_type"] == "default":
         dim = int(head_dim * (params["partial_rotary_factor"] or 1.0))
         # float32 like the reference implementation, so greedy outputs match it bit for bit
@@ -56,8 +60,8 @@ def exact_context(config: PretrainedConfig) -> int | None:
 
 class RotaryEmbedding:
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype, backend: str = "cpu",
-                 layer_type: str | None = None):
-        inv_freq, scale = inverse_frequencies(config, head_dim, layer_type)
+                 layer_type: str | None = None, partial: bool = True):
+        inv_freq, scale = inverse_frequencies(config, head_dim, layer_type, partial)
         self.rotary_dim = 2 * inv_freq.shape[0]
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -87,8 +91,9 @@ class PartialRotaryEmbedding(RotaryEmbedding):
 
 
 def rotary_embedding(config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype, backend: str = "cpu",
-                     layer_type: str | None = None) -> RotaryEmbedding:
-    rope = RotaryEmbedding(config, head_dim, max_positions, device, dtype, backend, layer_type)
+                     layer_type: str | None = None, partial: bool = True) -> RotaryEmbedding:
+    """``partial``: the family honours ``partial_rotary_factor`` (see ``DecoderSpec.partial_rotary``)."""
+    rope = RotaryEmbedding(config, head_dim, max_positions, device, dtype, backend, layer_type, partial)
     if rope.rotary_dim == head_dim:
         return rope
-    return PartialRotaryEmbedding(config, head_dim, max_positions, device, dtype, backend, layer_type)
+    return PartialRotaryEmbedding(config, head_dim, max_positions, device, dtype, backend, layer_type, partial)

@@ -112,3 +112,42 @@ def test_max_model_len_past_the_models_positions_is_said(llama, caplog):
     assert runner.max_model_len == positions
     assert any(f"max_model_len=100000 is past what {llama} serves exactly ({positions} positions)" in r.getMessage()
                for r in caplog.records)
+
+
+# helper-56 (2026-12-06, later): configs served, and computed otherwise than transformers does
+def _greedy_matches_hf(path, what: str) -> None:
+    prompt = list(range(300, 340))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert_greedy_matches(list(out.outputs[0].token_ids), eager_greedy(path, prompt, 6), what)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_partial_rotary_factor_is_ignored_where_transformers_ignores_it(model_type, model_dir, tmp_path):
+    """Only Phi-3 rotates part of each head in transformers; other families rotate whole heads
+    whatever ``partial_rotary_factor`` says. qworker rotated half the head of a Llama given 0.5."""
+    path = build_family_model(model_type, tmp_path / "m", model_dir, seed=3, partial_rotary_factor=0.5, **ROPE)
+    _greedy_matches_hf(path, f"{model_type} with partial_rotary_factor 0.5")
+
+
+def test_a_tied_config_with_a_different_stored_head_serves_the_stored_head(llama, tmp_path, caplog):
+    """transformers unties them then (with a warning) and serves the stored head; qworker threw it
+    away and served the embedding (every greedy token differed)."""
+    path = tmp_path / "tied"
+    shutil.copytree(llama, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(str(path / "model.safetensors"))
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    with caplog.at_level(logging.WARNING):
+        _greedy_matches_hf(path, "tied config, distinct stored head")
+    assert "serving the stored head" in caplog.text
+
+
+def test_a_bidirectional_gemma3_is_refused(model_dir, tmp_path):
+    """EmbeddingGemma's config (``use_bidirectional_attention``): transformers attends both ways,
+    qworker served it with a causal mask. It is an embedding model: refused by name."""
+    config = AutoConfig.for_model("gemma3_text", **{**BASE, "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        spec_for(config)

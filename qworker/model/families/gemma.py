@@ -25,6 +25,10 @@ ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
     gemma3 = config.model_type == "gemma3_text"
+    if getattr(config, "use_bidirectional_attention", False):
+        # transformers attends both ways then (EmbeddingGemma): not a decoder this engine can serve
+        raise ValueError(f"{config.model_type} with use_bidirectional_attention (an embedding model such as EmbeddingGemma) "
+                         "attends to later tokens too; qworker serves causal decoders only")
     act_name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
     if act_name not in ACTIVATIONS:
         raise ValueError(f"{config.model_type}: unsupported hidden_activation {act_name!r}; supported: {sorted(ACTIVATIONS)}")

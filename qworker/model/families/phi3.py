@@ -25,4 +25,4 @@ def build(config: PretrainedConfig) -> DecoderSpec:
             mlp=DenseMLP(take(w, f"{p}mlp.gate_up_proj.weight", (2 * inter, d.hidden)), take(w, f"{p}mlp.down_proj.weight", (d.hidden, inter))),
         )
 
-    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, getattr(config, "sliding_window", None)))
+    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, getattr(config, "sliding_window", None)), partial_rotary=True)

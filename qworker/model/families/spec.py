@@ -108,6 +108,9 @@ class DecoderSpec:
     final_softcap: float | None = None
     # rope table key -> the layer type to read from config.rope_parameters (None: the flat dict)
     rope_tables: dict[str | None, str | None] = field(default_factory=lambda: {None: None})
+    # rotate only config.partial_rotary_factor of each head (Phi-3); transformers' other families
+    # rotate the whole head whatever that key says, and so does this decoder for them
+    partial_rotary: bool = False
 
     def is_plain(self) -> bool:
         """The Llama forward suffices: nothing beyond one window for every layer."""
