@@ -120,15 +120,16 @@ class DecoderModel:
         embed = take(weights, "model.embed_tokens.weight", (d.vocab, d.hidden))
         self.embed = embed.to(act)  # the lookup table
         self.norm = self._norm_weight(take(weights, "model.norm.weight", (d.hidden,)))
+        tied = getattr(config, "tie_word_embeddings", False)
         stored = weights.get("lm_head.weight")
-        if getattr(config, "tie_word_embeddings", False) and (stored is None or torch.equal(stored, embed)):
-            weights.pop("lm_head.weight", None)
-            lm_head = embed
-        elif getattr(config, "tie_word_embeddings", False):
+        if tied and stored is not None and not torch.equal(stored, embed):
             # tied in the config, yet a different head is stored: transformers then unties them and
             # serves the stored head (it says so in a warning), and so does this decoder
             log.warning("tie_word_embeddings is set but lm_head.weight differs from the embedding: serving the stored head, as transformers does")
-            lm_head = take(weights, "lm_head.weight", (d.vocab, d.hidden))
+            tied = False
+        if tied:
+            weights.pop("lm_head.weight", None)
+            lm_head = embed
         else:  # an untied head that is absent would be random in transformers: never the embedding here
             lm_head = take(weights, "lm_head.weight", (d.vocab, d.hidden))
         # every layer's tensors are taken (and checked) before any is converted

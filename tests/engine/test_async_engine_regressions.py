@@ -56,8 +56,9 @@ async def _settle(tasks, timeout: float = 20):
     return [t.result() if not t.exception() else t.exception() for t in tasks]
 
 
-async def test_a_tokenizer_failing_on_one_request_ends_streams_and_frees_blocks(tiny_model_dir, monkeypatch):
-    poison = 4242
+def _fail_decoding(monkeypatch, poison: int, when) -> None:
+    """Requests whose prompt holds ``poison`` get a detokenizer whose decode raises (as a broken
+    tokenizer would) whenever ``when(detokenizer, prompt_ids)`` says so."""
 
     class Failing(IncrementalDetokenizer):
         def __init__(self, tokenizer, prompt_ids, *a, **k):
@@ -66,12 +67,17 @@ async def test_a_tokenizer_failing_on_one_request_ends_streams_and_frees_blocks(
                 real = self._decode
 
                 def decode(ids):
-                    if len(self.ids) >= len(prompt_ids) + 3:
+                    if when(self, prompt_ids):
                         raise RuntimeError("tokenizer: decode failed (injected)")
                     return real(ids)
                 self._decode = decode
 
     monkeypatch.setattr(requests_module, "IncrementalDetokenizer", Failing)
+
+
+async def test_a_tokenizer_failing_on_one_request_ends_streams_and_frees_blocks(tiny_model_dir, monkeypatch):
+    poison = 4242
+    _fail_decoding(monkeypatch, poison, lambda detok, prompt_ids: len(detok.ids) >= len(prompt_ids) + 3)
     e = await _started(tiny_model_dir)
     try:
         used = e.engine.stats()["kv_blocks_used"]
@@ -210,20 +216,11 @@ async def test_a_request_that_expired_in_a_step_failing_after_scheduling_is_stil
     # request's token while the step's outputs are applied)
     armed, poison = [False], 4242
 
-    class Failing(IncrementalDetokenizer):
-        def __init__(self, tokenizer, prompt_ids, *a, **k):
-            super().__init__(tokenizer, prompt_ids, *a, **k)
-            if poison in prompt_ids:
-                real = self._decode
+    def once(detok, prompt_ids) -> bool:
+        fire, armed[0] = armed[0], False
+        return fire
 
-                def decode(ids):
-                    if armed[0]:
-                        armed[0] = False
-                        raise RuntimeError("tokenizer: decode failed (injected)")
-                    return real(ids)
-                self._decode = decode
-
-    monkeypatch.setattr(requests_module, "IncrementalDetokenizer", Failing)
+    _fail_decoding(monkeypatch, poison, once)
     out = await _expire_in_a_failing_step(tiny_model_dir, monkeypatch, [5, 6, 7, poison], lambda: armed.__setitem__(0, True))
     assert out.finished and out.error_code == "deadline_exceeded"
 
