@@ -173,7 +173,8 @@ def _library() -> ctypes.CDLL | None:
 
 @cache
 def _library_for(isa: str) -> ctypes.CDLL | None:
-    path = _build(_ISA_FLAGS[isa] if platform.machine().lower() in ("x86_64", "amd64") else [])
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    path = _build(_ISA_FLAGS[isa] + _amx_emulation_flags(isa) if x86 else [])
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
@@ -183,6 +184,17 @@ def _library_for(isa: str) -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = argtypes, restype
     log.info("CPU kernels: %s build (%s)", isa, path.name)
     return lib
+
+
+def _amx_emulation_flags(isa: str) -> list[str]:
+    """``QWORKER_CPU_AMX_EMULATE=1``, for tests only: the avx512 build compiles its AMX kernels on
+    software tiles (``csrc/amx_emulate.h``, which aborts where the hardware would fault), so the AMX
+    code runs, and is checked, on an AVX512_BF16 CPU without AMX. Orders of magnitude slower."""
+    if os.environ.get("QWORKER_CPU_AMX_EMULATE", "0") != "1" or isa != "avx512":
+        return []
+    if "avx512_bf16" not in _cpu_features().split():
+        raise ValueError("QWORKER_CPU_AMX_EMULATE=1 needs a CPU with AVX512_BF16 (the AMX kernels' other half)")
+    return ["-mamx-tile", "-mamx-bf16", "-DQW_AMX_EMULATE"]
 
 
 def _build(isa_flags: list[str]) -> Path | None:

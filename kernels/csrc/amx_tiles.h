@@ -2,6 +2,9 @@
  * only where the AMX intrinsics are compiled (after immintrin.h). */
 #pragma once
 #include <stdint.h>
+#ifdef QW_AMX_EMULATE
+#include "amx_emulate.h"
+#endif
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
