@@ -35,6 +35,13 @@ MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
 # JSON object keys are strings: a token id in decimal, as OpenAI's logit_bias spells it
 LogitBiasToken = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+MIN_LOGPROB = -9999.0  # what vLLM's server writes for a token of probability 0 (JSON has no -inf)
+
+
+def wire_logprob(value: float) -> float:
+    """A logprob as the answers carry it: a finite number. A token a grammar masked is in a
+    top-k list at -inf (orjson would write null, which no OpenAI type accepts)."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN too
 
 
 def check_metadata(value: Any) -> Any:

@@ -23,7 +23,7 @@ import uuid
 from functools import lru_cache
 from typing import Any, Protocol
 
-from qworker.messages import Completion, JobError
+from qworker.messages import MIN_LOGPROB, Completion, JobError
 from qworker.openai_batch.requests import CHAT_FIELDS, COMPLETIONS_FIELDS, OpenAIRequest
 
 # error code -> HTTP status of the output line. Unknown codes: 400 (the engine's
@@ -148,7 +148,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[str, float]], n: int
         for alt, v in _top(lp, n):
             t, tb = text.piece(alt)
             top.append({"token": t, "logprob": v, "bytes": tb})
-        content.append({"token": tok, "logprob": lp.get(str(tid), -9999.0), "bytes": b, "top_logprobs": top})
+        content.append({"token": tok, "logprob": lp.get(str(tid), MIN_LOGPROB), "bytes": b, "top_logprobs": top})
     return {"content": content, "refusal": None}
 
 
@@ -159,7 +159,7 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[str, float]], 
     tokens, values, tops = [], [], []
     for tid, lp in zip(token_ids, logprobs):
         tokens.append(text.piece(tid)[0])
-        values.append(lp.get(str(tid), -9999.0))
+        values.append(lp.get(str(tid), MIN_LOGPROB))
         tops.append({text.piece(i)[0]: v for i, v in _top(lp, n)})
     offsets = text_offsets([text.piece(t)[1] for t in token_ids[:len(logprobs)]]) if text.spells_text else None
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from qworker.messages import Choice, Completion, ErrorInfo, Job, JobError, Timings, Usage, dumps
+from qworker.messages import Choice, Completion, ErrorInfo, Job, JobError, Timings, Usage, dumps, wire_logprob
 from qworker.openai_batch.requests import OpenAIRequest
 from qworker.telemetry.genai import CHAT, TEXT_COMPLETION
 from qworker.telemetry.job import NULL_JOB
@@ -71,15 +71,6 @@ class JobState:
         # Unique per run: an aborted run of the same job may still be unwinding in the engine.
         self.request_id = f"{self.job.id}#{self.run_id}"
         self.in_engine = self.gen_done = self.cancel_requested = False
-
-
-MIN_LOGPROB = -9999.0  # what vLLM's server writes for a token of probability 0 (JSON has no -inf)
-
-
-def wire_logprob(value: float) -> float:
-    """A logprob as the answers carry it: a finite number. A token a grammar masked is in a
-    top-k list at -inf (orjson would write null, which no OpenAI type accepts)."""
-    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN too
 
 
 ATTEMPT_SPAN = 1000  # answers to one id one pod numbers apart within one generation

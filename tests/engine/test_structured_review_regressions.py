@@ -13,7 +13,7 @@ import math
 import pytest
 
 from qworker.engine.structured.spec import ERROR_CODE, StructuredOutputError, StructuredOutputsParams
-from qworker.worker.jobs import MIN_LOGPROB, wire_logprob
+from qworker.messages import MIN_LOGPROB, wire_logprob
 
 REFUSED = {
     # xgrammar compiles $ref / anyOf / allOf / enum / const alone and drops what stands beside them
