@@ -210,7 +210,9 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str, error: str | None = None, error_code: str | None = None) -> Request | None:
-        return self.book.abort(request_id, error, error_code, time.time())
+        req = self.book.abort(request_id, error, error_code, time.time())
+        self.loras.trim()
+        return req
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -255,10 +257,12 @@ class LLMEngine:
         (expired, a failed compile or adapter load: out of ``requests``) to ``take_unreported``."""
         ended, self._unreported = self._unreported, []
         try:
-            return self._step(ended)
+            changed = self._step(ended)
         except BaseException:
             self._unreported = ended
             raise
+        self.loras.trim()  # adapters only finished requests named may leave the CPU cache now
+        return changed
 
     def _step(self, ended: list[Request]) -> list[Request]:
         """``step``'s body; ``ended`` grows in place, so a raise anywhere leaves it complete."""

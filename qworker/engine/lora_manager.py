@@ -14,7 +14,8 @@ another path is refused (``invalid_lora``).
 - CPU cache: loaded adapters in LRU order. At most ``max_cpu_loras`` of them are kept once no
   request in flight names them; an adapter a request in flight names is never dropped (its
   request already waited for it), so while more distinct adapters are in flight than
-  ``max_cpu_loras``, more are held.
+  ``max_cpu_loras``, more are held, and ``trim`` (after every step and abort) drops the excess
+  once their requests are gone.
 - Device slots: ``activate`` runs before each forward. The scheduler guarantees that the
   adapters of running sequences are at most ``max_loras`` (see ``scheduler.py``), so every adapter
   of the step finds a slot: the one it already has, else a free slot, else the least recently
@@ -234,9 +235,11 @@ class LoRAManager:
         entry.root = prefix_root(entry.lora, self._loads)
         self.loaded[entry.lora.lora_int_id] = entry
         self.loaded.move_to_end(entry.lora.lora_int_id)
-        self._evict()
+        self.trim()
 
-    def _evict(self) -> None:
+    def trim(self) -> None:
+        """Drops least recently used adapters no request in flight names until at most
+        ``max_cpu_loras`` are loaded (or only adapters in flight are left)."""
         if len(self.loaded) <= self.max_cpu_loras:
             return
         in_flight = self.ids_in_flight()

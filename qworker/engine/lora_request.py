@@ -8,6 +8,7 @@ adapter."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -18,7 +19,11 @@ class LoRARequest:
     lora_path: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be an int >= 1 (0 is the base model), got {self.lora_int_id!r}")
-        if not self.lora_name:
-            raise ValueError("lora_name must be a non-empty string")
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if isinstance(self.lora_path, os.PathLike):  # a pathlib.Path: kept as the string it spells
+            object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
+        if not isinstance(self.lora_path, str):
+            raise ValueError(f"lora_path must be a string or a path, got {type(self.lora_path).__name__}")

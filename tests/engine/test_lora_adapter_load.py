@@ -252,3 +252,53 @@ def test_mlp_lora_on_a_moe_layer_is_refused(tmp_path):
     tensors.update({f"{PREFIX}.1.mlp.gate_proj.lora_A.weight": torch.randn(2, 32), f"{PREFIX}.1.mlp.gate_proj.lora_B.weight": torch.randn(48, 2)})
     save_file(tensors, str(d / "adapter_model.safetensors"))
     refused(d, config, "layer 1", "mixture-of-experts")
+
+
+def _peft_adapted(base_dir, adapter_dir) -> set[tuple[int, str]]:
+    """The (layer, module) pairs PEFT wraps with this adapter's LoRA layers."""
+    import re
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(adapter_dir))
+    found = set()
+    for name, module in model.named_modules():
+        if "default" in getattr(module, "lora_A", {}):
+            m = re.search(r"layers\.(\d+)\.\w+\.(\w+)$", name)
+            found.add((int(m[1]), m[2]))
+    return found
+
+
+@pytest.mark.parametrize("changes", [
+    {"target_modules": ["q_proj", "down_proj"]},
+    {"target_modules": ["self_attn.v_proj", "layers.1.mlp.gate_proj"]},
+    {"layers_to_transform": [1], "layers_pattern": "layers"},
+    {"layers_to_transform": 0},
+    {"exclude_modules": ["o_proj", "layers.0.self_attn.q_proj"]},
+    {"target_modules": ["model.layers.0.self_attn.q_proj", "v_proj"], "layers_to_transform": [1]},
+])
+def test_the_configs_targets_decide_what_applies_as_in_peft(adapter, config, tiny_model_dir, changes):
+    """The file holds q/v/o/gate/down of both layers; a config that adapts fewer modules gets
+    exactly the ones PEFT wraps (PEFT skips the other tensors: helper-58 saw them applied), each
+    with its own weights."""
+    edit_adapter_config(adapter, **changes)
+    loaded = load_lora_adapter(adapter, config, 8)
+    want = _peft_adapted(tiny_model_dir, adapter) & {(i, m) for i in (0, 1) for m in ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")}
+    assert want and set(loaded.weights) == want
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    for (layer, module), (a, _) in loaded.weights.items():
+        group = "self_attn" if module.endswith(("q_proj", "v_proj", "o_proj")) else "mlp"
+        assert torch.equal(a, tensors[f"{PREFIX}.{layer}.{group}.{module}.lora_A.weight"].float())
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"exclude_modules": ".*q_proj"}, "regular expression"),
+    ({"exclude_modules": [3]}, "exclude_modules must be a list"),
+    ({"layers_to_transform": ["0"]}, "layers_to_transform must be"),
+    ({"layers_to_transform": [0], "layers_pattern": "h"}, "layers_pattern"),
+    ({"target_modules": ["k_proj"]}, "no LoRA tensors for the modules"),
+])
+def test_target_fields_that_cannot_be_honoured_are_refused(adapter, config, changes, needle):
+    edit_adapter_config(adapter, **changes)
+    refused(adapter, config, "adapter_", needle)

@@ -269,3 +269,34 @@ def test_async_engine_fails_only_the_request_whose_adapter_cannot_load(llm, adap
     assert stats == {"running": {}, "waiting": {}, "max_lora": MAX_LORAS}
     assert added and adapters["qvd4"].lora_int_id in loaded
     assert not engine.requests
+
+
+def test_the_cpu_cache_shrinks_back_once_a_burst_of_adapters_is_done(adapters, tiny_model_dir):
+    """More distinct adapters in flight than ``max_cpu_loras`` are all held while they run (none
+    is dropped under its request), and only the most recent ``max_cpu_loras`` stay once the
+    requests are done, whether they finished or were aborted (helper-58: three stayed for good)."""
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16,
+              max_cpu_loras=1, kv_cache_memory=TINY_KV_BLOCKS * TINY_BLOCK_BYTES)
+    loras = list(adapters.values())
+    outs = llm.generate([PROMPTS[0]] * 3, greedy(2), lora_request=loras, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
+    assert len(llm.list_loras()) == 1
+    engine = llm.engine
+    for i, lora in enumerate(loras):
+        engine.add_request(f"held-{i}", PROMPTS[1], greedy(30), lora_request=lora)
+    while engine.loras.loading or any(r.lora_loading for r in engine.requests.values()):
+        engine.step()
+    assert len(llm.list_loras()) == 3  # every adapter in flight stays
+    for i in range(3):
+        engine.abort(f"held-{i}")
+    assert not engine.requests and len(llm.list_loras()) == 1
+
+
+def test_a_lora_path_may_be_a_path_object_and_bad_fields_are_refused(tmp_path):
+    from pathlib import Path
+
+    assert LoRARequest("a", 1, Path("/x/y")).lora_path == "/x/y"
+    for args, field in [(("a", 1, 5), "lora_path"), (("a", True, "/x"), "lora_int_id"), ((b"a", 1, "/x"), "lora_name"),
+                        (("a", 0, "/x"), "lora_int_id")]:
+        with pytest.raises(ValueError, match=field):
+            LoRARequest(*args)

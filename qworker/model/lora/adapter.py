@@ -13,7 +13,10 @@ Checks, in the order they run (each before any later work, so a hostile folder c
    finite numbers; ``target_modules`` only q/k/v/o/gate/up/down projections; no DoRA,
    ``modules_to_save``, biases, or other variants whose forward is not ``x @ A.T @ B.T * s``.
    Pattern keys must be module names (``q_proj``, ``layers.3.self_attn.q_proj``): regular
-   expressions from a file are not run.
+   expressions from a file are not run (so ``exclude_modules`` must be a list too).
+   ``target_modules``, ``layers_to_transform`` and ``exclude_modules`` say which modules are
+   adapted, as PEFT decides it (:class:`_Targets`); tensors of other modules are skipped, as PEFT
+   never applies them.
 3. The safetensors header, read alone (8-byte length + JSON): every name is
    ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`` with ``i`` a
    layer of the base model and ``module`` allowed there (no MLP module on a MoE layer); dtypes
@@ -187,12 +190,35 @@ def _checked_folder(path: Path, root: str | Path | None) -> Path:
 
 
 @dataclass(slots=True)
+class _Targets:
+    """Which modules the config adapts, decided as PEFT's ``check_target_module_exists`` does, on
+    the key ``model.layers.{i}.{self_attn|mlp}.{module}``: not when ``exclude_modules`` names it
+    (the key or a dot-suffix of it); else, for a list ``target_modules``, when an entry is the key,
+    or is a dot-suffix of it in a layer ``layers_to_transform`` lists (all layers without it). A
+    string ``target_modules`` (a regular expression, or ``all-linear``) is not run: the tensors
+    PEFT saved for it are what it adapted. Tensors of modules not adapted are skipped, as PEFT
+    loads them (unexpected keys, never applied)."""
+
+    names: tuple[str, ...] | None  # None: a string target_modules, or none given
+    layers: frozenset[int] | None  # None: every layer
+    exclude: tuple[str, ...]
+
+    def adapts(self, key: str, layer: int) -> bool:
+        if key in self.exclude or any(key.endswith("." + e) for e in self.exclude):
+            return False
+        if self.names is None or key in self.names:
+            return True
+        return any(key.endswith("." + t) for t in self.names) and (self.layers is None or layer in self.layers)
+
+
+@dataclass(slots=True)
 class _Config:
     r: int
     alpha: float
     rslora: bool
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
+    targets: _Targets
 
     def module_rank_alpha(self, key: str) -> tuple[int, float]:
         return _match(self.rank_pattern, key, self.r), _match(self.alpha_pattern, key, self.alpha)
@@ -251,8 +277,7 @@ def _read_config(path: Path, max_rank: int) -> _Config:
     for key, v in alpha_pattern.items():
         if not _is_number(v):
             raise LoRAAdapterError(f"{path}: alpha_pattern[{key!r}] must be a finite number, got {v!r}")
-    _check_target_modules(path, cfg.get("target_modules"))
-    return _Config(r, float(alpha), rslora, rank_pattern, alpha_pattern)
+    return _Config(r, float(alpha), rslora, rank_pattern, alpha_pattern, _read_targets(path, cfg))
 
 
 def _pattern(path: Path, cfg: dict, field_name: str) -> dict:
@@ -266,16 +291,35 @@ def _pattern(path: Path, cfg: dict, field_name: str) -> dict:
     return value
 
 
-def _check_target_modules(path: Path, targets) -> None:
-    """A list names modules by their last component(s); a string is PEFT's regex or
-    ``all-linear``, checked through the tensors it produced instead."""
-    if targets is None or isinstance(targets, str):
-        return
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        raise LoRAAdapterError(f"{path}: target_modules must be a list of module names or a string, got {targets!r}")
-    bad = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in MODULES})
-    if bad:
-        raise LoRAAdapterError(f"{path}: target_modules {bad} not supported; LoRA applies to {', '.join(MODULES)} only")
+def _read_targets(path: Path, cfg: dict) -> _Targets:
+    """``target_modules``, ``layers_to_transform`` (with ``layers_pattern``) and
+    ``exclude_modules``, checked: a list names modules by their last component(s); a string
+    ``target_modules`` is PEFT's regex or ``all-linear``, checked through the tensors it produced
+    instead; regular expressions from a file are never run, so a string ``exclude_modules`` is
+    refused."""
+    targets = cfg.get("target_modules")
+    if targets is not None and not isinstance(targets, str):
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise LoRAAdapterError(f"{path}: target_modules must be a list of module names or a string, got {targets!r}")
+        bad = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in MODULES})
+        if bad:
+            raise LoRAAdapterError(f"{path}: target_modules {bad} not supported; LoRA applies to {', '.join(MODULES)} only")
+    exclude = cfg.get("exclude_modules") or []
+    if isinstance(exclude, str):
+        raise LoRAAdapterError(f"{path}: exclude_modules {exclude!r} is a regular expression; list the module names instead "
+                               "(regular expressions from a file are not run)")
+    if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
+        raise LoRAAdapterError(f"{path}: exclude_modules must be a list of module names, got {exclude!r}")
+    layers = cfg.get("layers_to_transform")
+    if _is_int(layers):
+        layers = [layers]
+    if layers is not None and not (isinstance(layers, list) and all(_is_int(i) and i >= 0 for i in layers)):
+        raise LoRAAdapterError(f"{path}: layers_to_transform must be a layer index or a list of them, got {layers!r}")
+    pattern = cfg.get("layers_pattern")
+    if layers and pattern not in (None, "layers", ["layers"]):
+        raise LoRAAdapterError(f"{path}: layers_pattern {pattern!r} does not name this model's layers (model.layers.N)")
+    return _Targets(None if targets is None or isinstance(targets, str) else tuple(targets),
+                    frozenset(layers) if layers else None, tuple(exclude))
 
 
 def _read_header(path: Path) -> dict:
@@ -350,6 +394,11 @@ def _unsupported_name(name: str) -> str:
     return f"tensor {name!r} is not a LoRA A/B weight of {', '.join(MODULES)} in model.layers.N"
 
 
+def _module_key(layer: int, module: str) -> str:
+    """A module's name in the base model, as PEFT's patterns and targets are matched against it."""
+    return f"model.layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}"
+
+
 def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, max_rank: int, path: Path) -> dict:
     """``{(layer, module): (A name, B name, scaling)}`` after every name and shape check."""
     feats = _module_features(config)
@@ -367,12 +416,14 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, max_r
             raise LoRAAdapterError(f"{path}: tensor {name!r}: {module} does not sit under {group}")
         if layer >= n_layers:
             raise LoRAAdapterError(f"{path}: tensor {name!r} is for layer {layer}; the base model has {n_layers} layers")
+        if not cfg.targets.adapts(_module_key(layer, module), layer):
+            continue  # PEFT never applies it (see _Targets)
         if module in MLP_MODULES and (layer in moe or module not in feats):
             raise LoRAAdapterError(f"{path}: tensor {name!r} targets {module} of layer {layer}, a mixture-of-experts layer "
                                    "(LoRA on MoE MLPs is not supported)")
         pairs.setdefault((layer, module), {})[ab] = name
     if not pairs:
-        raise LoRAAdapterError(f"{path}: holds no LoRA tensors")
+        raise LoRAAdapterError(f"{path}: holds no LoRA tensors" + (" for the modules its adapter_config.json targets" if header else ""))
     out = {}
     for (layer, module), names in pairs.items():
         for ab in "AB":
@@ -380,8 +431,7 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, max_r
                 other = next(iter(names.values()))
                 raise LoRAAdapterError(f"{path}: tensor {other!r} has no lora_{ab} partner")
         a_name, b_name = names["A"], names["B"]
-        key = f"model.layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}"
-        r, alpha = cfg.module_rank_alpha(key)
+        r, alpha = cfg.module_rank_alpha(_module_key(layer, module))
         fin, fout = feats[module]
         a_shape, b_shape = header[a_name]["shape"], header[b_name]["shape"]
         if len(a_shape) == 2 and a_shape[0] > max_rank:
