@@ -356,8 +356,8 @@ class LLMEngine:
         accepted = {seq.seq_id: len(t) - 1 for seq, d, t in zip(sampling, drafts, tokens) if d}
         for s in order:
             seq = s.seq
-            if seq.num_output_tokens == 0:
-                self.counters["prompt_tokens_computed"] += s.num_new_tokens
+            if seq.num_output_tokens == 0:  # a prompt's last token may carry drafts: not prompt tokens
+                self.counters["prompt_tokens_computed"] += s.num_new_tokens - len(s.draft or ())
             if s.draft:
                 # the last token and the accepted drafts are computed; the rejected drafts' slots
                 # are released (their KV is garbage past num_computed_tokens, never hashed)

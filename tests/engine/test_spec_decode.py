@@ -205,13 +205,27 @@ POOLS = {
 def test_outputs_equal_speculation_off(tiny_model_dir, pool):
     e = engine(tiny_model_dir)
     requests = _requests(e.tokenizer, seed=sum(map(ord, pool)), count=10)
-    off, _ = _run(tiny_model_dir, requests, None, **POOLS[pool])
+    off, off_stats = _run(tiny_model_dir, requests, None, **POOLS[pool])
     on, stats = _run(tiny_model_dir, requests, spec(k=random.Random(pool).randint(2, 5)), **POOLS[pool])
     assert on == off
     assert stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
     if pool in ("swap", "recompute"):
         assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0, stats
+    else:  # no prompt recomputed: the same prompt tokens
+        assert stats["prompt_tokens_computed"] == off_stats["prompt_tokens_computed"], (stats, off_stats)
+
+
+def test_drafts_on_a_prompts_last_token_are_not_counted_as_prompt_tokens(tiny_model_dir):
+    """Chunked prefill leaves a prompt's last token to a chunk of its own, which the speculator
+    drafts after (it looks like a decode): those drafts are not prompt tokens (helper-59: the
+    /metrics prompt-token counter read 28 for a 23-token prompt)."""
+    p = [BASE + t for t in [1, 2, 3, 4, 5] * 4 + [1, 2, 3]]
+    requests = [("a", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+    for config in (None, spec(k=4)):
+        _, stats = _run(tiny_model_dir, requests, config, max_num_batched_tokens=len(p) - 1)
+        assert stats["prompt_tokens_computed"] == len(p), stats
+    assert stats["spec_decode_num_draft_tokens"] > 0, stats
 
 
 def test_auto_policy_outputs_equal_and_stats(tiny_model_dir):
