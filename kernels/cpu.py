@@ -398,9 +398,13 @@ def rms_norm_cpu(
     """Same contract as :func:`kernels.reference.rms_norm_ref`: ``(out, x + residual)``, inputs
     untouched."""
     lib = _library()
-    inputs = [x, weight] + ([residual] if residual is not None else [])
     H = x.shape[-1]
     shapes_ok = weight.shape == (H,) and (residual is None or residual.shape == x.shape)
+    if lib is not None and shapes_ok and x.dtype == torch.float32 and x.device.type == "cpu" and not x.is_contiguous():
+        # a view (Gemma 3's q and k heads inside the fused qkv buffer): the kernel on a copy, as the
+        # reference's reduction order depends on how many rows it is given (not batch-invariant)
+        x = x.contiguous()
+    inputs = [x, weight] + ([residual] if residual is not None else [])
     if lib is None or not shapes_ok or not all(_dense_fp32(t) for t in inputs):
         return rms_norm_ref(x, weight, eps, residual)
     new_residual = torch.empty_like(x)

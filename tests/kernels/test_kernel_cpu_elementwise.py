@@ -46,6 +46,24 @@ def test_rms_norm(seed, rows, with_residual):
     assert torch.equal(x, x0) and (res is None or torch.equal(res, res0)), "inputs must be left untouched"
 
 
+@pytest.mark.parametrize(("heads", "head_dim"), [(4, 256), (8, 64)])
+def test_rms_norm_of_heads_inside_qkv_is_batch_invariant(seed, heads, head_dim):
+    """Gemma 3 normalises each head of q and k in place in the fused qkv buffer (a view that is
+    not contiguous): a row's result must not depend on the rows beside it (helper-59: the torch
+    reference's reduction order did, and greedy tokens changed with speculation on)."""
+    gen = generator(seed)
+    T = 9
+    qkv = torch.randn(T, (heads + 2) * head_dim, generator=gen) * 3
+    w = torch.randn(head_dim, generator=gen)
+    q = qkv[:, :heads * head_dim].view(T, heads, head_dim)
+    assert not q.is_contiguous()
+    batch = rms_norm_cpu(q, w, 1e-6)[0]
+    _close(batch, rms_norm_ref(q, w, 1e-6)[0])
+    for i in (0, 4, T - 1):
+        assert torch.equal(rms_norm_cpu(q[i:i + 1], w, 1e-6)[0][0], batch[i])
+        assert torch.equal(rms_norm_cpu(q[i:], w, 1e-6)[0][0], batch[i])
+
+
 @pytest.mark.parametrize("T", [1, 5, 130])
 def test_rotary_in_place_on_qkv_views(seed, T, monkeypatch):
     gen = generator(seed)
