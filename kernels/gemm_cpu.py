@@ -219,6 +219,26 @@ def gemm(
     return y if out is not None or x.dim() == 2 else y.reshape(*lead, n_out)
 
 
+def f32_gemm_fn():
+    """The C fp32 GEMM for callers that make many tiny calls (LoRA's per-adapter products), or
+    None without kernels: ``fn(x, out, packed, n_out)`` writes ``x [M, K] @ W^T`` into ``out [M,
+    n_out]``, both fp32 CPU views with unit column stride (rows any distance apart), ``packed``
+    as :func:`pack_weight` gives it; none of :func:`gemm`'s checks. Each output is the same
+    ordered sum as in :func:`gemm`."""
+    lib = _gemm_library()
+    fn = getattr(lib, "qw_gemm_f32", None) if lib is not None else None
+    if fn is None:
+        return None
+
+    def run(x: torch.Tensor, out: torch.Tensor, packed: torch.Tensor, n_out: int) -> None:
+        M, K = x.shape
+        if M and n_out and fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None, out.data_ptr(), out.stride(0), M, n_out, K,
+                              torch.get_num_threads(), 0, 0, 0) != 0:
+            raise ValueError(f"qw_gemm_f32 rejected M={M} N={n_out} K={K}")
+
+    return run
+
+
 def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc) -> torch.Tensor:
     """:func:`gemm` for bf16-packed weights (``csrc/gemm_bf16.c``)."""
     odt = torch.bfloat16 if out_dtype is None else out_dtype

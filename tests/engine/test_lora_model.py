@@ -135,15 +135,26 @@ STEP_PLANS = {
 }
 
 
+def _grouped_slots(fin, outs, S, R, packed: bool) -> ProjectionSlots:
+    """The grouped layout on the C GEMM (``packed``) or on torch's (where the C kernels are missing)."""
+    slots = ProjectionSlots(fin, list(outs), S, R, torch.device("cpu"), torch.float32, "grouped")
+    if packed and slots.packed is None:
+        pytest.skip("the C GEMM is unavailable here (no compiler or QWORKER_CPU_KERNELS=0)")
+    if not packed:
+        slots.packed = None
+    return slots
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["c-gemm", "torch"])
 @pytest.mark.parametrize("plan", STEP_PLANS)
-def test_stack_layout_agrees_with_grouped(plan):
+def test_stack_layout_agrees_with_grouped(plan, packed):
     """Random adapters (ranks < R, some slices untargeted, one slot empty) over segments with
-    repeated slots and base rows: the grouped CPU path (per slot, or batched over padded stacks)
-    adds exactly the stack layout's per-segment products (the Triton kernels' contract; the
-    kernels themselves run in tests/kernels/test_lora_model_backends.py)."""
+    repeated slots and base rows: the grouped CPU path (per slot on the C GEMM; without it, per
+    slot or batched over padded stacks) adds exactly the stack layout's per-segment products (the
+    Triton kernels' contract; the kernels themselves run in tests/kernels/test_lora_model_backends.py)."""
     gen = torch.Generator().manual_seed(0)
     S, R, fin, outs = 3, 8, 24, (16, 8, 8)
-    grouped = ProjectionSlots(fin, list(outs), S, R, torch.device("cpu"), torch.float32, "grouped")
+    grouped = _grouped_slots(fin, outs, S, R, packed)
     stack = ProjectionSlots(fin, list(outs), S, R, torch.device("cpu"), torch.float32, "stack")
     empty = 2 if plan in ("prefill", "mixed") else None
     for slot, ranks in ((0, (3, None, 8)), (1, (None, 5, None)), (2, (None, None, None) if empty == 2 else (2, 2, 2))):
@@ -171,12 +182,13 @@ def test_stack_layout_agrees_with_grouped(plan):
         assert segments[-1] == (12, 6, 0)  # the last two chunks merged
 
 
-def test_slot_rewrites_keep_the_layouts_in_step():
+@pytest.mark.parametrize("packed", [True, False], ids=["c-gemm", "torch"])
+def test_slot_rewrites_keep_the_layouts_in_step(packed):
     """Adapters replaced, cleared and refilled in place (ranks growing past the padded width,
     then smaller again): after every write both layouts still add the same products."""
     gen = torch.Generator().manual_seed(1)
     S, R, fin, outs = 3, 8, 24, (16, 8, 8)
-    grouped = ProjectionSlots(fin, list(outs), S, R, torch.device("cpu"), torch.float32, "grouped")
+    grouped = _grouped_slots(fin, outs, S, R, packed)
     stack = ProjectionSlots(fin, list(outs), S, R, torch.device("cpu"), torch.float32, "stack")
     lengths, chunk_slots = STEP_PLANS["decode"]
     segments = LoRAStep.segments_of(lengths, chunk_slots)
@@ -192,6 +204,28 @@ def test_slot_rewrites_keep_the_layouts_in_step():
         apply_grouped(grouped, x, y, LoRAStep(segments, T, torch.device("cpu"), grouped=True, max_loras=S))
         apply_stack_torch(stack, x, expected, LoRAStep(segments, T, torch.device("cpu"), grouped=False))
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4, msg=lambda m: f"after writing slot {slot} {ranks}: {m}")
+
+
+def test_an_adapter_rows_delta_does_not_depend_on_the_step():
+    """On the C GEMM, a row's LoRA delta has the same bits alone, as one row of a longer segment
+    (a speculative verify chunk), and beside other adapters' and base rows (helper-59: torch's
+    GEMMs changed it with the segment's length, and greedy tokens with speculation on)."""
+    gen = torch.Generator().manual_seed(2)
+    S, R, fin, outs = 3, 16, 64, (48, 16, 16)
+    slots = _grouped_slots(fin, outs, S, R, True)
+    for slot, r in ((0, 16), (1, 4), (2, 8)):
+        slots.set(slot, [(torch.randn(r, fin, generator=gen), torch.randn(o, r, generator=gen)) for o in outs])
+    x = torch.randn(40, fin, generator=gen)
+
+    def delta(lengths, chunk_slots, row):
+        T = sum(lengths)
+        y = torch.zeros(T, sum(outs))
+        apply_grouped(slots, x[:T], y, LoRAStep(LoRAStep.segments_of(lengths, chunk_slots), T, torch.device("cpu"), grouped=True, max_loras=S))
+        return y[row]
+
+    alone = delta([1], [0], 0)
+    for lengths, chunk_slots in (([6], [0]), ([1, 5], [0, 1]), ([1, 3, 20, 16], [0, -1, 2, 0]), ([1, 1, 1], [0, 1, 0])):
+        assert torch.equal(delta(lengths, chunk_slots, 0), alone), (lengths, chunk_slots)
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe"])

@@ -38,7 +38,8 @@ KERNEL_MAX_RANK = 128
 class LoRAStep:
     """The adapter segments of one step over its ``T`` rows."""
 
-    __slots__ = ("slots", "segments", "num_tokens", "long", "padded", "seg_start", "seg_len", "seg_slot", "tiles")
+    __slots__ = ("slots", "segments", "num_tokens", "long", "padded", "seg_start", "seg_len", "seg_slot", "tiles", "rows",
+                 "by_slot")
 
     def __init__(self, segments: list[tuple[int, int, int]], num_tokens: int, device: torch.device, grouped: bool,
                  dtype: torch.dtype = torch.float32, max_loras: int | None = None):
@@ -51,6 +52,9 @@ class LoRAStep:
         self.long: list[tuple[slice, int]] = []  # (rows, slot) of the segments that run alone
         self.padded: Padded | None = None  # the short segments, batched
         self.seg_start = self.seg_len = self.seg_slot = None
+        # the C GEMM path's short rows: their indices ordered by slot, and each slot's run of them
+        self.rows: torch.Tensor | None = None
+        self.by_slot: list[tuple[int, int, int]] = []
         if grouped:
             short: dict[int, list[tuple[int, int]]] = {}
             for start, length, slot in segments:
@@ -60,6 +64,12 @@ class LoRAStep:
                     short.setdefault(slot, []).append((start, length))
             if short:
                 self.padded = Padded(short, num_tokens, device, dtype, max_loras)
+                at = 0
+                for slot, runs in short.items():
+                    n = sum(length for _, length in runs)
+                    self.by_slot.append((slot, at, at + n))
+                    at += n
+                self.rows = torch.cat([torch.arange(s, s + n) for runs in short.values() for s, n in runs]).to(device)
         else:
             cols = list(zip(*segments))
             self.seg_start, self.seg_len, self.seg_slot = (torch.tensor(c, dtype=torch.int32, device=device) for c in cols)
@@ -161,6 +171,9 @@ class LoRALinear:
 
 def apply_grouped(slots: ProjectionSlots, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> None:
     """Adds every adapter row's ``(x @ A.T) @ B.T`` into ``y`` in place (see the module docstring)."""
+    if slots.packed is not None:
+        apply_packed(slots, x, y, step)
+        return
     for rows, slot in step.long:
         g = slots.grouped[slot]
         if g is None:
@@ -183,6 +196,37 @@ def apply_grouped(slots: ProjectionSlots, x: torch.Tensor, y: torch.Tensor, step
             y[:, o0:o1].add_(d.index_select(0, p.where))
         else:
             y[p.rows, o0:o1] += d.index_select(0, p.pos)
+
+
+def apply_packed(slots: ProjectionSlots, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> None:
+    """The grouped layout on the C GEMM (``slots.packed``, see :mod:`.stack`): a long segment's
+    rows in place, the short rows gathered per slot; each adapter's shrink and block-diagonal
+    expand make every output one sum in a fixed order, so a row's delta is the same whatever else
+    the step holds."""
+    gemm = slots.gemm
+    for rows, slot in step.long:
+        p = slots.packed[slot]
+        if p is not None:
+            a, k, b, c0, c1 = p
+            h = torch.empty(rows.stop - rows.start, k)
+            gemm(x[rows], h, a, k)
+            d = torch.empty(h.shape[0], c1 - c0)
+            gemm(h, d, b, c1 - c0)
+            y[rows, c0:c1] += d
+    if step.rows is None or not any(slots.packed[slot] is not None for slot, _, _ in step.by_slot):
+        return
+    xs = x.index_select(0, step.rows)
+    # whole rows go back with one index_add_ (indexing a column slice of y was 8x slower); columns
+    # a slot's adapter leaves alone, and an untargeted slot's rows, add zeros
+    d = torch.zeros(xs.shape[0], y.shape[1])
+    for slot, r0, r1 in step.by_slot:
+        p = slots.packed[slot]
+        if p is not None:
+            a, k, b, c0, c1 = p
+            h = torch.empty(r1 - r0, k)
+            gemm(xs[r0:r1], h, a, k)
+            gemm(h, d[r0:r1, c0:c1], b, c1 - c0)
+    y.index_add_(0, step.rows, d)
 
 
 _kernels = None
@@ -231,4 +275,4 @@ def apply_stack_torch(slots: ProjectionSlots, x: torch.Tensor, y: torch.Tensor, 
             y[rows, offset:offset + out] += delta.to(y.dtype)
 
 
-__all__ = ["LoRALinear", "LoRAState", "LoRAStep", "apply_grouped", "apply_stack", "apply_stack_torch"]
+__all__ = ["LoRALinear", "LoRAState", "LoRAStep", "apply_grouped", "apply_packed", "apply_stack", "apply_stack_torch"]

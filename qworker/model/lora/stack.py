@@ -21,6 +21,16 @@ them, the scaling already in B. Two layouts, chosen by the model's kernel backen
   rows are short and scattered (decode) runs every slot at once as batched GEMMs instead of
   GEMMs per segment.
 
+  Where the C kernels run (fp32 activations on the CPU), each slot's matrices are also packed
+  for :func:`kernels.gemm_cpu.gemm` (``packed[s] = (A, k, B, c0, c1)``: A the targeted slices'
+  rows ``[k, in]``, B ``[c1 - c0, k]`` their B's block-diagonal over the output columns
+  ``c0:c1`` the targeted slices span: one expand per adapter, its zeros' products exactly zero,
+  fewer calls than one per slice, which cost more than the zeros' arithmetic). Its sums run in
+  one fixed order per output, whatever the number of rows,
+  so an adapter row's result depends on nothing else in the step (batch-invariant, as the base
+  projections are); torch's GEMMs pick kernels by shape, and a row's delta then changed with its
+  segment's length (a speculative verify chunk against a plain decode row).
+
 ``active[s]`` says whether slot ``s`` changes this projection at all: projections that no slot
 of a step targets are skipped.
 """
@@ -30,9 +40,16 @@ from __future__ import annotations
 import torch
 
 
+def _row_invariant_gemm(device: torch.device, dtype: torch.dtype):
+    """The C fp32 GEMM (:func:`kernels.gemm_cpu.f32_gemm_fn`) where it runs these activations, else None."""
+    from kernels import gemm_cpu
+
+    return gemm_cpu.f32_gemm_fn() if device.type == "cpu" and dtype == torch.float32 else None
+
+
 class ProjectionSlots:
     __slots__ = ("in_features", "out_slices", "offsets", "max_rank", "layout", "active", "a_stack", "b_stacks", "grouped",
-                 "pad_a", "pad_b", "ranks", "dtype", "device", "max_loras")
+                 "pad_a", "pad_b", "ranks", "dtype", "device", "max_loras", "packed", "gemm")
 
     def __init__(self, in_features: int, out_slices: list[int], max_loras: int, max_rank: int, device: torch.device,
                  dtype: torch.dtype, layout: str):
@@ -54,6 +71,9 @@ class ProjectionSlots:
         self.a_stack: torch.Tensor | None = None
         self.b_stacks: list[torch.Tensor] = []
         self.grouped: list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, int, int, int]]] | None] = [None] * max_loras
+        self.gemm = _row_invariant_gemm(torch.device(device), dtype) if layout == "grouped" else None
+        self.packed: list[tuple[torch.Tensor, int, torch.Tensor, int, int] | None] | None = (
+            [None] * max_loras if self.gemm is not None else None)
         if layout == "stack":
             n = len(out_slices)
             self.a_stack = torch.zeros(max_loras, n * max_rank, in_features, device=device, dtype=dtype)
@@ -97,7 +117,20 @@ class ProjectionSlots:
                 parts.append((b.to(self.device, self.dtype).t().contiguous(), k0, k0 + r, self.offsets[i], self.offsets[i] + self.out_slices[i]))
                 k0 += r
             self.grouped[slot] = (a_t, parts)
+        if self.packed is not None:
+            self.packed[slot] = None if not targeted else self._pack(a_t, parts)
         self._repad(slot)
+
+    @staticmethod
+    def _pack(a_t: torch.Tensor, parts) -> tuple[torch.Tensor, int, torch.Tensor, int, int]:
+        from kernels.gemm_cpu import pack_weight
+
+        c0, c1 = min(p[3] for p in parts), max(p[4] for p in parts)
+        k = a_t.shape[1]
+        b = torch.zeros(c1 - c0, k, dtype=a_t.dtype)
+        for b_t, k0, k1, o0, o1 in parts:
+            b[o0 - c0:o1 - c0, k0:k1] = b_t.t()
+        return pack_weight(a_t.t()), k, pack_weight(b), c0, c1
 
     def _repad(self, slot: int) -> None:
         """Writes ``slot`` into ``pad_a`` / ``pad_b``. The padded widths only grow (a slot's new
