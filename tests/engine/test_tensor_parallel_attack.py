@@ -231,3 +231,112 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_close_does_not_wait_on_a_frozen_follower(two):
+    """A follower frozen (SIGSTOP: a hung device) when the engine is closed: close() sends "stop"
+    with a short wait and then kills it by pid (helper-60: it waited out the 900 s start-up
+    timeout, and the worker's stop with it)."""
+    pid = two.runner._procs[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    closer = threading.Thread(target=two.runner.close, daemon=True)
+    closer.start()
+    closer.join(30)
+    took = time.monotonic() - t0
+    if closer.is_alive():
+        os.kill(pid, signal.SIGKILL)
+        closer.join(30)
+    assert took < 20, f"close() took {took:.0f} s with a frozen follower"
+    assert not _running(pid)
+
+
+def test_ctrl_c_reaching_the_followers_leaves_the_group_serving(two):
+    """A terminal's Ctrl-C goes to the whole process group; the worker drains on it, which needs
+    its followers: they ignore SIGINT (helper-60: they died and no running job was answered)."""
+    two.add_request("a", [5, 6, 7], greedy(2))
+    run(two, max_s=60)
+    pid = two.runner._procs[0].pid
+    os.kill(pid, signal.SIGINT)
+    time.sleep(1.0)
+    assert _running(pid)
+    two.add_request("b", [5, 6, 7, 8], greedy(3))
+    done = run(two, max_s=60)
+    assert len(done["b"].seqs[0].output_token_ids) == 3 and two.runner.failure is None
+
+
+def test_tp_settings_are_checked_before_anything_starts(tiny_model_dir, monkeypatch):
+    """QWORKER_TP_EXTERNAL_FOLLOWERS=0 means no (it meant yes: any non-empty value did), and a
+    QWORKER_TP_TIMEOUT_S that is not a positive finite number is refused by name before a
+    follower is spawned (it failed later inside torch.distributed, or overflowed)."""
+    import multiprocessing as mp
+
+    from qworker.model.parallel import comm as cm
+
+    for value, want in (("", False), ("0", False), ("false", False), ("no", False), ("1", True), ("true", True)):
+        monkeypatch.setenv("QWORKER_TP_EXTERNAL_FOLLOWERS", value)
+        assert cm.env_flag("QWORKER_TP_EXTERNAL_FOLLOWERS") is want
+    monkeypatch.setenv("QWORKER_TP_EXTERNAL_FOLLOWERS", "maybe")
+    with pytest.raises(ValueError, match="QWORKER_TP_EXTERNAL_FOLLOWERS"):
+        cm.env_flag("QWORKER_TP_EXTERNAL_FOLLOWERS")
+    monkeypatch.setenv("QWORKER_TP_EXTERNAL_FOLLOWERS", "0")
+    before = set(mp.active_children())
+    for bad in ("0", "-1", "abc", "inf", "nan"):
+        monkeypatch.setenv("QWORKER_TP_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="QWORKER_TP_TIMEOUT_S"):
+            LLMEngine(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, kv_cache_memory=4 << 20))
+    assert set(mp.active_children()) == before, "a follower was spawned before the settings were checked"
+
+
+def test_two_engines_at_once_give_all_the_cores_back(tiny_model_dir):
+    """Two CPU tensor-parallel engines alive together, closed in turn: the process ends at the
+    thread count it had before the first (helper-60: the second recorded the first's lowered
+    count as its own "before" and left it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        a = LLMEngine(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, kv_cache_memory=4 << 20, max_num_seqs=2))
+        b = LLMEngine(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, kv_cache_memory=4 << 20, max_num_seqs=2))
+        a.runner.close()
+        b.runner.close()
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
+
+
+FOLLOWER_ALLOC_FAILS = '''
+import multiprocessing as mp, sys
+from qworker.model import runner as runner_mod
+real = runner_mod.ModelRunner.allocate_kv_cache
+def alloc(self, *a):
+    if mp.current_process().name.startswith("qworker-tp-rank"):
+        raise MemoryError("injected: the follower's device is full")
+    return real(self, *a)
+runner_mod.ModelRunner.allocate_kv_cache = alloc  # spawn re-runs this module in the follower
+if __name__ == "__main__":
+    from qworker.engine import EngineConfig, LLMEngine
+    try:
+        LLMEngine(EngineConfig(model=sys.argv[1], tensor_parallel_size=2, kv_cache_memory=4 << 20))
+    except Exception as e:
+        print("START FAILED:", e)
+        print("CHILDREN:", [p.pid for p in mp.active_children()])
+    else:
+        print("STARTED")
+'''
+
+
+def test_a_follower_that_cannot_allocate_its_kv_cache_fails_the_start(tiny_model_dir, tmp_path):
+    """The follower's allocation error is the engine's start error, with its reason (helper-60:
+    the engine started and failed at its first step, the reason only in the follower's log)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "alloc_fails.py"
+    script.write_text(FOLLOWER_ALLOC_FAILS)
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root), "QWORKER_TP_TIMEOUT_S": "10"})
+    assert "START FAILED" in r.stdout and "the follower's device is full" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "CHILDREN: []" in r.stdout

@@ -62,3 +62,59 @@ def test_external_leader_needs_the_rendezvous(tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("QWORKER_TP_EXTERNAL_FOLLOWERS", "1")
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=2))
+
+
+SLOW_FOLLOWER = '''
+import sys, time
+from qworker.model import runner as runner_mod
+real = runner_mod.ModelRunner.__init__
+def slow(self, *a, **kw):
+    print("FOLLOWER LOADING", flush=True)
+    time.sleep(120)
+    return real(self, *a, **kw)
+runner_mod.ModelRunner.__init__ = slow
+from qworker.model.parallel.follower import main
+sys.exit(main())
+'''
+
+
+def test_an_external_follower_killed_while_loading_fails_the_start(tmp_path, tiny_model_dir, monkeypatch):
+    """rank 0 cannot see the process of a rank on another node: a follower killed while it loads
+    the model (an OOM kill, a node lost) is seen by its heartbeat stopping, and the start fails
+    within the silence limit (helper-60: the leader waited out the 900 s start-up timeout)."""
+    import signal
+    import time
+
+    from qworker.model.parallel import comm as cm
+
+    port = free_port()
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "QWORKER_DEVICE": "cpu",
+           "QWORKER_TP_TIMEOUT_S": "3", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    script = tmp_path / "slow_follower.py"
+    script.write_text(SLOW_FOLLOWER)
+    follower = subprocess.Popen([sys.executable, str(script)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed = []
+
+    def kill_when_loading():
+        for line in follower.stdout:
+            if "FOLLOWER LOADING" in line:
+                time.sleep(1)
+                follower.send_signal(signal.SIGKILL)
+                killed.append(time.monotonic())
+                return
+
+    import threading
+
+    threading.Thread(target=kill_when_loading, daemon=True).start()
+    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
+        monkeypatch.setenv(k, env[k])
+    monkeypatch.setenv("QWORKER_TP_EXTERNAL_FOLLOWERS", "1")
+    monkeypatch.setenv("QWORKER_TP_TIMEOUT_S", "3")
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 went silent"):
+            LLMEngine(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, kv_cache_memory=4 << 20))
+        assert killed and time.monotonic() - killed[0] < 10 * cm.HEARTBEAT_S + 15
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        follower.wait(30)

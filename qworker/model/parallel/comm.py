@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import pickle
 import socket
+import threading
 import time
 from typing import Callable
 
@@ -38,10 +40,33 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
 # seconds a rank waits for the others to start, join and load the model
 DEFAULT_START_TIMEOUT_S = 900.0
+MAX_TIMEOUT_S = 24 * 3600.0  # a collective allowed to hang longer than a day is a typo
+HEARTBEAT_S = 1.0  # a follower's beat in the store; rank 0 gives up on one silent for max(timeout, 10 beats)
 
 
 def timeout_s() -> float:
-    return float(os.environ.get("QWORKER_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    """``QWORKER_TP_TIMEOUT_S`` (a finite number of seconds > 0), else the default."""
+    raw = os.environ.get("QWORKER_TP_TIMEOUT_S", "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise ValueError(f"QWORKER_TP_TIMEOUT_S must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {raw!r}")
+    return value
+
+
+def env_flag(name: str) -> bool:
+    """A yes/no environment variable: unset, empty, 0, false, no or off is no; 1, true, yes or on is
+    yes; anything else is refused naming it."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {os.environ[name]!r}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,10 +90,13 @@ class Comm:
         short = datetime.timedelta(seconds=self.timeout_s)
         # the rendezvous waits for ranks that start late (pods of a multi-node group come up one by one)
         self.store = dist.TCPStore(addr, port, world, rank == 0, timeout=start, wait_for_workers=False)
+        self._beating = threading.Event()
         if rank == 0:
             self._wait_keys([f"joined/{r}" for r in range(1, world)], "joining the group")
         else:
             self.store.set(f"joined/{rank}", b"1")
+            self._beating.set()
+            threading.Thread(target=self._beat, name=f"qworker-tp-beat{rank}", daemon=True).start()
         self._default = device.type == "cuda"
         if self._default:
             if device.index is not None:  # "cuda" alone: the current device (set_device wants an index)
@@ -121,29 +149,54 @@ class Comm:
         self.control.broadcast([buf], opts).wait()
         return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
 
-    def gather(self, obj) -> list | None:
+    def gather(self, obj, wait_s: float | None = None) -> list | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere), through the store; rank 0 waits for
-        each up to the store's timeout, or until the store sees the rank gone."""
+        each up to ``wait_s`` (default: the start timeout), or until it sees a spawned rank gone."""
         self._gathers += 1
         key = f"gather/{self._gathers}/"
         if self.rank != 0:
             self.store.set(key + str(self.rank), pickle.dumps(obj))
             return None
         keys = [key + str(r) for r in range(1, self.world)]
-        self._wait_keys(keys, "answering")
+        self._wait_keys(keys, "answering", wait_s)
         return [obj] + [pickle.loads(self.store.get(k)) for k in keys]
 
-    def _wait_keys(self, keys: list[str], what: str) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
+    def _beat(self) -> None:
+        """A follower's heartbeat in the store while its group is open: rank 0 cannot watch the
+        process of a rank on another node, so a rank that joined and then went silent (killed
+        while loading the model) is seen by its beat stopping."""
+        while self._beating.is_set():
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - the store (rank 0) is gone, or the group closed
+                return
+            time.sleep(HEARTBEAT_S)
+
+    def _wait_keys(self, keys: list[str], what: str, wait_s: float | None = None) -> None:
+        """Waits for ``keys`` in the store; ends early when a spawned rank exits (``alive``) or a
+        rank that has beaten stops beating for ``silent_s`` (ranks on other nodes)."""
+        wait_s = self.start_timeout_s if wait_s is None else wait_s
+        now = time.monotonic()
+        deadline = now + wait_s
+        silent_s = max(self.timeout_s, 10 * HEARTBEAT_S)
+        beats = {r: (0, now) for r in range(1, self.world)}  # rank -> (last beat seen, when it changed)
         while not self.store.check(keys):
+            now = time.monotonic()
             if self.alive is not None and not self.alive():
                 raise RuntimeError(f"a rank exited before {what}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ranks did not finish {what} within {self.start_timeout_s:.0f} s")
+            for r, (seen, since) in beats.items():
+                beat = self.store.add(f"beat/{r}", 0)
+                if beat != seen:
+                    beats[r] = (beat, now)
+                elif seen and now - since > silent_s:
+                    raise RuntimeError(f"rank {r} went silent (no heartbeat for {now - since:.0f} s) before {what}")
+            if now > deadline:
+                raise RuntimeError(f"ranks did not finish {what} within {wait_s:.0f} s")
             time.sleep(0.05)
 
     def close(self) -> None:
         """Drops the groups (their connections close with them)."""
+        self._beating.clear()
         self._model = self.control = None
         if self._default and dist.is_initialized():
             dist.destroy_process_group()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -34,7 +35,11 @@ def _watch_parent(parent_pid: int) -> None:
 def spawned(rank: int, world: int, addr: str, port: int, device: str, parent_pid: int, timeout_s: float, threads: int | None,
             log_level: int = logging.INFO) -> None:
     """The multiprocessing entry point of a locally spawned follower (its log lines go to the
-    worker's stderr, at the worker's level)."""
+    worker's stderr, at the worker's level). It ignores SIGINT: a Ctrl-C reaches the terminal's
+    whole process group, and the worker drains on it, which needs its followers; they end with
+    the worker (its "stop", or its exit). SIGTERM keeps its default: multiprocessing's exit
+    handler ends daemon children with it and then waits for them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     if threads:
@@ -78,7 +83,14 @@ def serve(rank: int, world: int, addr: str, port: int, device: str, timeout_s: f
             elif cmd == "apply":
                 runner.kv.apply(*arg)
             elif cmd == "alloc":
-                runner.allocate_kv_cache(*arg)
+                try:
+                    runner.allocate_kv_cache(*arg)
+                    status = None
+                except Exception as e:  # noqa: BLE001 - reported to the leader, which fails the start
+                    status = f"rank {rank}: {type(e).__name__}: {e}"
+                comm.gather(status)
+                if status is not None:
+                    return 1
             elif cmd == "stats":
                 comm.gather({"steps": steps, "step_seconds": step_s, "allreduce_seconds": comm.allreduce_seconds,
                              "allreduce_calls": comm.allreduce_calls})

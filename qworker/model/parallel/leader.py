@@ -35,6 +35,7 @@ from qworker.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 PING_INTERVAL_S = 5.0
+STOP_WAIT_S = 5.0  # close() waits this long at most for the followers to take its "stop"
 
 
 def follower_devices(device: torch.device, world: int) -> list[str]:
@@ -72,8 +73,8 @@ class ParallelRunner:
                  timeout_s: float | None = None):
         if world < 2:
             raise ValueError(f"ParallelRunner needs tensor_parallel_size >= 2, got {world}")
-        env = os.environ
-        external = bool(env.get("QWORKER_TP_EXTERNAL_FOLLOWERS")) if external is None else external
+        external = cm.env_flag("QWORKER_TP_EXTERNAL_FOLLOWERS") if external is None else external
+        timeout_s = timeout_s or cm.timeout_s()  # checked before anything starts
         check_supported(load_config(model_dir), world)  # before anything starts
         dev = resolve_device(device)
         self.world = world
@@ -82,7 +83,6 @@ class ParallelRunner:
         self._last_command = time.monotonic()
         self._procs: list[mp.process.BaseProcess] = []
         self._closed = False
-        self._threads_before: int | None = None
         self._threads: int | None = None  # rank 0's torch threads on CPU
         self.comm: cm.Comm | None = None
         self.step_seconds = 0.0
@@ -101,17 +101,17 @@ class ParallelRunner:
             threads = None
             if dev.type == "cpu":  # the ranks share the host's cores (restored by close())
                 threads = max(1, (os.cpu_count() or 1) // world)
-                self._threads_before, self._threads = torch.get_num_threads(), threads
-                torch.set_num_threads(threads)
+                self._threads = threads
+                _share_cores(threads)
             ctx = mp.get_context("spawn")
             for rank in range(1, world):
-                p = ctx.Process(target=spawned, args=(rank, world, addr, port, devices[rank - 1], os.getpid(), timeout_s or cm.timeout_s(), threads,
+                p = ctx.Process(target=spawned, args=(rank, world, addr, port, devices[rank - 1], os.getpid(), timeout_s, threads,
                                                       logging.getLogger().getEffectiveLevel()),
                                 name=f"qworker-tp-rank{rank}", daemon=True)
                 p.start()
                 self._procs.append(p)
         # a runner dropped unclosed (LLM deleted) still kills its followers and gives the cores back
-        self._finalizer = weakref.finalize(self, _release, list(self._procs), self._threads_before)
+        self._finalizer = weakref.finalize(self, _release, list(self._procs), self._threads is not None)
         try:
             self.comm = cm.Comm(0, world, addr, port, dev, timeout_s, alive=lambda: all(p.exitcode is None for p in self._procs))
             self.comm.broadcast({"model_dir": model_dir, "dtype": dtype, "max_model_len": max_model_len,
@@ -147,8 +147,24 @@ class ParallelRunner:
         raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1")
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
-        self._command("alloc", (num_blocks, num_cpu_blocks, block_size))
-        self.local.allocate_kv_cache(num_blocks, num_cpu_blocks, block_size)
+        """Every rank allocates its share; a rank that cannot (its device has less free memory
+        than rank 0's, which sized the pool) fails the start with its reason."""
+        with self._lock:
+            self._send("alloc", (num_blocks, num_cpu_blocks, block_size))
+            error = None
+            try:
+                self.local.allocate_kv_cache(num_blocks, num_cpu_blocks, block_size)
+            except Exception as e:  # noqa: BLE001 - the followers still report theirs
+                error = e
+            try:
+                statuses = self.comm.gather(None, self.comm.timeout_s)
+            except RuntimeError as e:
+                raise self._fail(f"allocating the KV cache: {e}") from e
+        if error is not None:
+            raise error
+        bad = [s for s in statuses if s]
+        if bad:
+            raise self._fail("a tensor-parallel rank could not allocate its KV cache: " + "; ".join(bad))
         self.kv = _KV(self)
 
     def execute(self, batch: Batch) -> torch.Tensor:
@@ -227,20 +243,21 @@ class ParallelRunner:
         if self._closed:
             return
         self._closed = True
+        told = False
         if self.failure is None and self.comm is not None and all(p.exitcode is None for p in self._procs):
             try:
-                with self._lock:
-                    self.comm.broadcast(("stop", None))
+                with self._lock:  # a live follower waits in the broadcast already: a frozen one must not hold us
+                    self.comm.broadcast(("stop", None), min(self.comm.timeout_s, STOP_WAIT_S))
+                told = True
             except Exception:  # noqa: BLE001 - they are killed below
                 pass
-        if self.failure is None:  # told to stop: give them a moment to close their groups
+        if told:  # give them a moment to close their groups
             for p in self._procs:
                 p.join(timeout=10)
         _kill(self._procs)
         if self.comm is not None:  # with the peers gone, even a broken group closes at once
             self.comm.close()
-        if self._threads_before is not None:  # in the calling thread (and threads started after)
-            torch.set_num_threads(self._threads_before)
+        self._finalizer()  # once: the cores given back (in the calling thread, and threads started after)
 
     # -- failure ------------------------------------------------------------------------------------
     def _command(self, cmd: str, arg) -> None:
@@ -315,13 +332,32 @@ def _watch(ref: weakref.ref) -> None:
         del runner
 
 
-def _release(procs, threads_before: int | None) -> None:
-    """The finalizer of a runner dropped without close(): its followers killed, and the torch
-    thread count it lowered for rank 0 restored (in the collecting thread, usually the one that
-    made it; a live engine resets its own count before each step)."""
+# CPU runners alive in this process, and the torch thread count before the first lowered it:
+# the last one to close restores that (two engines at once must not leave the second's lowered
+# count behind as "the count before")
+_cores = {"runners": 0, "threads_before": 0}
+_cores_lock = threading.Lock()
+
+
+def _share_cores(threads: int) -> None:
+    with _cores_lock:
+        if _cores["runners"] == 0:
+            _cores["threads_before"] = torch.get_num_threads()
+        _cores["runners"] += 1
+    torch.set_num_threads(threads)
+
+
+def _release(procs, shared_cores: bool) -> None:
+    """Run once, by close() or as the finalizer of a runner dropped without it: its followers
+    killed, and, once no CPU runner is left, the torch thread count the first one lowered for
+    rank 0 restored (in the calling thread; a live engine resets its own count before each step)."""
     _kill(procs)
-    if threads_before is not None:
-        torch.set_num_threads(threads_before)
+    if shared_cores:
+        with _cores_lock:
+            _cores["runners"] -= 1
+            last = _cores["runners"] == 0
+        if last:
+            torch.set_num_threads(_cores["threads_before"])
 
 
 def _kill(procs) -> None:
