@@ -11,7 +11,9 @@
  *     for each dst row m and k pair: dst[m][n] += a[m][2k] * b[k][2n], then += a[m][2k+1] * b[k][2n+1],
  *     in fp32, round to nearest even, input denormals as zero, output denormals flushed.
  * The hardware's accumulation may round differently: tests compare against oracles with
- * tolerances, never the emulation's bits against the hardware's. */
+ * tolerances, never the emulation's bits against the hardware's. What it cannot catch: compiler
+ * defects around the real intrinsics (gcc dropping a configuration's stores, a missing store
+ * barrier: the emulated operations are plain C the compiler sees through), and speed. */
 #pragma once
 #include <stdint.h>
 #include <stdio.h>
@@ -48,12 +50,14 @@ static inline void qw_emu_loadconfig(const void *config) {
         return;
     }
     if (c[0] != 1 || c[1] != 0) qw_emu_fault("palette must be 1 with start_row 0", -1);
+    for (int i = 2; i < 16; i++)
+        if (c[i]) qw_emu_fault("reserved configuration bytes must be zero", -1);
     memset(&qw_emu, 0, sizeof qw_emu);
-    for (int t = 0; t < 8; t++) {
+    for (int t = 0; t < 16; t++) {
         const uint16_t colsb = (uint16_t)(c[16 + 2 * t] | c[17 + 2 * t] << 8);
         const uint8_t rows = c[48 + t];
-        if (colsb > 64 || rows > 16 || (!colsb) != (!rows)) qw_emu_fault("invalid tile shape", t);
-        qw_emu.colsb[t] = colsb, qw_emu.rows[t] = rows;
+        if (t >= 8 ? colsb || rows : colsb > 64 || rows > 16 || (!colsb) != (!rows)) qw_emu_fault("invalid tile shape", t);
+        if (t < 8) qw_emu.colsb[t] = colsb, qw_emu.rows[t] = rows;
     }
     qw_emu.configured = 1;
 }
@@ -104,7 +108,8 @@ static inline void qw_emu_dpbf16ps(int c, int a, int b) {
         memcpy(dst, qw_emu.data[c][m], sizeof dst);
         for (int k = 0; k < K; k++) {
             const float a0 = qw_emu_bf16(&qw_emu.data[a][m][4 * k]), a1 = qw_emu_bf16(&qw_emu.data[a][m][4 * k + 2]);
-            /* a product of two bf16 values is exact in fp32, so fusing it into the add changes nothing */
+            /* a product of two bf16 values is exact in fp32 (unless it under- or overflows), so
+             * whether the compiler fuses it into the add changes nothing in the normal range */
             for (int n = 0; n < N; n++) dst[n] = qw_emu_flush(qw_emu_flush(dst[n] + a0 * bf[k][0][n]) + a1 * bf[k][1][n]);
         }
         memcpy(qw_emu.data[c][m], dst, (size_t)N * 4);

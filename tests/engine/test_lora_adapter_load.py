@@ -277,6 +277,9 @@ def _peft_adapted(base_dir, adapter_dir) -> set[tuple[int, str]]:
     {"layers_to_transform": 0},
     {"exclude_modules": ["o_proj", "layers.0.self_attn.q_proj"]},
     {"target_modules": ["model.layers.0.self_attn.q_proj", "v_proj"], "layers_to_transform": [1]},
+    {"layers_to_transform": [1], "layers_pattern": ""},
+    {"layers_to_transform": [0], "layers_pattern": "model.layers"},
+    {"layers_to_transform": [1], "layers_pattern": ["h", "layers"]},
 ])
 def test_the_configs_targets_decide_what_applies_as_in_peft(adapter, config, tiny_model_dir, changes):
     """The file holds q/v/o/gate/down of both layers; a config that adapts fewer modules gets
@@ -298,6 +301,9 @@ def test_the_configs_targets_decide_what_applies_as_in_peft(adapter, config, tin
     ({"layers_to_transform": ["0"]}, "layers_to_transform must be"),
     ({"layers_to_transform": [0], "layers_pattern": "h"}, "layers_pattern"),
     ({"target_modules": ["k_proj"]}, "no LoRA tensors for the modules"),
+    ({"target_modules": ...}, "target_modules is missing"),
+    ({"target_modules": None}, "target_modules is missing"),
+    ({"layers_pattern": "layers"}, "without layers_to_transform"),
 ])
 def test_target_fields_that_cannot_be_honoured_are_refused(adapter, config, changes, needle):
     edit_adapter_config(adapter, **changes)

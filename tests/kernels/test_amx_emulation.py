@@ -118,6 +118,8 @@ def test_emulated_tile_product_is_the_sdms(tmp_path):
     ("_tile_loadconfig(cfg); _tile_zero(5);", "tile not configured"),
     ("_tile_loadconfig(cfg); _tile_dpbf16ps(0, 1, 1);", "three distinct tiles"),
     ("_tile_loadconfig(cfg); _tile_dpbf16ps(0, 2, 1);", "shapes do not fit"),  # A 16 x 64 B, B 4 rows
+    ("uint8_t bad[64]; memcpy(bad, cfg, 64); bad[5] = 1; _tile_loadconfig(bad);", "reserved configuration bytes"),
+    ("uint8_t bad[64]; memcpy(bad, cfg, 64); bad[57] = 4; _tile_loadconfig(bad);", "invalid tile shape"),  # tile 9
 ])
 def test_emulation_faults_where_the_hardware_would(tmp_path, case, message):
     """Tiles 0-2 configured (16 x 64, 4 x 64, 16 x 64), 3-7 not: each misuse aborts saying why."""

@@ -199,7 +199,7 @@ class _Targets:
     PEFT saved for it are what it adapted. Tensors of modules not adapted are skipped, as PEFT
     loads them (unexpected keys, never applied)."""
 
-    names: tuple[str, ...] | None  # None: a string target_modules, or none given
+    names: tuple[str, ...] | None  # None: a string target_modules
     layers: frozenset[int] | None  # None: every layer
     exclude: tuple[str, ...]
 
@@ -298,7 +298,10 @@ def _read_targets(path: Path, cfg: dict) -> _Targets:
     instead; regular expressions from a file are never run, so a string ``exclude_modules`` is
     refused."""
     targets = cfg.get("target_modules")
-    if targets is not None and not isinstance(targets, str):
+    if targets is None:  # PEFT would pick a per-architecture default (q_proj and v_proj for most)
+        raise LoRAAdapterError(f"{path}: target_modules is missing; list the modules the adapter adapts "
+                               "(PEFT writes them when it saves an adapter)")
+    if not isinstance(targets, str):
         if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
             raise LoRAAdapterError(f"{path}: target_modules must be a list of module names or a string, got {targets!r}")
         bad = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in MODULES})
@@ -315,11 +318,16 @@ def _read_targets(path: Path, cfg: dict) -> _Targets:
         layers = [layers]
     if layers is not None and not (isinstance(layers, list) and all(_is_int(i) and i >= 0 for i in layers)):
         raise LoRAAdapterError(f"{path}: layers_to_transform must be a layer index or a list of them, got {layers!r}")
-    pattern = cfg.get("layers_pattern")
-    if layers and pattern not in (None, "layers", ["layers"]):
+    pattern = cfg.get("layers_pattern") or []
+    patterns = [pattern] if isinstance(pattern, str) else pattern
+    if not (isinstance(patterns, list) and all(isinstance(p, str) for p in patterns)):
+        raise LoRAAdapterError(f"{path}: layers_pattern must be a name or a list of names, got {pattern!r}")
+    if patterns and not layers:
+        raise LoRAAdapterError(f"{path}: layers_pattern is set without layers_to_transform (PEFT refuses it too)")
+    # PEFT finds the layer index after the first pattern that precedes ".N." in the module's name
+    if patterns and not any(re.match(rf"(?:.*\.)?{re.escape(p)}\.\d+\.", "model.layers.0.self_attn.q_proj") for p in patterns):
         raise LoRAAdapterError(f"{path}: layers_pattern {pattern!r} does not name this model's layers (model.layers.N)")
-    return _Targets(None if targets is None or isinstance(targets, str) else tuple(targets),
-                    frozenset(layers) if layers else None, tuple(exclude))
+    return _Targets(None if isinstance(targets, str) else tuple(targets), frozenset(layers) if layers else None, tuple(exclude))
 
 
 def _read_header(path: Path) -> dict:

@@ -37,8 +37,10 @@ def spawned(rank: int, world: int, addr: str, port: int, device: str, parent_pid
     """The multiprocessing entry point of a locally spawned follower (its log lines go to the
     worker's stderr, at the worker's level). It ignores SIGINT: a Ctrl-C reaches the terminal's
     whole process group, and the worker drains on it, which needs its followers; they end with
-    the worker (its "stop", or its exit). SIGTERM keeps its default: multiprocessing's exit
-    handler ends daemon children with it and then waits for them."""
+    the worker (its "stop", or its exit). Not in the first ~0.3 s, while the spawned interpreter
+    imports this module: the leader cannot pass a blocked or ignored SIGINT through
+    multiprocessing's spawn, and a Ctrl-C then fails the start. SIGTERM keeps its default:
+    multiprocessing's exit handler ends daemon children with it and then waits for them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
