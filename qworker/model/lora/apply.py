@@ -8,7 +8,12 @@ step while the forward runs and ``None`` otherwise (then the wrapper costs one a
 
 Two paths, by the slots' layout (:mod:`.stack`):
 
-* grouped (CPU): a segment of at least :data:`LONG_SEGMENT` rows (prefill) runs alone: its
+* grouped (CPU), on the C GEMM where it runs (:func:`apply_packed`, the default): per adapter,
+  a shrink and one block-diagonal expand, each output one fixed-order sum, so a row's delta does
+  not depend on the step (batch-invariant); long segments in place, short rows gathered per slot
+  and added back with one ``index_add_``. Without the C kernels, torch's GEMMs as follows (not
+  batch-invariant: they pick kernels by shape):
+  a segment of at least :data:`LONG_SEGMENT` rows (prefill) runs alone: its
   slot's shrink GEMM on the row slice, then one ``addmm_`` per targeted slice straight into
   ``y``'s rows and columns. The shorter segments (decode) run together, every slot at once:
   their rows gathered into a ``[slots, M, in]`` block (short groups padded, the padding's
