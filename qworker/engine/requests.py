@@ -26,6 +26,7 @@ from qworker.engine.outputs import ABORT, ERR_DEADLINE, LENGTH, STOP, RequestMet
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
 from qworker.engine.scheduler import Scheduler
 from qworker.engine.sequence import Request, SeqStatus, Sequence
+from qworker.engine.structured.spec import ERROR_CODE as STRUCTURED_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,9 @@ class RequestBook:
             # cannot happen after the mask; a guard so a refused token never continues
             log.error("request %s: sampled token %d does not fit its grammar", req.request_id, token)
             seq.detokenizer.append(token, find_stop=False)
+            # the grammar, not the moment, is at fault: an error a retry would only repeat
+            req.error = req.error or f"sampled token {token} does not fit the request's grammar (it may admit no output)"
+            req.error_code = req.error_code or STRUCTURED_ERROR
             self.finish(seq, ABORT)
             return True
         reason = self._stop(seq, token)

@@ -268,6 +268,20 @@ def test_self_referential_and_external_refs_are_refused_with_a_reason(ti):
             StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": ref}}})
 
 
+def test_a_character_class_that_matches_nothing_is_refused(ti):
+    """``[^\\s\\S]`` (or ``[^\\x00-\\U0010FFFF]``) compiles, matches no character, and its job
+    ended with a bare abort at its first token, retried by the worker forever (helper-62): now
+    the compile refuses it like any empty language; classes with something left are fine."""
+    svc = GrammarCompilerService(ti, max_workers=1)
+    for spec in ({"regex": r"[^\s\S]"}, {"regex": r"a[^\s\S]"}, {"grammar": 'root ::= "x" [^\\x00-\\U0010FFFF]'},
+                 {"json": {"type": "object", "properties": {"q": {"type": "string", "pattern": r"^[^\s\S]$"}}, "required": ["q"]}}):
+        with pytest.raises(StructuredOutputError, match="admits no finite output") as e:
+            svc.validate(StructuredOutputsParams(**spec))
+        assert e.value.code == ERROR_CODE
+    for spec in ({"regex": r"[^\s]"}, {"regex": r"[^\x00-\U0010FFFE]"}, {"regex": "[a]"}):
+        svc.validate(StructuredOutputsParams(**spec))
+
+
 def test_concurrent_real_compiles(ti):
     svc = GrammarCompilerService(ti, max_workers=2)
     specs = [StructuredOutputsParams(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}) for i in range(6)]

@@ -48,6 +48,25 @@ REFUSED = {
                                       "JSON Schema pattern '^a$b' at #/properties/a: anchor '$'"),
     "a ^ inside a patternProperties name": ({"json": {"type": "object", "patternProperties": {"x^y": {"type": "string"}}}},
                                             "JSON Schema pattern 'x^y' at #: anchor '^'"),
+    # pairs xgrammar enforces one half of (helper-62, 2026-12-06 evening: each output finished
+    # "stop" and failed jsonschema)
+    "a length beside a pattern": ({"json": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}, "'pattern' with 'maxLength'"),
+    "a minimum length beside a pattern": ({"json": {"type": "string", "pattern": "^[a-z]+$", "minLength": 4}}, "'pattern' with 'minLength'"),
+    "a length beside a format": ({"json": {"type": "string", "format": "date", "maxLength": 4}}, "'format' with 'maxLength'"),
+    "a pattern beside a format": ({"json": {"type": "string", "format": "date", "pattern": "^2"}}, "'format' with 'pattern'"),
+    "multipleOf on a number": ({"json": {"type": "number", "multipleOf": 0.5}}, "'multipleOf' at # is enforced for integers only"),
+    "propertyNames beside properties": ({"json": {"type": "object", "properties": {"temperature": {"type": "integer"}},
+                                                  "propertyNames": {"maxLength": 3}}}, "'properties' with 'propertyNames'"),
+    "a name both properties and patternProperties match": (
+        {"json": {"type": "object", "properties": {"x-score": {"type": "number"}}, "patternProperties": {"^x-": {"type": "integer"}}}},
+        "property 'x-score' at # is matched by patternProperties '^x-'"),
+    # a pattern that can match what JSON must escape was served raw (invalid JSON)
+    "a quote in a pattern": ({"json": {"type": "string", "pattern": '^say "hi"$'}}, "unescaped"),
+    "a tab escape in a pattern": ({"json": {"type": "string", "pattern": r"^a\tb$"}}, "unescaped"),
+    "a backslash in a pattern": ({"json": {"type": "string", "pattern": r"^C:\\dir$"}}, "unescaped"),
+    "a quote by its code in a pattern": ({"json": {"type": "string", "pattern": r"^\x22$"}}, "unescaped"),
+    "a range holding the quote": ({"json": {"type": "string", "pattern": "^[ -~]+$"}}, "unescaped"),
+    "a quote in a patternProperties name": ({"json": {"type": "object", "patternProperties": {'^a"b$': {"type": "integer"}}}}, "unescaped"),
     # valid JSON, not text
     "a lone surrogate in a choice": ({"choice": ["ok", "a\ud800"]}, "lone UTF-16 surrogate"),
     "a lone surrogate in a schema": ({"json": {"enum": ["\udfff"]}}, "lone UTF-16 surrogate"),
@@ -55,6 +74,8 @@ REFUSED = {
 }
 
 ACCEPTED = {
+    "multipleOf on an integer": {"json": {"type": "integer", "multipleOf": 5}},
+    "negated classes and escapes that stay inside a JSON string": {"json": {"type": "string", "pattern": r"^[^,\"]+ \d{2}\.\S+$"}},
     "a typed enum": {"json": {"type": "string", "enum": ["a", "b"], "description": "colour"}},
     "integers as floats": {"json": {"type": "integer", "enum": [1, 2.0]}},
     "an Optional field (pydantic)": {"json": {"type": "object", "properties": {"x": {"anyOf": [{"type": "string"}, {"type": "null"}],

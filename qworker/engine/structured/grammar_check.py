@@ -47,7 +47,9 @@ def accepts_some_string(grammar_json: str) -> bool:
             return any(prod(j) for j in payload)
         if kind == REPEAT:  # [rule, min, max]: zero repetitions need nothing of the rule
             return payload[1] == 0 or productive[payload[0]]
-        return True  # terminals (bytes, classes, the empty string), tag dispatch, anything newer
+        if kind == CHAR_CLASS:
+            return class_matches_something(payload)
+        return True  # other terminals (bytes, a class's star, the empty string), tag dispatch, anything newer
 
     changed = True
     while changed:  # at most one pass per rule: each pass marks one more or stops
@@ -57,3 +59,21 @@ def accepts_some_string(grammar_json: str) -> bool:
                 productive[r] = True
                 changed = True
     return productive[g["root_rule_id"]]
+
+
+MAX_CODEPOINT = 0x10FFFF
+
+
+def class_matches_something(payload: list[int]) -> bool:
+    """A character class ``[negated, lo0, hi0, lo1, hi1, ...]`` (codepoint ranges): False for
+    one that matches no character, ``[]`` or ``[^\\s\\S]`` (helper-62: such a regex compiled, and
+    its job ended with a bare abort at the first token)."""
+    negated, ranges = payload[0], sorted(zip(payload[1::2], payload[2::2]))
+    if not negated:
+        return any(lo <= hi for lo, hi in ranges)
+    reach = -1  # every codepoint up to here is in the ranges
+    for lo, hi in ranges:
+        if lo > reach + 1:
+            return True  # a gap: the negated class matches it
+        reach = max(reach, hi)
+    return reach < MAX_CODEPOINT

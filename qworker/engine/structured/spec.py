@@ -223,13 +223,18 @@ def check_schema_supported(schema: object, path: str = "#", root: object = None,
     if isinstance(all_of, list) and len(all_of) > 1:
         raise StructuredOutputError(f"JSON Schema 'allOf' with more than one subschema at {path} is not supported by the structured-output backend")
     _check_alone(schema, path)
+    _check_combinations(schema, path)
     # a string's pattern (and a patternProperties name) goes through the same regex dialect: an
     # anchor inside it is ignored there, so "^a$b" (which nothing matches) would serve "ab"
     patterns = [schema["pattern"]] if isinstance(schema.get("pattern"), str) else []
     if isinstance(schema.get("patternProperties"), dict):
         patterns += list(schema["patternProperties"])
     for pattern in patterns:
-        _check_edge_anchors(_regex_tokens(pattern), f"JSON Schema pattern {pattern[:80]!r} at {path}:")
+        what = f"JSON Schema pattern {pattern[:80]!r} at {path}:"
+        _check_edge_anchors(_regex_tokens(pattern), what)
+        if _may_match_unescaped(pattern):
+            raise StructuredOutputError(f"{what} it can match '\"', '\\' or a control character, which the structured-output "
+                                        "backend writes into the JSON string unescaped (invalid JSON); exclude them from the pattern")
     required, props = schema.get("required"), schema.get("properties")
     if isinstance(required, list):
         missing = [r for r in required if not isinstance(props, dict) or r not in props]
@@ -266,6 +271,120 @@ def _check_alone(schema: dict, path: str) -> None:
         if beside:
             raise StructuredOutputError(f"JSON Schema {beside[:3]} beside {kw!r} at {path} is not supported: the structured-output "
                                         f"backend compiles {kw!r} alone; move the constraint into the subschemas or values")
+
+
+# pairs xgrammar 0.2.8 accepts and then enforces only one of (measured by helper-62: outputs that
+# finished and failed validation), with what to say
+_UNENFORCED_PAIRS = (
+    (("pattern", "minLength"), "a length beside a pattern is ignored; put the length in the pattern"),
+    (("pattern", "maxLength"), "a length beside a pattern is ignored; put the length in the pattern"),
+    (("format", "minLength"), "a length beside a format is ignored"),
+    (("format", "maxLength"), "a length beside a format is ignored"),
+    (("format", "pattern"), "a pattern beside a format is ignored"),
+    (("properties", "propertyNames"), "propertyNames is not applied to the names 'properties' declares"),
+)
+
+
+def _check_combinations(schema: dict, path: str) -> None:
+    for pair, why in _UNENFORCED_PAIRS:
+        if all(k in schema for k in pair):
+            raise StructuredOutputError(f"JSON Schema {pair[0]!r} with {pair[1]!r} at {path} is not supported by the "
+                                        f"structured-output backend: {why}")
+    if "multipleOf" in schema and schema.get("type") not in ("integer", ["integer"]):
+        raise StructuredOutputError(f"JSON Schema 'multipleOf' at {path} is enforced for integers only (\"type\": \"integer\")")
+    props, pattern_props = schema.get("properties"), schema.get("patternProperties")
+    if isinstance(props, dict) and isinstance(pattern_props, dict):
+        both = _matched_by_both(list(props), list(pattern_props))
+        if both:
+            raise StructuredOutputError(f"JSON Schema property {both[0]!r} at {path} is matched by patternProperties "
+                                        f"{both[1][:80]!r} too: the structured-output backend applies only its 'properties' "
+                                        "schema; make the pattern exclude it")
+
+
+def _matched_by_both(names: list[str], patterns: list[str]) -> tuple[str, str] | None:
+    """A declared property name that a patternProperties regex also matches (searched with the
+    ``regex`` module under a time limit: a pattern from a request is never run unbounded; one that
+    times out counts as matching)."""
+    import regex  # transformers' own dependency
+
+    for pattern in patterns:
+        try:
+            rx = regex.compile(pattern)
+        except regex.error:
+            continue  # the compile refuses it with its own message
+        for name in names:
+            try:
+                if rx.search(name, timeout=0.05):
+                    return name, pattern
+            except TimeoutError:
+                return name, pattern
+    return None
+
+
+_JSON_RAW = (0x22, 0x5C)  # '"' and '\\'; and every control character below 0x20
+_ESCAPED_CONTROL = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "0": 0}
+
+
+def _unsafe(cp: int) -> bool:
+    return cp < 0x20 or cp in _JSON_RAW
+
+
+def _escape_at(p: str, i: int) -> tuple[int | None, int]:
+    """The codepoint the escape at ``p[i] == '\\'`` stands for (None for a class such as ``\\d``)
+    and the index after it."""
+    x = p[i + 1:i + 2]
+    if x in ("x", "u", "U"):
+        width = {"x": 2, "u": 4, "U": 8}[x]
+        digits = p[i + 2:i + 2 + width]
+        if len(digits) == width and all(c in "0123456789abcdefABCDEF" for c in digits):
+            return int(digits, 16), i + 2 + width
+        return None, i + 2
+    if x in _ESCAPED_CONTROL:
+        return _ESCAPED_CONTROL[x], i + 2
+    if x.isalnum() or not x:
+        return None, i + 2  # \d \w \s \S \b ...: classes and assertions
+    return ord(x), i + 2  # an escaped literal: \" \\ \. \[ ...
+
+
+def _may_match_unescaped(pattern: str) -> bool:
+    """Whether a JSON Schema pattern can match '"', '\\' or a control character where xgrammar
+    writes what it matches into the JSON string as is: a literal, an escape standing for one, or
+    a positive class holding one (a negated class, ``.`` and ``\\S`` exclude them there)."""
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            cp, i = _escape_at(pattern, i)
+            if cp is not None and _unsafe(cp):
+                return True
+        elif c == "[":
+            j = i + 1
+            negated = pattern[j:j + 1] == "^"
+            j += negated
+            first, prev, ranged = True, None, False
+            while j < n and (pattern[j] != "]" or first):
+                first = False
+                if pattern[j] == "\\":
+                    cp, j = _escape_at(pattern, j)
+                else:
+                    cp, j = ord(pattern[j]), j + 1
+                if ranged and prev is not None and cp is not None:
+                    if not negated and any(prev <= u <= cp for u in (*_JSON_RAW, *range(0x20))):
+                        return True
+                    ranged, prev = False, None
+                    continue
+                if cp == ord("-") and prev is not None and j < n and pattern[j] != "]":
+                    ranged = True
+                    continue
+                if not negated and cp is not None and _unsafe(cp):
+                    return True
+                prev = cp
+            i = j + 1
+        else:
+            if _unsafe(ord(c)):
+                return True
+            i += 1
+    return False
 
 
 def _has_type(value: object, types: object) -> bool:
