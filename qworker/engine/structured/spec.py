@@ -364,7 +364,8 @@ def _may_match_unescaped(pattern: str) -> bool:
             first, prev, ranged = True, None, False
             while j < n and (pattern[j] != "]" or first):
                 first = False
-                if pattern[j] == "\\":
+                escaped = pattern[j] == "\\"
+                if escaped:
                     cp, j = _escape_at(pattern, j)
                 else:
                     cp, j = ord(pattern[j]), j + 1
@@ -373,7 +374,7 @@ def _may_match_unescaped(pattern: str) -> bool:
                         return True
                     ranged, prev = False, None
                     continue
-                if cp == ord("-") and prev is not None and j < n and pattern[j] != "]":
+                if not escaped and cp == ord("-") and prev is not None and j < n and pattern[j] != "]":
                     ranged = True
                     continue
                 if not negated and cp is not None and _unsafe(cp):
