@@ -103,15 +103,20 @@ class ParallelRunner:
                 threads = max(1, (os.cpu_count() or 1) // world)
                 self._threads = threads
                 _share_cores(threads)
-            ctx = mp.get_context("spawn")
-            for rank in range(1, world):
-                p = ctx.Process(target=spawned, args=(rank, world, addr, port, devices[rank - 1], os.getpid(), timeout_s, threads,
-                                                      logging.getLogger().getEffectiveLevel()),
-                                name=f"qworker-tp-rank{rank}", daemon=True)
-                p.start()
-                self._procs.append(p)
         # a runner dropped unclosed (LLM deleted) still kills its followers and gives the cores back
-        self._finalizer = weakref.finalize(self, _release, list(self._procs), self._threads is not None)
+        self._finalizer = weakref.finalize(self, _release, self._procs, self._threads is not None)
+        if not external:
+            ctx = mp.get_context("spawn")
+            try:
+                for rank in range(1, world):
+                    p = ctx.Process(target=spawned, args=(rank, world, addr, port, devices[rank - 1], os.getpid(), timeout_s, threads,
+                                                          logging.getLogger().getEffectiveLevel()),
+                                    name=f"qworker-tp-rank{rank}", daemon=True)
+                    p.start()
+                    self._procs.append(p)
+            except BaseException:
+                self._finalizer()  # the ones started killed, the cores given back
+                raise
         try:
             self.comm = cm.Comm(0, world, addr, port, dev, timeout_s, alive=lambda: all(p.exitcode is None for p in self._procs))
             self.comm.broadcast({"model_dir": model_dir, "dtype": dtype, "max_model_len": max_model_len,
