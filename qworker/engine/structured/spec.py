@@ -346,6 +346,31 @@ def _escape_at(p: str, i: int) -> tuple[int | None, int]:
     return ord(x), i + 2  # an escaped literal: \" \\ \. \[ ...
 
 
+def _class_may_match_unescaped(pattern: str, i: int) -> tuple[bool, int]:
+    """For the class opening at ``pattern[i] == '['``: whether it holds an unsafe character (only
+    a positive class can: see :func:`_may_match_unescaped`), and the index after it."""
+    n = len(pattern)
+    j = i + 1
+    negated = pattern[j:j + 1] == "^"
+    j += negated
+    first, prev, ranged = True, None, False
+    while j < n and (pattern[j] != "]" or first):
+        first = False
+        escaped = pattern[j] == "\\"
+        cp, j = _escape_at(pattern, j) if escaped else (ord(pattern[j]), j + 1)
+        if ranged and prev is not None and cp is not None:
+            if not negated and (prev < 0x20 or any(prev <= u <= cp for u in _JSON_RAW)):
+                return True, j
+            ranged, prev = False, None
+        elif not escaped and cp == ord("-") and prev is not None and j < n and pattern[j] != "]":
+            ranged = True
+        elif not negated and cp is not None and _unsafe(cp):
+            return True, j
+        else:
+            prev = cp
+    return False, j + 1
+
+
 def _may_match_unescaped(pattern: str) -> bool:
     """Whether a JSON Schema pattern can match '"', '\\' or a control character where xgrammar
     writes what it matches into the JSON string as is: a literal, an escape standing for one, or
@@ -358,29 +383,9 @@ def _may_match_unescaped(pattern: str) -> bool:
             if cp is not None and _unsafe(cp):
                 return True
         elif c == "[":
-            j = i + 1
-            negated = pattern[j:j + 1] == "^"
-            j += negated
-            first, prev, ranged = True, None, False
-            while j < n and (pattern[j] != "]" or first):
-                first = False
-                escaped = pattern[j] == "\\"
-                if escaped:
-                    cp, j = _escape_at(pattern, j)
-                else:
-                    cp, j = ord(pattern[j]), j + 1
-                if ranged and prev is not None and cp is not None:
-                    if not negated and any(prev <= u <= cp for u in (*_JSON_RAW, *range(0x20))):
-                        return True
-                    ranged, prev = False, None
-                    continue
-                if not escaped and cp == ord("-") and prev is not None and j < n and pattern[j] != "]":
-                    ranged = True
-                    continue
-                if not negated and cp is not None and _unsafe(cp):
-                    return True
-                prev = cp
-            i = j + 1
+            unsafe, i = _class_may_match_unescaped(pattern, i)
+            if unsafe:
+                return True
         else:
             if _unsafe(ord(c)):
                 return True

@@ -61,14 +61,10 @@ def serve(rank: int, world: int, addr: str, port: int, device: str, timeout_s: f
     comm = Comm(rank, world, addr, port, dev, timeout_s)
     try:
         init = comm.broadcast()
-        try:
-            runner = ModelRunner(init["model_dir"], device, init["dtype"], init["max_model_len"], init["kv_cache_dtype"],
-                                 init.get("kernel_backend"), tp=TPRank(rank, world, comm.all_reduce))
-            status = None
-        except Exception as e:  # noqa: BLE001 - reported to the leader, which raises it
-            status = f"rank {rank}: {type(e).__name__}: {e}"
-        comm.gather(status)
-        if status is not None:
+        ok, runner = _reported(comm, rank, lambda: ModelRunner(init["model_dir"], device, init["dtype"], init["max_model_len"],
+                                                               init["kv_cache_dtype"], init.get("kernel_backend"),
+                                                               tp=TPRank(rank, world, comm.all_reduce)))
+        if not ok:
             return 1
         steps, step_s, last = 0, 0.0, time.monotonic()
         while True:
@@ -85,13 +81,7 @@ def serve(rank: int, world: int, addr: str, port: int, device: str, timeout_s: f
             elif cmd == "apply":
                 runner.kv.apply(*arg)
             elif cmd == "alloc":
-                try:
-                    runner.allocate_kv_cache(*arg)
-                    status = None
-                except Exception as e:  # noqa: BLE001 - reported to the leader, which fails the start
-                    status = f"rank {rank}: {type(e).__name__}: {e}"
-                comm.gather(status)
-                if status is not None:
+                if not _reported(comm, rank, lambda: runner.allocate_kv_cache(*arg))[0]:
                     return 1
             elif cmd == "stats":
                 comm.gather({"steps": steps, "step_seconds": step_s, "allreduce_seconds": comm.allreduce_seconds,
@@ -104,6 +94,17 @@ def serve(rank: int, world: int, addr: str, port: int, device: str, timeout_s: f
         return 2
     finally:
         comm.close()
+
+
+def _reported(comm, rank: int, step):
+    """Runs a start-up ``step`` (loading the model, allocating the KV cache) and reports to the
+    leader None or its error, which the leader raises; ``(ok, step's result)``."""
+    try:
+        result, status = step(), None
+    except Exception as e:  # noqa: BLE001 - reported to the leader
+        result, status = None, f"rank {rank}: {type(e).__name__}: {e}"
+    comm.gather(status)
+    return status is None, result
 
 
 # a LeaderWorkerSet pod's own variables, where torchrun's are not set
