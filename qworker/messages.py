@@ -301,9 +301,11 @@ class Cancel(_Strict):
 # DLQ records keep the original key, value and headers byte for byte (null stays null); these
 # headers, appended after the original ones, say why and where from. A header whose key is not
 # UTF-8 cannot be produced again: such records (code bad_headers) carry the original headers in
-# DLQ_HEADER_RAW_HEADERS instead (JSON list of [key, value] pairs, hex-encoded, value null when null).
-DLQ_HEADER_ERROR = "qworker.dlq.error"  # machine code: empty | not_json | not_object | no_id | bad_headers | too_deep
+# DLQ_HEADER_RAW_HEADERS instead (JSON list of [key, value] pairs, hex-encoded, null when null).
+DLQ_HEADER_ERROR = "qworker.dlq.error"  # machine code: empty | not_json | not_object | no_id | bad_headers | too_deep | corrupt_batch
 # too_deep: valid JSON nested deeper than the decoder takes; a copy, the job is also answered invalid_job
+# corrupt_batch: a record batch whose CRC does not hold or whose bytes do not parse; the value is
+# the batch as fetched, the key null
 DLQ_HEADER_MESSAGE = "qworker.dlq.message"
 DLQ_HEADER_TOPIC = "qworker.source.topic"
 DLQ_HEADER_PARTITION = "qworker.source.partition"

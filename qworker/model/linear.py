@@ -4,7 +4,7 @@ Four paths:
 
 * ``"transposed"`` (CUDA): ``x @ w`` with ``w`` the free transposed view of the checkpoint's
   ``[out, in]`` weight, which cuBLAS takes as is. The CUDA path is exactly what it always was.
-* ``"onednn"`` (CPU default where it wins): the weight is reordered once, at load, into oneDNN's
+* ``"onednn"`` (CPU, where panels does not run and it wins): the weight is reordered once, at load, into oneDNN's
   blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and every call is one
   ``torch.ops.mkldnn._linear_pointwise`` (bias fused). This is what inductor emits for a frozen
   linear and what vLLM's CPU backend does through its own oneDNN bindings. oneDNN accumulates in
@@ -14,7 +14,7 @@ Four paths:
   One packing (``batch_size_hint=None``) serves every row count: hints of 16, 64, 256 or 512
   moved 1-16 rows by less than the noise and larger batches by under 10% (either way); a hint of 1
   was 1.4-1.5x slower at 8-32 rows.
-* ``"panels"`` (CPU, fp32 or bf16 weights): qworker's own GEMM (:mod:`kernels.gemm_cpu`,
+* ``"panels"`` (the CPU default, fp32 or bf16 weights): qworker's own GEMM (:mod:`kernels.gemm_cpu`,
   ``csrc/gemm_f32.c`` and ``csrc/gemm_bf16.c``): the weight packed once into 16-column panels, an
   AVX2+FMA micro-kernel (on AVX-512 CPUs also an AVX-512 one, weighed against it at start-up by
   ``gemm_cpu.choose_gemm_isa``). It exists for decode batches (1-128 rows: 1.3-1.8x oneDNN on the 2-core AVX2 VM, about
@@ -29,12 +29,16 @@ Four paths:
   copy (for 8-64 rows MKL's sgemm is 2-4x faster with it than with ``F.linear``'s transposed
   operand).
 
-:func:`cpu_linear_backend` chooses among the CPU paths once per process and dtype: panels needs
-fp32 or bf16 and the compiled C kernels; oneDNN needs the private ops, a dtype its build supports on this
-CPU, and a result that equals the reference on a small check; then the usable paths time a few of
-the model's own layers at decode- and prefill-sized inputs (one thread, its CPU time: see
-:func:`measure_backends`), and the first of panels, oneDNN, x @ w that is not clearly slower than
-the fastest is taken. ``QWORKER_CPU_LINEAR=panels``, ``=onednn`` or ``=matmul`` forces a path (an
+:func:`cpu_linear_backend` chooses among the CPU paths once per process and dtype: panels wherever
+it runs (fp32 or bf16 weights and the compiled C kernels), because its sums run in one fixed order
+per output: a row's result does not depend on how many rows its step has, nor on the machine's
+timing, nor on which ISA build runs it (the AVX-512 and AVX2 fp32 builds give the same bits). That
+is what makes speculative decoding give exactly the tokens without it, a job's tokens independent of
+the jobs batched with it, and every pod of a deployment give the same answer. Without panels,
+oneDNN (the private ops, a dtype its build supports on this CPU, and a result that equals the
+reference on a small check) and x @ w time a few of the model's own layers at decode- and
+prefill-sized inputs (one thread, its CPU time: see :func:`measure_backends`), and oneDNN is taken
+unless clearly slower. ``QWORKER_CPU_LINEAR=panels``, ``=onednn`` or ``=matmul`` forces a path (an
 unavailable one then raises).
 """
 
@@ -59,12 +63,11 @@ PANELS_DTYPES = (torch.float32, torch.bfloat16)
 # Rapids picked oneDNN's bf16 linear (1.18x the AMX panels GEMM there) while the panels GEMM and
 # the one-call layer loop it enables ran the 48-request run 1.38x as fast (docs/benchmarks.md)
 _PROBE_ROWS = (1, 16, 48, 128)
-# a path is kept over the ones after it in BACKENDS unless it is this much slower than the fastest:
-# measurement noise on a shared machine must not flip the choice (and the float rounding that
-# comes with it) from run to run, and the probe times one projection call at a time, so it cannot
-# see what panels saves a plain decoder beyond its GEMMs (the one-call layer loop: no Python
-# wrappers between kernels). On Sapphire Rapids the bf16 probe came out even to 1.18x for oneDNN
-# while panels ran the whole 48-request run 1.38x as fast; at 1.15, one of six start-ups picked oneDNN
+# where panels does not run, oneDNN is kept over x @ w unless it is this much slower: measurement
+# noise on a shared machine must not flip the choice (and the float rounding that comes with it)
+# from run to run. (Panels is not timed: a probe of single calls could not see what it saves a
+# plain decoder beyond its GEMMs, the one-call layer loop. When it was timed, on Sapphire Rapids its
+# bf16 probe came out even to 1.18x for oneDNN while it ran the 48-request run 1.38x as fast.)
 _KEEP_PREFERRED_UNLESS_SLOWER = 1.3
 _choices: dict[tuple, str] = {}
 
@@ -210,6 +213,8 @@ def cpu_linear_backend(dtype: torch.dtype, sample: list[torch.Tensor]) -> str:
             raise RuntimeError(f"QWORKER_CPU_LINEAR={forced}, but that path is unavailable: {why_not[forced]}")
         return forced
     usable = tuple(b for b in BACKENDS if not why_not[b])
+    if "panels" in usable:  # batch-invariant and deterministic: see the module's docstring
+        return "panels"
     if len(usable) == 1:
         log.info("CPU linear layers: x @ w (%s)", "; ".join(f"{b}: {w}" for b, w in why_not.items() if w))
         return usable[0]

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import CorruptRecordException, KafkaError
 
 from qworker.messages import MAX_ID_LEN, Cancel, loads
 from qworker.worker.consumer import getmany
@@ -132,21 +132,28 @@ class CancelWatcher:
         while True:
             try:
                 batches = await getmany(self.consumer, timeout_ms=200, max_records=1000)
+            except CorruptRecordException as e:  # a CRC or a record aiokafka's parser refuses
+                log.warning("cancel reader: corrupt record batch (%r); reading it raw", e)
+                await self._skip_refused_or_wait()
+                continue
             except KafkaError as e:
                 log.warning("cancel reader: %r", e)
                 await asyncio.sleep(0.5)
                 continue
             except Exception as e:  # noqa: BLE001 - e.g. a header key aiokafka cannot decode
-                log.warning("cancel reader: undecodable record (%r); skipping it", e)
-                try:
-                    await self._skip_undecodable()
-                except Exception:  # noqa: BLE001 - a dead reader would silently drop every later cancel
-                    log.exception("cancel reader: skipping failed")
-                    await asyncio.sleep(0.5)
+                log.warning("cancel reader: undecodable record (%r); reading its batch raw", e)
+                await self._skip_refused_or_wait()
                 continue
             for records in batches.values():
                 for rec in records:
                     await self._handle(rec)
+
+    async def _skip_refused_or_wait(self) -> None:
+        try:
+            await self._skip_refused()
+        except Exception:  # noqa: BLE001 - a dead reader would silently drop every later cancel
+            log.exception("cancel reader: skipping failed")
+            await asyncio.sleep(0.5)
 
     async def _handle(self, rec: Any) -> None:
         job_id = parse_cancel(rec.key, rec.value)
@@ -157,23 +164,27 @@ class CancelWatcher:
             except Exception:  # noqa: BLE001
                 log.exception("cancel failed", extra={"job_id": job_id})
 
-    async def _skip_undecodable(self) -> None:
-        """Handle the records up to the undecodable one (a cancel's headers do not matter) and
-        seek past it; without this the reader would stop at that record for good."""
-        from qworker.worker.rawfetch import undecodable
+    async def _skip_refused(self) -> None:
+        """A batch aiokafka refuses (see ``Intake.skip_refused``): handle the records before it and
+        its own (a cancel's headers do not matter), or none of it when its bytes cannot be
+        trusted, and seek past it; without this the reader would stop at that batch for good."""
+        from qworker.worker.rawfetch import refused_batches
 
         try:
-            found = await undecodable(self.consumer, sorted(self.consumer.assignment()))
+            found = await refused_batches(self.consumer, sorted(self.consumer.assignment()))
         except KafkaError as e:
             log.warning("cancel reader: raw fetch failed: %r", e)
             await asyncio.sleep(0.5)
             return
         if not found:
             await asyncio.sleep(0.5)
-        for tp, recs in found.items():
-            for rec in recs:
+        for tp, batch in found.items():
+            for rec in batch.before + (batch.records or []):
                 await self._handle(rec)
-            self.consumer.seek(tp, recs[-1].offset + 1)
+            if batch.records is None:
+                log.warning("cancel reader: skipped %s/%d offsets %d-%d (%s)", tp.topic, tp.partition, batch.first_offset,
+                            batch.next_offset - 1, batch.reason)
+            self.consumer.seek(tp, batch.next_offset)
 
     async def stop(self) -> None:
         if self._task is not None:

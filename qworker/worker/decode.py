@@ -42,7 +42,7 @@ class Invalid:
 class Unparseable:
     """Cannot be answered (no id to key a reply by): goes to the DLQ with these reasons."""
 
-    code: str  # empty | not_json | not_object | no_id (bad_headers: see rawfetch; too_deep: see Invalid)
+    code: str  # empty | not_json | not_object | no_id | bad_headers (see intake._decode; too_deep: see Invalid)
     message: str
 
 

@@ -33,6 +33,7 @@ def with_original(original: Iterable[tuple[str, bytes | None]] | None, reasons: 
     return [*(original or ()), *reasons]
 
 
-def raw_headers_header(raw: list[tuple[bytes, bytes | None]]) -> tuple[str, bytes]:
-    """Headers that cannot be produced again (a key that is not UTF-8), as one JSON header."""
-    return DLQ_HEADER_RAW_HEADERS, json.dumps([[k.hex(), None if v is None else v.hex()] for k, v in raw]).encode()
+def raw_headers_header(raw: list[tuple[bytes | None, bytes | None]]) -> tuple[str, bytes]:
+    """Headers that cannot be produced again (a key that is not UTF-8, or null), as one JSON
+    header: ``[[key hex or null, value hex or null], ...]``."""
+    return DLQ_HEADER_RAW_HEADERS, json.dumps([[None if k is None else k.hex(), None if v is None else v.hex()] for k, v in raw]).encode()

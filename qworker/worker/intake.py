@@ -16,13 +16,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import CorruptRecordException, KafkaError
 from pydantic import BaseModel
 
 from qworker.telemetry.job import JobTelemetry
 from qworker.worker import consumer as kc
 from qworker.worker.decode import Decoded, Invalid, Unparseable, Valid, decode
-from qworker.worker.dlq import dlq_headers, raw_headers_header, with_original
+from qworker.worker.dlq import dlq_headers, with_original
 from qworker.worker.jobs import JobState, cancelled_completion, error_message, log_fields
 from qworker.worker.wire import answer_headers
 from qworker.worker.wire import shape as answer_shape
@@ -65,13 +65,17 @@ class Intake:
             # Polling continues while paused: it keeps this member alive in the group
             # (max_poll_interval_ms) however long the engine works.
             batches = await kc.getmany(w.consumer, timeout_ms=100, max_records=room)
+        except CorruptRecordException as e:  # a CRC or a record aiokafka's parser refuses
+            log.warning("poll: corrupt record batch (%r); reading it raw", e)
+            await self.skip_refused()
+            return
         except KafkaError as e:
             log.warning("poll failed: %r", e)
             await asyncio.sleep(0.2)
             return
         except Exception as e:  # noqa: BLE001 - aiokafka could not decode a record (header key not UTF-8)
-            log.warning("poll: undecodable record (%r); dead-lettering it", e)
-            await self.skip_undecodable()
+            log.warning("poll: undecodable record (%r); reading its batch raw", e)
+            await self.skip_refused()
             return
         await self.handle_records([(tp, rec) for tp, records in batches.items() for rec in records])
 
@@ -83,7 +87,7 @@ class Intake:
         # Decoded on a thread: a record the decoders refuse (valid JSON nested a million deep) is
         # scanned in pure Python, seconds for a few MB, which on the loop would stop heartbeats,
         # streams and probes for as long. One hop per poll, not per record.
-        decoded = await asyncio.to_thread(lambda: [_decode(rec.value) for _, rec in records]) if records else []
+        decoded = await asyncio.to_thread(lambda: [_decode(rec) for _, rec in records]) if records else []
         for (tp, rec), d in zip(records, decoded):
             try:
                 st = self.on_record(tp, rec, d)
@@ -101,16 +105,20 @@ class Intake:
         if records:
             self.w.registry.poke()
 
-    async def skip_undecodable(self) -> None:
-        """aiokafka raises for a whole partition when one record's header key is not UTF-8.
-        Read the raw records up to that one, handle the good ones, dead-letter the bad one and
-        seek past it; otherwise the partition would never be answered again."""
-        from qworker.worker.rawfetch import undecodable
+    async def skip_refused(self) -> None:
+        """aiokafka refuses a partition's whole fetch while one of its batches holds a record it
+        cannot decode (a header key that is not UTF-8, or null) or fails its CRC, and the broker
+        serves that batch whole however far past the bad record the consumer seeks. So read the
+        partition raw up to and through that batch: answer its readable records as any others,
+        dead-letter the ones aiokafka refuses (or, when the batch's bytes cannot be trusted, the
+        batch as one record), and seek past the batch; otherwise the partition would never be
+        answered again."""
+        from qworker.worker.rawfetch import refused_batches
 
         w = self.w
         assert w.consumer is not None
         try:
-            found = await undecodable(w.consumer, sorted(w.consumer.assignment(), key=lambda tp: (tp.topic, tp.partition)))
+            found = await refused_batches(w.consumer, sorted(w.consumer.assignment(), key=lambda tp: (tp.topic, tp.partition)))
         except KafkaError as e:
             log.warning("raw fetch failed: %r", e)
             await asyncio.sleep(0.2)
@@ -118,17 +126,25 @@ class Intake:
         if not found:
             await asyncio.sleep(0.2)
             return
-        for tp, recs in found.items():
-            *good, bad = recs
-            await self.handle_records([(tp, r) for r in good])
-            if tp in w.consumer.assignment() and w.tracker.add(tp, bad.offset):
-                w.stats.records += 1
-                keys = ", ".join(k.hex() for k, _ in bad.raw_headers if not _utf8(k))
-                headers = [raw_headers_header(bad.raw_headers)] + dlq_headers("bad_headers", f"header key(s) not UTF-8 (hex): {keys}", tp.topic, tp.partition, bad.offset, bad.timestamp)
-                w.stats.dlq += 1
-                tele = self.job_telemetry("", tp, bad, time.time(), headers=None)
-                w.answers.publish_side(w.settings.dlq_topic, bad.key, bad.value, headers, [(tp, bad.offset)], tele, ("dlq", "bad_headers"))
-            w.consumer.seek(tp, bad.offset + 1)
+        for tp, batch in found.items():
+            await self.handle_records([(tp, r) for r in batch.before + (batch.records or [])])
+            if batch.records is None:
+                self.dead_letter_batch(tp, batch)
+            if tp in w.consumer.assignment():
+                w.consumer.seek(tp, batch.next_offset)
+
+    def dead_letter_batch(self, tp: TopicPartition, batch: Any) -> None:
+        """A batch whose bytes cannot be trusted (its CRC does not hold, or they do not parse): its
+        bytes as fetched go to the DLQ as one record, tracked at the batch's last offset."""
+        w, last = self.w, batch.next_offset - 1
+        if tp not in w.consumer.assignment() or not w.tracker.add(tp, last):
+            return
+        w.stats.records += 1
+        w.stats.dlq += 1
+        message = f"record batch at offsets {batch.first_offset}-{last} refused ({batch.reason}); the value is the batch as fetched"
+        headers = dlq_headers("corrupt_batch", message, tp.topic, tp.partition, batch.first_offset, None)
+        tele = w.telemetry.job("", tp.topic, tp.partition, last, None, None, time.time())
+        w.answers.publish_side(w.settings.dlq_topic, None, batch.raw, headers, [(tp, last)], tele, ("dlq", "corrupt_batch"))
 
     def on_record(self, tp: TopicPartition, rec: Any, d: Decoded | Exception) -> JobState | None:
         """Answer at once what can be answered without the tokenizer; returns a new job (already
@@ -271,17 +287,15 @@ class Intake:
         return None
 
 
-def _decode(value: bytes | None) -> Decoded | Exception:
-    """``decode``, its failure (a bug) kept for the record it belongs to."""
+def _decode(rec: Any) -> Decoded | Exception:
+    """``decode`` of the record's value, its failure (a bug) kept for the record it belongs to. A
+    record read past aiokafka (``rawfetch.RawRecord``) whose header keys aiokafka refuses goes to
+    the DLQ whatever its value: its headers cannot be produced again as they are."""
+    bad = getattr(rec, "bad_header_keys", None)
+    if bad:
+        keys = ", ".join("null" if k is None else k.hex() for k in bad)
+        return Unparseable("bad_headers", f"header key(s) null or not UTF-8 (hex): {keys}")
     try:
-        return decode(value)
+        return decode(rec.value)
     except Exception as e:  # noqa: BLE001 - one record must never lose the others of its poll
         return e
-
-
-def _utf8(b: bytes) -> bool:
-    try:
-        b.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True

@@ -1,10 +1,13 @@
-"""Find and read records aiokafka cannot decode (a header key that is not UTF-8).
+"""Find and read record batches aiokafka refuses (a header key that is not UTF-8 or null, a CRC
+that does not hold, bytes it cannot parse).
 
-aiokafka decodes header keys as UTF-8 while it unpacks a fetched batch; one bad key makes every
-``getmany`` raise ``UnicodeDecodeError`` before any record of that partition is returned, and
-the consumer stays at that offset for good. This module fetches the partition's raw bytes
-itself and parses the v2 record format leniently (header keys stay bytes), so the worker can
-answer the records before the bad one, dead-letter the bad one and seek past it.
+aiokafka unpacks a fetched batch as a whole: one record it cannot decode makes every ``getmany``
+raise before any record of that partition is returned, and since the broker serves whole
+batches, seeking past the bad record alone does not help (the next fetch returns the same batch
+from its base offset, and it raises again). This module fetches the partition's raw bytes itself,
+asks aiokafka's own batch reader which batch it refuses, and parses that batch leniently (header
+keys stay bytes), so the worker can answer the records before it and the good records in it,
+dead-letter the rest, and seek past the whole batch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.codec import gzip_decode, lz4_decode, snappy_decode, zstd_decode
 from aiokafka.protocol.fetch import FetchRequest
-from aiokafka.record.util import decode_varint
+from aiokafka.record.memory_records import MemoryRecords
+from aiokafka.record.util import calc_crc32c, decode_varint
+
+from qworker.worker.dlq import raw_headers_header
 
 _BATCH = struct.Struct(">qiibIhiqqqhii")  # the v2 record batch header, 61 bytes
 _DECODE = {1: gzip_decode, 2: snappy_decode, 3: lz4_decode, 4: zstd_decode}
@@ -31,20 +37,30 @@ class RawRecord:
     timestamp: int
     key: bytes | None
     value: bytes | None
-    raw_headers: list[tuple[bytes, bytes | None]]
+    raw_headers: list[tuple[bytes | None, bytes | None]]
 
     @property
     def decodable(self) -> bool:
-        try:
-            for k, _ in self.raw_headers:
+        """Whether aiokafka could give this record: every header key present and UTF-8."""
+        return not self.bad_header_keys
+
+    @property
+    def bad_header_keys(self) -> list[bytes | None]:
+        """The header keys aiokafka refuses: null ones (None) and those that are not UTF-8."""
+        bad = []
+        for k, _ in self.raw_headers:
+            try:
                 k.decode("utf-8")
-        except UnicodeDecodeError:
-            return False
-        return True
+            except (AttributeError, UnicodeDecodeError):
+                bad.append(k)
+        return bad
 
     @property
     def headers(self) -> tuple[tuple[str, bytes | None], ...]:
-        """As aiokafka would give them (only valid when ``decodable``)."""
+        """As aiokafka would give them; for a record it refuses, all of them as one JSON header
+        (``dlq.raw_headers_header``), the only form in which they can be produced again."""
+        if not self.decodable:
+            return (raw_headers_header(self.raw_headers),)
         return tuple((k.decode("utf-8"), v) for k, v in self.raw_headers)
 
 
@@ -86,39 +102,124 @@ def parse(tp: TopicPartition, data: bytes) -> list[RawRecord]:
             for _ in range(nh):
                 hk, p = _nullable(body, p)
                 hv, p = _nullable(body, p)
-                headers.append((hk or b"", hv))
+                headers.append((hk, hv))  # a null key (None) is kept: aiokafka refuses it
             ts = max_ts if attrs & 0x08 else first_ts + ts_delta
             out.append(RawRecord(tp.topic, tp.partition, base + off_delta, ts, key, value, headers))
         pos = end
     return out
 
 
-async def fetch_raw(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = 8 * 2**20, max_wait_ms: int = 100) -> list[RawRecord]:
-    """The records of ``tp`` from ``offset`` on, as far as one fetch of ``max_bytes`` reaches.
-    Uses the consumer's client (a private attribute: aiokafka offers no raw fetch)."""
+async def _fetch(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int, max_wait_ms: int) -> bytes:
+    """The raw record-set bytes one fetch of ``tp`` from ``offset`` returns (the broker may start
+    them before ``offset``: it serves whole batches). Uses the consumer's client (a private
+    attribute: aiokafka offers no raw fetch)."""
     client = consumer._client  # noqa: SLF001
     node = client.cluster.leader_for_partition(tp)
     if node is None or node < 0:
-        return []
+        return b""
     req = FetchRequest(max_wait_ms, 1, max_bytes, 0, [(tp.topic, [(tp.partition, offset, max_bytes)])])
     resp = await client.send(node, req)
-    out: list[RawRecord] = []
-    for _topic, parts in resp.topics:
-        for partition, error_code, _hw, *rest in parts:
-            if partition == tp.partition and error_code == 0:
-                out += [r for r in parse(tp, rest[-1] or b"") if r.offset >= offset]
-    return out
+    return b"".join(rest[-1] or b"" for _topic, parts in resp.topics for partition, error_code, _hw, *rest in parts
+                    if partition == tp.partition and error_code == 0)
 
 
-async def undecodable(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> dict[TopicPartition, list[RawRecord]]:
-    """For each partition whose next records include one aiokafka cannot decode: the records
-    from the consumer's position up to and including the first such record. The caller
-    handles them and seeks past the last one."""
-    found: dict[TopicPartition, list[RawRecord]] = {}
+async def fetch_raw(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = 8 * 2**20, max_wait_ms: int = 100) -> list[RawRecord]:
+    """The records of ``tp`` from ``offset`` on, as far as one fetch of ``max_bytes`` reaches."""
+    return [r for r in parse(tp, await _fetch(consumer, tp, offset, max_bytes, max_wait_ms)) if r.offset >= offset]
+
+
+@dataclass(slots=True)
+class RefusedBatch:
+    """The first record batch of a partition that aiokafka refuses, and what lies before it."""
+
+    before: list[RawRecord]  # the records from the consumer's position up to the batch (all readable)
+    # the batch's records from the position on, parsed leniently; None when its bytes cannot be
+    # trusted (its CRC does not hold, or they do not parse): then only the bytes can be kept
+    records: list[RawRecord] | None
+    reason: str  # what aiokafka said
+    first_offset: int  # the batch's first offset at or after the position
+    next_offset: int  # one past the batch's last offset: where the partition goes on
+    raw: bytes  # the batch as stored
+
+
+def _batch_spans(data: bytes):
+    """(start, end) of each complete batch; every message format starts with its offset (8 bytes)
+    and its length (4 bytes)."""
+    pos = 0
+    while pos + 12 <= len(data):
+        end = pos + 12 + struct.unpack_from(">i", data, pos + 8)[0]
+        if end > len(data) or end <= pos + 12:
+            return  # a partial batch at the end of the fetch (or a length no batch has)
+        yield pos, end
+        pos = end
+
+
+def _refusal(batch: bytes) -> str | None:
+    """Why aiokafka's own reader refuses this batch (None: it reads every record), checked as its
+    fetcher reads one: the CRC, then each record's fields."""
+    try:
+        b = MemoryRecords(batch).next_batch()
+        if b is None:
+            return "not a record batch"
+        if not b.validate_crc():
+            return "its CRC does not hold"
+        if not getattr(b, "is_control_batch", False):
+            for r in b:
+                r.offset, r.timestamp, r.key, r.value, r.headers  # noqa: B018 - decoding is the check
+    except Exception as e:  # noqa: BLE001 - whatever aiokafka raises is what stops the partition
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _readable(tp: TopicPartition, batch: bytes, position: int) -> list[RawRecord]:
+    """The records of a batch aiokafka reads, as aiokafka gives them (any message format)."""
+    b = MemoryRecords(batch).next_batch()
+    if getattr(b, "is_control_batch", False):
+        return []
+    return [RawRecord(tp.topic, tp.partition, r.offset, r.timestamp, r.key, r.value, [(k.encode(), v) for k, v in r.headers])
+            for r in b if r.offset >= position]
+
+
+def _trusted(tp: TopicPartition, batch: bytes, position: int) -> list[RawRecord] | None:
+    """The records of a v2 batch whose CRC holds, parsed leniently; None otherwise."""
+    if len(batch) < _BATCH.size or batch[16] < 2 or calc_crc32c(batch[21:]) != struct.unpack_from(">I", batch, 17)[0]:
+        return None
+    try:
+        return [r for r in parse(tp, batch) if r.offset >= position]
+    except Exception:  # noqa: BLE001 - bytes that pass the CRC yet do not parse: keep the bytes only
+        return None
+
+
+def _next_offset(batch: bytes) -> int:
+    base = struct.unpack_from(">q", batch, 0)[0]
+    if len(batch) >= _BATCH.size and batch[16] >= 2:
+        return base + struct.unpack_from(">i", batch, 23)[0] + 1  # v2: base + last offset delta + 1
+    return base + 1  # v0/v1: a (wrapper) message carries its last offset
+
+
+def first_refused(tp: TopicPartition, data: bytes, position: int) -> RefusedBatch | None:
+    """In fetched bytes of ``tp`` read from ``position``: the first batch aiokafka refuses, with
+    the records before it; None when it reads them all."""
+    before: list[RawRecord] = []
+    for start, end in _batch_spans(data):
+        batch = data[start:end]
+        why = _refusal(batch)
+        if why is None:
+            before += _readable(tp, batch, position)
+            continue
+        first = max(struct.unpack_from(">q", batch, 0)[0], position)
+        return RefusedBatch(before, _trusted(tp, batch, position), why, first, max(_next_offset(batch), position + 1), batch)
+    return None
+
+
+async def refused_batches(consumer: AIOKafkaConsumer, tps: list[TopicPartition]) -> dict[TopicPartition, RefusedBatch]:
+    """For each partition whose next batches include one aiokafka refuses: that batch and the
+    records before it, from the consumer's position. The caller handles them and seeks to its
+    ``next_offset``."""
+    found: dict[TopicPartition, RefusedBatch] = {}
     for tp in tps:
-        recs = await fetch_raw(consumer, tp, await consumer.position(tp))
-        for i, r in enumerate(recs):
-            if not r.decodable:
-                found[tp] = recs[: i + 1]
-                break
+        position = await consumer.position(tp)
+        refused = first_refused(tp, await _fetch(consumer, tp, position, 8 * 2**20, 100), position)
+        if refused is not None:
+            found[tp] = refused
     return found

@@ -4,13 +4,15 @@ break it. Each test failed before its fix."""
 from __future__ import annotations
 
 import math
-
-import pytest
-
 import random
 import tracemalloc
 
+import pytest
+
 from qworker.engine.spec_decode import AutoPolicy, NgramIndex, SpeculativeConfig, propose
+from qworker.model import linear
+from tests.engine.engine_support import engine, greedy, rand_ids, run
+from tests.engine.spec_support import spec
 
 
 # -- the auto policy: odd timings ----------------------------------------------------------------
@@ -109,3 +111,29 @@ def test_ngram_index_memory_does_not_grow_with_the_lookup_window():
         k = rng.randint(1, 8)
         assert index.propose(tokens, k) == propose(tokens, k, 1, 64)
         tokens += tokens[rng.randrange(len(tokens) - 8):][: rng.randint(1, 8)] if rng.random() < 0.7 else [rng.randrange(50)]
+
+
+def test_logprobs_equal_speculation_off_bit_for_bit_on_the_real_forward(tiny_model_dir, monkeypatch):
+    """The tiny model's own logits (no bigram table): a verify chunk of 1 + k rows must give each
+    row the bits a plain decode row gets, so every logprob equals the one without speculation
+    exactly. The start-up GEMM choice must not trade that away for speed (it once picked ``x @ w``
+    on this model's shapes, whose kernels depend on the row count: logprobs then differed in the
+    last bits, and a near-tie could change a token)."""
+    monkeypatch.delenv("QWORKER_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(linear, "_choices", {})
+    rng = random.Random(5)
+    prompts = [[t for _ in range(6) for t in rand_ids(rng, rng.randint(2, 5))] for _ in range(6)]
+
+    def run_all(speculative_config):
+        e = engine(tiny_model_dir, speculative_config=speculative_config)
+        for i, p in enumerate(prompts):
+            e.add_request(f"r{i}", p, greedy(24, logprobs=5))
+        done = run(e)
+        stats = e.stats()
+        return {i: [(s.output_token_ids, [{k: v.logprob for k, v in lp.items()} for lp in s.logprobs]) for s in r.seqs]
+                for i, r in done.items()}, stats
+
+    off, _ = run_all(None)
+    on, stats = run_all(spec(k=4, lo=2, hi=3))
+    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert on == off

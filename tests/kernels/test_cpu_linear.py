@@ -59,22 +59,38 @@ def test_forced_backend(monkeypatch):
     assert linear.cpu_linear_backend(torch.float16, sample) == "matmul"
 
 
-def test_auto_choice_is_measured_once(monkeypatch):
+def test_auto_choice_is_measured_once_where_panels_does_not_run(monkeypatch):
     if not HAS_ONEDNN:
         pytest.skip("no oneDNN")
     monkeypatch.delenv("QWORKER_CPU_LINEAR", raising=False)
     monkeypatch.setattr(linear, "_choices", {})
+    monkeypatch.setattr(linear, "panels_supported", lambda dtype: (False, "no C kernels (test)"))
     calls = []
 
     def fake(dtype, sample, backends, **kw):
-        calls.append(dtype)
-        return {"panels": 2.0, "onednn": 3.0, "matmul": 1.0}  # both clearly slower: the fallback wins
+        calls.append((dtype, backends))
+        return {"onednn": 3.0, "matmul": 1.0}  # oneDNN clearly slower: the fallback wins
 
     monkeypatch.setattr(linear, "measure_backends", fake)
     sample = [torch.randn(32, 16)]
     assert linear.cpu_linear_backend(torch.float32, sample) == "matmul"
     assert linear.cpu_linear_backend(torch.float32, sample) == "matmul"
-    assert calls == [torch.float32]
+    assert calls == [(torch.float32, ("onednn", "matmul"))]
+
+
+@pytest.mark.skipif(not HAS_PANELS, reason="no C kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_takes_panels_however_the_others_time(monkeypatch, dtype):
+    """Panels' fixed summation order is what keeps a row's result independent of its step's rows
+    (speculation's exactness, batch invariance): no timing may trade it away, nor flip it from one
+    start-up to the next."""
+    if dtype == torch.bfloat16 and not linear.panels_supported(dtype)[0]:
+        pytest.skip(linear.panels_supported(dtype)[1])
+    monkeypatch.delenv("QWORKER_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(linear, "_choices", {})
+    monkeypatch.setattr(linear, "measure_backends",
+                        lambda dtype, sample, backends, **kw: {b: (9.0 if b == "panels" else 1.0) for b in backends})
+    assert linear.cpu_linear_backend(dtype, [torch.randn(32, 16)]) == "panels"
 
 
 def test_measure_backends_times_both():

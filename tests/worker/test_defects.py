@@ -21,25 +21,13 @@ from qworker.worker import Worker
 from qworker.worker.client import cancel, submit
 
 from tests.engine.engine_support import EngineClock, HeldForward
+from tests.worker.kafka_batches import RawKey, produce_batch
 
 from .conftest import REPO, Results, committed, stream_text, wait_committed
 from .test_flow import Offline, engines, job, offline, one_torch_thread, started  # noqa: F401 - fixtures
 from .test_outage import check_commits_delivered
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class RawKey(str):
-    """A header key that encodes to arbitrary bytes (not UTF-8) in aiokafka's pure-Python
-    batch builder: the only way to produce what a foreign client may write."""
-
-    def __new__(cls, raw: bytes) -> RawKey:
-        o = super().__new__(cls, raw.decode("latin-1"))
-        o.raw = raw
-        return o
-
-    def encode(self, *args, **kwargs) -> bytes:  # type: ignore[override]
-        return self.raw
 
 
 async def produce_raw(s, topic: str, key: bytes | None, value: bytes | None, headers: list, partition: int = 0, timestamp_ms: int | None = None) -> None:
@@ -83,6 +71,52 @@ async def test_bad_header_key_goes_to_dlq_and_partition_keeps_serving(topics, re
         await submit(topics, [job("cancel-me", max_tokens=900, stream=True)])
         await results.wait(lambda: "cancel-me" in results.deltas, 20)
         await cancel(topics, "cancel-me")
+        await results.wait(lambda: "cancel-me" in results.completions, 20)
+        assert results.completions["cancel-me"][0]["status"] == "cancelled"
+        assert w.loops_alive()
+    finally:
+        await w.stop()
+
+
+async def test_a_batch_aiokafka_refuses_is_read_whole_and_the_partitions_keep_serving(topics, results: Results, engines) -> None:
+    """A bad record inside a batch of several (any producer that batches or compresses writes
+    such batches): aiokafka refuses the whole batch and the broker serves it whole from its base
+    offset, so seeking past the bad record alone re-read the same batch forever (the good records
+    after it, and everything later on the partition, were never answered; on the cancel topic
+    every later cancel was ignored). A null header key, or a CRC that does not hold, made aiokafka
+    raise CorruptRecordException, which was retried forever."""
+    from orjson import dumps
+
+    from tests.worker.kafka_batches import record_batch
+
+    eng = await engines()
+    w = await started(topics, eng)
+    try:
+        await asyncio.sleep(1.0)  # the cancel reader is assigned
+        bs, jobs, p = topics.bootstrap_servers, topics.jobs_topic, partition_of(topics, "after-0")
+
+        def rec(jid: str, headers=()) -> tuple:
+            return jid.encode(), job(jid, max_tokens=2).model_dump_json().encode(), list(headers)
+
+        await produce_batch(bs, jobs, p, record_batch(0, [rec("g0"), rec("g1"), rec("bad-key", [(b"\xff\xfe", b"v")]), rec("g2")], codec=1))
+        await produce_batch(bs, jobs, p, record_batch(0, [rec("g3"), rec("null-key", [("", b"NUL")]), rec("g4")], null_key_marker=b"NUL"))
+        torn = bytearray(record_batch(0, [rec("torn-0"), rec("torn-1")]))
+        torn[-1] ^= 0xFF  # its CRC no longer holds: the bytes cannot be trusted
+        await produce_batch(bs, jobs, p, bytes(torn))
+        await submit(topics, [job(f"after-{i}", max_tokens=2) for i in range(3)])
+        good = {"g0", "g1", "g2", "g3", "g4", "after-0", "after-1", "after-2"}
+        await results.wait(lambda: good <= set(results.completions) and len(results.dlq) == 3, 30)
+        assert not {"bad-key", "null-key", "torn-0", "torn-1"} & set(results.completions)
+        codes = sorted((dict(d.headers)[DLQ_HEADER_ERROR], d.key) for d in results.dlq)
+        assert codes == [(b"bad_headers", b"bad-key"), (b"bad_headers", b"null-key"), (b"corrupt_batch", None)], codes
+        [kept] = [d for d in results.dlq if d.key is None]
+        assert kept.value[16:] == bytes(torn)[16:]  # as stored (the broker sets the base offset and the leader epoch)
+        await wait_committed(topics)
+        # the cancel reader: a batch with a bad record and then the cancel of a running job
+        await submit(topics, [job("cancel-me", max_tokens=900, stream=True)])
+        await results.wait(lambda: "cancel-me" in results.deltas, 20)
+        await produce_batch(bs, topics.cancel_topic, 0, record_batch(0, [(b"x", b"{}", [(b"\xff", b"")]),
+                                                                          (b"cancel-me", dumps({"job_id": "cancel-me"}), [])]))
         await results.wait(lambda: "cancel-me" in results.completions, 20)
         assert results.completions["cancel-me"][0]["status"] == "cancelled"
         assert w.loops_alive()

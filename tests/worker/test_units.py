@@ -222,16 +222,13 @@ def test_rawfetch_parses_what_aiokafka_cannot() -> None:
     from aiokafka.record.default_records import _DefaultRecordBatchBuilderPy
 
     from qworker.worker.rawfetch import parse
-
-    class RawKey(str):
-        def encode(self, *a, **k):  # type: ignore[override]
-            return b"\xff\xfe"
+    from tests.worker.kafka_batches import RawKey
 
     data = b""
     for codec, base in ((0, 0), (4, 2)):  # plain, then zstd
         b = _DefaultRecordBatchBuilderPy(2, codec, 0, -1, -1, -1, 1 << 20)
         b.append(0, 1000, b"k", b"v", [("h", None)])
-        b.append(1, 1001, None, None, [(RawKey("xx"), b"\x00")])
+        b.append(1, 1001, None, None, [(RawKey(b"\xff\xfe"), b"\x00")])
         buf = b.build()
         buf[0:8] = base.to_bytes(8, "big")  # the broker assigns the base offset
         data += bytes(buf)
@@ -412,3 +409,40 @@ def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit(monkeypatch)
     assert c.rewound == [reset] and c.sought == [(truncated, 4)] and running.tp == DETACHED
     assert all(reset not in done for done in c.commits), "nothing of the reset log is committed"
     assert w.tracker.add(reset, 0) and w.tracker.add(truncated, 4), "the new logs' records count as new"
+
+
+
+def test_first_refused_takes_the_whole_batch_aiokafka_refuses() -> None:
+    """aiokafka refuses a whole batch for one bad record, and the broker serves batches whole: the
+    raw path must hand back every record of that batch from the position on (good ones to answer,
+    bad ones to dead-letter) and resume after its last offset, not after the bad record."""
+    from aiokafka import TopicPartition
+
+    from qworker.worker.rawfetch import first_refused
+    from tests.worker.kafka_batches import record_batch as _batch
+
+    tp = TopicPartition("t", 0)
+    good = _batch(0, [(b"a", b"1", []), (b"b", b"2", [("h", b"x")])])
+    for codec in (0, 1, 4):  # none, gzip, zstd
+        # a header key that is not UTF-8; in the uncompressed batch also a null one
+        last = [("", b"NUL")] if codec == 0 else [(b"\x80", b"NUL")]
+        bad = _batch(2, [(b"c", b"3", []), (b"d", b"4", [(b"\xff\xfe", b"v")]), (b"e", b"5", []), (b"f", b"6", last)],
+                     codec, null_key_marker=b"NUL" if codec == 0 else None)
+        after = _batch(6, [(b"g", b"7", [])])
+        data = good + bad + after
+        r = first_refused(tp, data, 1)
+        assert r is not None and r.reason
+        assert [(x.offset, x.key) for x in r.before] == [(1, b"b")] and r.before[0].raw_headers == [(b"h", b"x")]
+        assert [(x.offset, x.key, x.decodable) for x in r.records] == [(2, b"c", True), (3, b"d", False), (4, b"e", True), (5, b"f", False)]
+        assert r.records[3].raw_headers == [(last[0][0] or None, b"NUL")] and r.records[3].bad_header_keys == [last[0][0] or None]
+        assert (r.first_offset, r.next_offset, r.raw) == (2, 6, bad)
+        # a position inside the batch: the records already handled are not handed back
+        r = first_refused(tp, bad + after, 4)
+        assert [x.offset for x in r.before] == [] and [x.offset for x in r.records] == [4, 5] and (r.first_offset, r.next_offset) == (4, 6)
+        assert first_refused(tp, good + after, 0) is None
+    # a batch whose CRC does not hold: its records cannot be trusted, only its bytes are kept
+    torn = bytearray(_batch(2, [(b"c", b"3", []), (b"d", b"4", [])]))
+    torn[-1] ^= 0xFF
+    r = first_refused(tp, good + bytes(torn) + _batch(4, [(b"g", b"7", [])]), 0)
+    assert r is not None and "CRC" in r.reason and r.records is None
+    assert [x.offset for x in r.before] == [0, 1] and (r.first_offset, r.next_offset, r.raw) == (2, 4, bytes(torn))
