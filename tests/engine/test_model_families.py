@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from qworker import LLM, SamplingParams
 from qworker.model.batch import Batch, SeqChunk
@@ -153,3 +154,24 @@ def test_greedy_matches_with_forks_and_ngram_speculation(family_models, model_ty
         assert len(o.outputs) == 2
         for c in o.outputs:
             assert_greedy_matches(c.token_ids, ref, f"{model_type} fork/spec, prompt of {len(p)}")
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe"])
+def test_fused_expert_checkpoints_load_as_the_original_layout(family_models, model_type, tmp_path):
+    """transformers 5 saves experts stacked (``mlp.experts.gate_up_proj`` / ``down_proj``, Mixtral's
+    block renamed ``mlp``) with ``save_original_format=False``: such a checkpoint was refused
+    ("missing tensor ...experts.0.gate_proj.weight"); it must serve the same logits, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    path = family_models.get(model_type)
+    fused = tmp_path / "fused"
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).save_pretrained(fused, save_original_format=False)
+    with safe_open(fused / "model.safetensors", "pt") as f:
+        assert any(k.endswith("experts.gate_up_proj") for k in f.keys())
+    prompt = prompts_for(model_type, seed=3)[0]
+    logits = []
+    for p in (path, fused):
+        runner = ModelRunner(str(p), dtype="float32")
+        runner.allocate_kv_cache(num_blocks=16, num_cpu_blocks=0, block_size=16)
+        logits.append(runner.execute(Batch([SeqChunk(prompt, 0, list(range(16)), True)])))
+    assert torch.equal(logits[0], logits[1])

@@ -14,7 +14,8 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     E = config.num_local_experts
 
     def mlp(w, p):
-        p += "block_sparse_moe."
+        # transformers 5's fused layout (see take_experts) names the block "mlp", as other families do
+        p += "mlp." if f"{p}mlp.experts.gate_up_proj" in w else "block_sparse_moe."
         gate_up, down = take_experts(w, f"{p}experts.", E, d.hidden, config.intermediate_size, names=("w1", "w3", "w2"))
         return MoEWeights(take(w, f"{p}gate.weight", (E, d.hidden)), gate_up, down, config.num_experts_per_tok,
                           renormalize=True, weights_in_act_dtype=False)

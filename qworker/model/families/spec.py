@@ -172,7 +172,12 @@ def take_dense_mlp(w: Weights, p: str, hidden: int, intermediate: int) -> DenseM
 
 
 def take_experts(w: Weights, p: str, num_experts: int, hidden: int, intermediate: int, names=("gate_proj", "up_proj", "down_proj")) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert ``{p}{e}.{gate,up,down}`` -> stacked ``[E, 2I, H]`` and ``[E, H, I]``."""
+    """Per-expert ``{p}{e}.{gate,up,down}`` -> stacked ``[E, 2I, H]`` and ``[E, H, I]``. A checkpoint
+    in transformers 5's fused layout (``save_pretrained(save_original_format=False)``) holds them
+    stacked already, gate rows before up rows: ``{p}gate_up_proj`` and ``{p}down_proj``."""
+    if f"{p}gate_up_proj" in w:
+        return (take(w, f"{p}gate_up_proj", (num_experts, 2 * intermediate, hidden)),
+                take(w, f"{p}down_proj", (num_experts, hidden, intermediate)))
     g, u, dn = names
     gate_up = torch.stack([
         torch.cat([take(w, f"{p}{e}.{g}.weight", (intermediate, hidden)), take(w, f"{p}{e}.{u}.weight", (intermediate, hidden))])
