@@ -308,3 +308,21 @@ def test_the_configs_targets_decide_what_applies_as_in_peft(adapter, config, tin
 def test_target_fields_that_cannot_be_honoured_are_refused(adapter, config, changes, needle):
     edit_adapter_config(adapter, **changes)
     refused(adapter, config, "adapter_", needle)
+
+
+def test_a_loaded_adapter_owns_its_weights_when_the_file_is_rewritten_in_place(adapter, config):
+    """safetensors' tensors are views of the file's memory map: the A matrices (fp32 in the file,
+    so ``.to(float32)`` did not copy) followed the file when it was rewritten in place, and a file
+    cut short killed the worker with SIGBUS at the adapter's next use."""
+    a = load_lora_adapter(adapter, config, max_rank=8)
+    before = {k: (A.clone(), B.clone()) for k, (A, B) in a.weights.items()}
+    path = adapter / "adapter_model.safetensors"
+    data = path.read_bytes()
+    header = 8 + struct.unpack("<Q", data[:8])[0]
+    with open(path, "r+b") as f:  # same inode, other bytes: what an operator's save does
+        f.write(data[:header] + bytes(len(data) - header))
+    for k, (A, B) in a.weights.items():
+        assert torch.equal(A, before[k][0]) and torch.equal(B, before[k][1]), k
+    with open(path, "r+b") as f:
+        f.truncate(header)
+    assert sum(float(A.abs().sum()) for A, _ in a.weights.values()) > 0  # reads every page: no SIGBUS

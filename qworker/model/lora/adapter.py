@@ -113,11 +113,14 @@ def load_lora_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
 
 
 def _read_tensors(weights_path: Path, expected: dict) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """The A/B pairs ``expected`` names, fp32, scaling folded into B, all finite."""
+    """The A/B pairs ``expected`` names, fp32, scaling folded into B, all finite. Each is a copy:
+    safetensors hands out views of the file's memory map, and an adapter file rewritten or cut
+    short in place (an operator saving a new version) would change a cached adapter's weights
+    under it, or kill the process with SIGBUS at its next use."""
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     with safe_open(str(weights_path), framework="pt", device="cpu") as f:
         for (layer, module), (a_name, b_name, scaling) in sorted(expected.items()):
-            a = f.get_tensor(a_name).to(torch.float32)
+            a = f.get_tensor(a_name).to(torch.float32, copy=True)
             b = f.get_tensor(b_name).to(torch.float32) * scaling
             for name, t in ((a_name, a), (b_name, b)):
                 if not torch.isfinite(t).all():
