@@ -114,19 +114,27 @@ def submit(
 ) -> None:
     """Produce jobs from flags or a JSONL file (native jobs and OpenAI batch lines may mix).
 
-    A file's lines go out as written, keyed by their id (custom_id or id), invalid ones too: the worker answers those with error lines. Lines without a usable id (not JSON, not an object, no id) are not sent; `qworker collect` answers them as error lines."""
+    A file's lines go out as written, keyed by their id (custom_id or id), invalid ones too: the worker answers those with error lines. Lines without a usable id (not JSON, not an object, no id) are not sent; `qworker collect` answers them as error lines. Exit 0: all sent (and, with --follow, answered); 1: the broker refused some lines; 2: a bad flag or no broker; 3: --follow timed out."""
     from qworker.messages import ChatMessage, Job, Sampling
+
+    from pydantic import ValidationError
 
     s = _settings(bootstrap_servers)
     flag_jobs: list[object] = []
     if prompt is not None or chat is not None:
-        sampling = Sampling(max_tokens=max_tokens, temperature=temperature)
-        jid = job_id or uuid.uuid4().hex[:12]
-        if chat is not None:
-            msgs = ([ChatMessage(role="system", content=system)] if system else []) + [ChatMessage(role="user", content=chat)]
-            flag_jobs.append(Job(id=jid, messages=msgs, sampling=sampling, stream=stream, priority=priority, lora=lora))
-        else:
-            flag_jobs.append(Job(id=jid, prompt=prompt, sampling=sampling, stream=stream, priority=priority, lora=lora))
+        try:
+            sampling = Sampling(max_tokens=max_tokens, temperature=temperature)
+            jid = job_id or uuid.uuid4().hex[:12]
+            if chat is not None:
+                msgs = ([ChatMessage(role="system", content=system)] if system else []) + [ChatMessage(role="user", content=chat)]
+                flag_jobs.append(Job(id=jid, messages=msgs, sampling=sampling, stream=stream, priority=priority, lora=lora))
+            else:
+                flag_jobs.append(Job(id=jid, prompt=prompt, sampling=sampling, stream=stream, priority=priority, lora=lora))
+        except ValidationError as e:  # a bad flag: one line naming it, as a usage error (1 means "refused by the broker")
+            err = e.errors()[0]
+            flag = "--" + str(err["loc"][-1] if err["loc"] else "prompt").replace("_", "-")
+            typer.echo(f"qworker: {flag}: {err['msg']}", err=True)
+            raise typer.Exit(2) from None
     if file is None and not flag_jobs:
         raise typer.BadParameter("give --prompt, --chat or --file")
     lines = _read_batch(file) if file is not None else []
@@ -134,10 +142,32 @@ def submit(
     raise typer.Exit(code)
 
 
+class _AtMostEvery(logging.Filter):
+    """Lets one record through per ``seconds``: with the broker gone aiokafka logs every
+    reconnection attempt (thousands of lines in a minute of ``collect``)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds, self.last = seconds, -float("inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
+
+
 def _kafka(s: WorkerSettings, coro):  # noqa: ANN001, ANN202
     """Run a client coroutine; a broker that cannot be reached is one line and exit 2."""
     from aiokafka.errors import KafkaConnectionError
 
+    aiokafka_log = logging.getLogger("aiokafka")
+    if not aiokafka_log.handlers:  # a logger's filter would not see its children's records: a handler's does
+        handler = logging.StreamHandler()
+        handler.addFilter(_AtMostEvery(30.0))
+        aiokafka_log.addHandler(handler)
+        aiokafka_log.propagate = False
     try:
         return asyncio.run(coro)
     except KafkaConnectionError as e:
@@ -182,19 +212,23 @@ async def _submit(s: WorkerSettings, flag_jobs: list[object], lines: list, follo
     if reader is None:
         return code
     try:
-        await _follow(reader, ids, timeout_s)
+        unfinished = await _follow(reader, ids, timeout_s)
     finally:
         await reader.stop()
+    if unfinished:
+        typer.echo(f"qworker: gave up after {timeout_s:g} s: {len(unfinished)} job(s) not finished: {', '.join(sorted(unfinished)[:5])}", err=True)
+        return 3
     return code
 
 
-async def _follow(reader, ids: list[str], timeout_s: float) -> None:
+async def _follow(reader, ids: list[str], timeout_s: float) -> set[str]:
     """Print deltas (native) or chunk text (OpenAI) and each job's final answer, by record key.
 
     The tokens and completions topics are not ordered with each other, so a final answer is
     printed only once the reader has caught up (an empty poll, or past the tokens topic's end as
     it was when the answer was read: a busy topic is never quiet): the worker acknowledges every
-    stream record before it sends the answer, so by then the stream's tail has been printed."""
+    stream record before it sends the answer, so by then the stream's tail has been printed.
+    Returns the ids still without an answer when ``timeout_s`` ran out."""
     import orjson
 
     from qworker.worker.client import parse
@@ -228,6 +262,7 @@ async def _follow(reader, ids: list[str], timeout_s: float) -> None:
                 typer.echo("")
                 typer.echo(orjson.dumps(msg).decode())
             finals.clear()
+    return waiting
 
 
 @app.command()
@@ -240,22 +275,29 @@ def collect(
 ) -> None:
     """Write the answers to a submitted file as OpenAI batch output lines.
 
-    Waits for every line's id on the completions topic, then writes one output line per input line, in input order (native results converted). Exit 0: every line succeeded; 1: some are errors; 3: the wait timed out (unanswered lines are written as errors too)."""
-    from qworker.openai_batch.progress import Progress
-    from qworker.openai_batch.transfer import collect_lines
+    Waits for every line's id on the completions topic, then writes one output line per input line, in input order (native results converted). Exit 0: every line succeeded; 1: some are errors; 2: no broker, or --out cannot be written (found before the wait; if it fails after, the lines go to a temporary file it names); 3: the wait timed out (unanswered lines are written as errors too)."""
+    import tempfile
 
-    import os
+    from qworker.openai_batch.progress import Progress
+    from qworker.openai_batch.transfer import collect_lines, unwritable, write_lines
 
     s = _settings(bootstrap_servers)
     lines = _read_batch(ids_from)
-    folder = out.parent if str(out.parent) else Path(".")
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK) or out.is_dir():
-        # found out now, not after the whole wait (whose answers would be lost)
-        typer.echo(f"qworker: cannot write {out}: {'it is a folder' if out.is_dir() else f'{folder} is not a writable folder'}", err=True)
+    why = unwritable(out)
+    if why:  # found out now, not after the whole wait
+        typer.echo(f"qworker: cannot write {out}: {why}", err=True)
         raise typer.Exit(2)
     progress = Progress("collect", len(lines))
-    rep, _ = _kafka(s, collect_lines(s, lines, out, timeout_s, since, progress))
+    rep, results = _kafka(s, collect_lines(s, lines, None, timeout_s, since, progress))
     progress.close()
+    try:
+        write_lines(out, results)
+    except OSError as e:  # it changed during the wait: the answers are kept elsewhere, not lost
+        fd, spare = tempfile.mkstemp(prefix="qworker-collect-", suffix=".jsonl")
+        os.close(fd)
+        write_lines(Path(spare), results)
+        typer.echo(f"qworker: cannot write {out} ({e.strerror or e}); the {len(results)} output lines are in {spare}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(rep.summary(str(out)), err=True)
     raise typer.Exit(3 if rep.timed_out else 1 if rep.failed else 0)
 
@@ -363,7 +405,7 @@ def tail(
         finally:
             await reader.stop()
 
-    asyncio.run(go())
+    _kafka(s, go())
 
 
 @topics_app.command("create")
@@ -375,7 +417,8 @@ def topics_create(
     """Create the jobs, tokens, completions, DLQ and cancel topics (existing ones are kept)."""
     from qworker.worker.client import create_topics
 
-    created = asyncio.run(create_topics(_settings(bootstrap_servers), partitions, replication))
+    s = _settings(bootstrap_servers)
+    created = _kafka(s, create_topics(s, partitions, replication))
     typer.echo(f"created: {', '.join(created) or 'nothing (all exist)'}")
 
 

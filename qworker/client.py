@@ -4,6 +4,7 @@ topics, submit jobs, follow results. Below ``worker/`` and ``openai_batch/``: it
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -15,6 +16,11 @@ from qworker.config import WorkerSettings
 from qworker.messages import Cancel, Job, dumps, loads
 from qworker.job_ids import is_openai_line
 from qworker.producer import start_producer
+
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 10.0  # a result reader's close, at most
 
 
 def result_topics(s: WorkerSettings) -> list[str]:
@@ -99,7 +105,11 @@ class ResultReader:
         self.consumer = AIOKafkaConsumer(**s.kafka_common(), group_id=None, enable_auto_commit=False, fetch_max_wait_ms=fetch_max_wait_ms, auto_offset_reset="earliest" if from_beginning else "latest")
 
     async def start(self, timeout: float = 20.0) -> None:
-        await self.consumer.start()
+        try:
+            await self.consumer.start()
+        except BaseException:  # e.g. no broker: the consumer is not left open behind the error
+            await self.stop()
+            raise
         deadline = time.monotonic() + timeout
         while True:
             await self.consumer.topics()
@@ -137,7 +147,18 @@ class ResultReader:
         return True
 
     async def stop(self) -> None:
-        await self.consumer.stop()
+        """Closes the consumer, within ``STOP_TIMEOUT_S``. With the broker gone aiokafka's close
+        can hang or raise (even CancelledError, from its own fetch task): whatever the caller
+        read must not be lost for that, so only a cancellation of the caller itself propagates."""
+        try:
+            await asyncio.wait_for(self.consumer.stop(), STOP_TIMEOUT_S)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            log.debug("result reader: closing the consumer was cancelled inside aiokafka")
+        except Exception as e:  # noqa: BLE001 - see above
+            log.debug("result reader: closing the consumer failed: %r", e)
 
 
 def parse(value: bytes | None) -> Any:

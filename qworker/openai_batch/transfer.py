@@ -183,13 +183,35 @@ async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | N
         results.append(obj)
     rep.timed_out = rep.timed_out or rep.not_answered > 0
     if out is not None:
-        tmp = out.with_name(out.name + ".tmp")
-        with open(tmp, "wb") as f:
-            for obj in results:
-                f.write(json_bytes(obj) + b"\n")
-        os.replace(tmp, out)
+        write_lines(out, results)
     rep.seconds = time.monotonic() - t0
     return rep, results
+
+
+def write_lines(out: Path, results: list[dict]) -> None:
+    """``results`` as JSONL at ``out``, all or nothing (written beside it, then renamed)."""
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for obj in results:
+            f.write(json_bytes(obj) + b"\n")
+    os.replace(tmp, out)
+
+
+def unwritable(out: Path) -> str | None:
+    """Why ``write_lines`` could not write ``out`` (None: it can), found by trying: permission
+    bits do not tell (root passes ``os.access`` everywhere, ``/proc`` takes no new files)."""
+    if out.is_dir():
+        return "it is a folder"
+    tmp = out.with_name(out.name + ".tmp")
+    existed = tmp.exists()
+    try:
+        with open(tmp, "ab"):
+            pass
+        if not existed:
+            tmp.unlink()
+    except OSError as e:
+        return f"{tmp}: {e.strerror or e}"
+    return None
 
 
 def _parse(value: bytes | None) -> dict | None:
