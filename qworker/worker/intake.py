@@ -29,6 +29,7 @@ from qworker.worker.wire import shape as answer_shape
 
 if TYPE_CHECKING:
     from qworker.worker.app import Worker
+    from qworker.worker.rawfetch import RefusedBatch
 
 log = logging.getLogger("qworker.worker")
 
@@ -133,7 +134,7 @@ class Intake:
             if tp in w.consumer.assignment():
                 w.consumer.seek(tp, batch.next_offset)
 
-    def dead_letter_batch(self, tp: TopicPartition, batch: Any) -> None:
+    def dead_letter_batch(self, tp: TopicPartition, batch: RefusedBatch) -> None:
         """A batch whose bytes cannot be trusted (its CRC does not hold, or they do not parse): its
         bytes as fetched go to the DLQ as one record, tracked at the batch's last offset."""
         w, last = self.w, batch.next_offset - 1
