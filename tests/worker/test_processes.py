@@ -39,7 +39,9 @@ class WorkerProc:
         env.update(QWORKER_ENABLE_IDEMPOTENCE="false", QWORKER_MODEL=str(model_dir()), QWORKER_HTTP_PORT=str(self.port), QWORKER_HTTP_HOST="127.0.0.1",
                    QWORKER_KV_CACHE_MEMORY=str(KV_BYTES), QWORKER_DRAIN_TIMEOUT_S="60", QWORKER_MAX_WAITING_JOBS="8")
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "qworker.cli", "run"], env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+            # -X faulthandler: a worker stuck at a failure dumps every thread's stack (see logs)
+            self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "qworker.cli", "run"], env=env, cwd=REPO, stdout=out,
+                                         stderr=subprocess.STDOUT)
         return self
 
     def metrics(self) -> dict[str, float]:
@@ -79,8 +81,16 @@ def cluster(broker, tmp_path_factory):
 
 
 def logs(procs: dict[str, WorkerProc]) -> str:
-    """Every worker's log tail, for a failure message (a stuck worker says why only there)."""
-    return "\n".join(f"--- {p.name} (rc {p.proc.poll() if p.proc else None}):\n{p.log.read_text()[-2500:]}" for p in procs.values())
+    """Every worker's log tail, for a failure message (a stuck worker says why only there). A
+    worker still running is sent SIGABRT first, so its log ends with every thread's stack."""
+    for p in procs.values():
+        if p.proc is not None and p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGABRT)
+            try:
+                p.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+    return "\n".join(f"--- {p.name} (rc {p.proc.poll() if p.proc else None}):\n{p.log.read_text()[-6000:]}" for p in procs.values())
 
 
 async def wait_or_show_logs(r: Results, procs: dict[str, WorkerProc], pred, timeout: float, what: str) -> None:
