@@ -326,3 +326,24 @@ def test_a_loaded_adapter_owns_its_weights_when_the_file_is_rewritten_in_place(a
     with open(path, "r+b") as f:
         f.truncate(header)
     assert sum(float(A.abs().sum()) for A, _ in a.weights.values()) > 0  # reads every page: no SIGBUS
+
+
+def test_an_adapter_is_read_as_one_snapshot_of_its_file(adapter, config, monkeypatch):
+    """The file cut short between reading its header and its tensors (the reload loop reads
+    adapters whenever an operator saves one): the tensors came from a memory map of the file as
+    it was then (a SIGBUS where a page was gone, for a large adapter); they come from the bytes
+    read with the header."""
+    from qworker.model.lora import adapter as mod
+
+    path = adapter / "adapter_model.safetensors"
+    want = load_lora_adapter(adapter, config, max_rank=8).weights
+    real = mod._expected_shapes
+
+    def cut_short(*args, **kw):
+        with open(path, "r+b") as f:
+            f.truncate(16)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mod, "_expected_shapes", cut_short)
+    got = load_lora_adapter(adapter, config, max_rank=8).weights
+    assert got.keys() == want.keys() and all(torch.equal(got[k][0], want[k][0]) and torch.equal(got[k][1], want[k][1]) for k in want)

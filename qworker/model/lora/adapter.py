@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
 from transformers import PretrainedConfig
 
 from qworker.model.families.spec import dims
@@ -102,31 +103,37 @@ def load_lora_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
     folder = _checked_folder(Path(path), root)
     cfg = _read_config(folder / CONFIG_FILE, max_rank)
     weights_path = folder / WEIGHTS_FILE
-    header = _read_header(weights_path)
+    # read once, then parsed from memory: a file rewritten while it loads (the reload loop reads
+    # adapters whenever an operator saves one) then gives one snapshot, not a memory map whose
+    # pages change under the reader or vanish (SIGBUS) when the file is cut short
+    try:
+        data = weights_path.read_bytes()
+    except OSError as exc:
+        raise LoRAAdapterError(f"{weights_path}: cannot read it ({exc.strerror or exc})") from None
+    header = _read_header(weights_path, data)
     expected = _expected_shapes(header, cfg, config, max_rank, weights_path)
     try:
-        weights = _read_tensors(weights_path, expected)
+        weights = _read_tensors(weights_path, data, expected)
     except SafetensorError as exc:  # what the header check leaves to safetensors: overlapping or uncovered data
         raise LoRAAdapterError(f"{weights_path}: not a valid safetensors file ({exc})") from None
     rank = max(a.shape[0] for a, _ in weights.values())
     return LoRAAdapter(rank=rank, weights=weights, path=str(folder), target_modules=frozenset(m for _, m in weights))
 
 
-def _read_tensors(weights_path: Path, expected: dict) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """The A/B pairs ``expected`` names, fp32, scaling folded into B, all finite. Each is a copy:
-    safetensors hands out views of the file's memory map, and an adapter file rewritten or cut
-    short in place (an operator saving a new version) would change a cached adapter's weights
-    under it, or kill the process with SIGBUS at its next use."""
+def _read_tensors(weights_path: Path, data: bytes, expected: dict) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """The A/B pairs ``expected`` names, fp32, scaling folded into B, all finite, from the file's
+    bytes ``data``. Each is a copy that owns its memory (a view of ``data`` or of a memory map
+    would change with the file or keep it alive)."""
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    with safe_open(str(weights_path), framework="pt", device="cpu") as f:
-        for (layer, module), (a_name, b_name, scaling) in sorted(expected.items()):
-            a = f.get_tensor(a_name).to(torch.float32, copy=True)
-            b = f.get_tensor(b_name).to(torch.float32) * scaling
-            for name, t in ((a_name, a), (b_name, b)):
-                if not torch.isfinite(t).all():
-                    what = "NaN or Inf" if name == a_name or math.isfinite(scaling) else "non-finite scaling"
-                    raise LoRAAdapterError(f"{weights_path}: tensor {name!r} has {what} values")
-            weights[layer, module] = (a.contiguous(), b.contiguous())
+    tensors = safetensors_load(data)
+    for (layer, module), (a_name, b_name, scaling) in sorted(expected.items()):
+        a = tensors[a_name].to(torch.float32, copy=True)
+        b = tensors[b_name].to(torch.float32) * scaling
+        for name, t in ((a_name, a), (b_name, b)):
+            if not torch.isfinite(t).all():
+                what = "NaN or Inf" if name == a_name or math.isfinite(scaling) else "non-finite scaling"
+                raise LoRAAdapterError(f"{weights_path}: tensor {name!r} has {what} values")
+        weights[layer, module] = (a.contiguous(), b.contiguous())
     return weights
 
 
@@ -333,17 +340,16 @@ def _read_targets(path: Path, cfg: dict) -> _Targets:
     return _Targets(None if isinstance(targets, str) else tuple(targets), frozenset(layers) if layers else None, tuple(exclude))
 
 
-def _read_header(path: Path) -> dict:
-    """The safetensors header (without ``__metadata__``), checked for dtypes and offsets only."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise LoRAAdapterError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-        n = int.from_bytes(prefix, "little")
-        if n > min(size - 8, _MAX_HEADER_BYTES):
-            raise LoRAAdapterError(f"{path}: not a safetensors file (header length {n} for a file of {size} bytes)")
-        raw = f.read(n)
+def _read_header(path: Path, data: bytes) -> dict:
+    """The safetensors header of ``data`` (the file at ``path``), without ``__metadata__``,
+    checked for dtypes and offsets only."""
+    size = len(data)
+    if size < 8:
+        raise LoRAAdapterError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(size - 8, _MAX_HEADER_BYTES):
+        raise LoRAAdapterError(f"{path}: not a safetensors file (header length {n} for a file of {size} bytes)")
+    raw = data[8 : 8 + n]
 
     def no_duplicates(pairs):
         d = {}
