@@ -114,7 +114,7 @@ def submit(
 ) -> None:
     """Produce jobs from flags or a JSONL file (native jobs and OpenAI batch lines may mix).
 
-    A file's lines go out as written, keyed by their id (custom_id or id), invalid ones too: the worker answers those with error lines. Lines without a usable id (not JSON, not an object, no id) are not sent; `qworker collect` answers them as error lines. Exit 0: all sent (and, with --follow, answered); 1: the broker refused some lines; 2: a bad flag or no broker; 3: --follow timed out."""
+    A file's lines go out as written, keyed by their id (custom_id or id), invalid ones too: the worker answers those with error lines. Lines without a usable id (not JSON, not an object, no id) are not sent; `qworker collect` answers them as error lines. Exit 0: all sent (and, with --follow, answered); 1: the broker refused some lines; 2: a bad flag, no broker, or (--follow) no result topics; 3: --follow timed out."""
     from qworker.messages import ChatMessage, Job, Sampling
 
     from pydantic import ValidationError
@@ -168,10 +168,15 @@ def _kafka(s: WorkerSettings, coro):  # noqa: ANN001, ANN202
         handler.addFilter(_AtMostEvery(30.0))
         aiokafka_log.addHandler(handler)
         aiokafka_log.propagate = False
+    from qworker.client import TopicsMissing
+
     try:
         return asyncio.run(coro)
     except KafkaConnectionError as e:
         typer.echo(f"qworker: cannot reach Kafka at {s.bootstrap_servers!r} ({e}); check QWORKER_BOOTSTRAP_SERVERS", err=True)
+        raise typer.Exit(2) from None
+    except TopicsMissing as e:
+        typer.echo(f"qworker: {e}", err=True)
         raise typer.Exit(2) from None
 
 
@@ -193,7 +198,7 @@ async def _submit(s: WorkerSettings, flag_jobs: list[object], lines: list, follo
     reader = None
     if follow:
         reader = ResultReader(s, [s.tokens_topic, s.completions_topic], from_beginning=False)
-        await reader.start()
+        await reader.start(timeout=min(20.0, timeout_s))  # before producing: no answer may be missed
     ids = await produce(s, flag_jobs) if flag_jobs else []  # type: ignore[arg-type]
     for i in ids:
         typer.echo(f"submitted {i}", err=True)

@@ -94,6 +94,10 @@ async def cancel(s: WorkerSettings, job_id: str, reason: str | None = None) -> N
         await p.stop()
 
 
+class TopicsMissing(TimeoutError):
+    """The topics a result reader was asked for did not appear in time."""
+
+
 class ResultReader:
     """Reads result topics without a group (every partition, from the start or near the end).
 
@@ -118,7 +122,7 @@ class ResultReader:
                 break
             if time.monotonic() > deadline:
                 await self.consumer.stop()  # not left open behind the error (a no-op if the caller stops it too)
-                raise TimeoutError(f"topics {self.topics} not found")
+                raise TopicsMissing(f"topics {self.topics} not found on the broker after {timeout:g} s (create them: qworker topics create)")
             await asyncio.sleep(0.2)
         self.consumer.assign(tps)
         if self.from_beginning:

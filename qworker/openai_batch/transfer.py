@@ -189,19 +189,31 @@ async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | N
 
 
 def write_lines(out: Path, results: list[dict]) -> None:
-    """``results`` as JSONL at ``out``, all or nothing (written beside it, then renamed)."""
-    tmp = out.with_name(out.name + ".tmp")
+    """``results`` as JSONL at ``out``: a regular file (through a symlink, its target) all or
+    nothing, written beside it then renamed; anything else there (a pipe, ``/dev/stdout``, a
+    device) written through as it is, never replaced by a file."""
+    out = _through_links(out)
+    special = out.exists() and not out.is_file()
+    tmp = out if special else out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f:
         for obj in results:
             f.write(json_bytes(obj) + b"\n")
-    os.replace(tmp, out)
+    if not special:
+        os.replace(tmp, out)
+
+
+def _through_links(out: Path) -> Path:
+    return out.resolve() if out.is_symlink() else out
 
 
 def unwritable(out: Path) -> str | None:
     """Why ``write_lines`` could not write ``out`` (None: it can), found by trying: permission
     bits do not tell (root passes ``os.access`` everywhere, ``/proc`` takes no new files)."""
+    out = _through_links(out)
     if out.is_dir():
         return "it is a folder"
+    if out.exists() and not out.is_file():  # a pipe or a device: opened only to write (a pipe would block)
+        return None if os.access(out, os.W_OK) else "not writable"
     tmp = out.with_name(out.name + ".tmp")
     existed = tmp.exists()
     try:

@@ -68,7 +68,7 @@ class Intake:
             batches = await kc.getmany(w.consumer, timeout_ms=100, max_records=room)
         except CorruptRecordException as e:  # a CRC or a record aiokafka's parser refuses
             log.warning("poll: corrupt record batch (%r); reading it raw", e)
-            await self.skip_refused()
+            await self.skip_refused(room)
             return
         except KafkaError as e:
             log.warning("poll failed: %r", e)
@@ -76,19 +76,28 @@ class Intake:
             return
         except Exception as e:  # noqa: BLE001 - aiokafka could not decode a record (header key not UTF-8)
             log.warning("poll: undecodable record (%r); reading its batch raw", e)
-            await self.skip_refused()
+            await self.skip_refused(room)
             return
-        await self.handle_records([(tp, rec) for tp, records in batches.items() for rec in records])
+        await self.handle_records([(tp, rec) for tp, records in batches.items() for rec in records], w.partitions.epoch)
 
-    async def handle_records(self, records: list[tuple[TopicPartition, Any]]) -> None:
+    async def handle_records(self, records: list[tuple[TopicPartition, Any]], epoch: int) -> None:
         """Decode and register each record; then tokenize the new jobs off the event loop. The
         poll loop waits for this, so one poll's work (at most ``max_waiting_jobs`` records) is
-        done before the next fetch: the loop stays responsive and memory stays bounded."""
+        done before the next fetch: the loop stays responsive and memory stays bounded.
+
+        ``epoch``: ``Partitions.epoch`` when the records were fetched. A rebalance while they are
+        decoded may have moved a partition away and back: the consumer then rewound to the
+        committed offset, and registering these records in the fresh tracker would mark the
+        offsets below them seen (the rewound fetch would skip those jobs, the next commit step
+        over them). So they are dropped; the rewound consumer fetches them again."""
         fresh: list[JobState] = []
         # Decoded on a thread: a record the decoders refuse (valid JSON nested a million deep) is
         # scanned in pure Python, seconds for a few MB, which on the loop would stop heartbeats,
         # streams and probes for as long. One hop per poll, not per record.
         decoded = await asyncio.to_thread(lambda: [_decode(rec) for _, rec in records]) if records else []
+        if self.w.partitions.epoch != epoch:
+            log.info("a rebalance while %d fetched records were decoded: they are fetched again", len(records))
+            return
         for (tp, rec), d in zip(records, decoded):
             try:
                 st = self.on_record(tp, rec, d)
@@ -106,20 +115,25 @@ class Intake:
         if records:
             self.w.registry.poke()
 
-    async def skip_refused(self) -> None:
+    async def skip_refused(self, room: int) -> None:
         """aiokafka refuses a partition's whole fetch while one of its batches holds a record it
         cannot decode (a header key that is not UTF-8, or null) or fails its CRC, and the broker
         serves that batch whole however far past the bad record the consumer seeks. So read the
         partition raw up to and through that batch: answer its readable records as any others,
         dead-letter the ones aiokafka refuses (or, when the batch's bytes cannot be trusted, the
         batch as one record), and seek past the batch; otherwise the partition would never be
-        answered again."""
+        answered again. At most ``room`` records are taken (``max_waiting_jobs`` holds here too):
+        the rest of a large batch waits for later polls, which meet the same refusal and resume
+        after the last record taken. Paused partitions are left for when they resume; nothing is
+        taken or sought once a rebalance began (see ``handle_records``)."""
         from qworker.worker.rawfetch import refused_batches
 
         w = self.w
         assert w.consumer is not None
+        epoch, paused = w.partitions.epoch, w.consumer.paused()
+        tps = sorted((tp for tp in w.consumer.assignment() if tp not in paused), key=lambda tp: (tp.topic, tp.partition))
         try:
-            found = await refused_batches(w.consumer, sorted(w.consumer.assignment(), key=lambda tp: (tp.topic, tp.partition)))
+            found = await refused_batches(w.consumer, tps)
         except KafkaError as e:
             log.warning("raw fetch failed: %r", e)
             await asyncio.sleep(0.2)
@@ -128,11 +142,18 @@ class Intake:
             await asyncio.sleep(0.2)
             return
         for tp, batch in found.items():
-            await self.handle_records([(tp, r) for r in batch.before + (batch.records or [])])
-            if batch.records is None:
+            records = batch.before + (batch.records or [])
+            taken = records[:room]
+            room -= len(taken)
+            await self.handle_records([(tp, r) for r in taken], epoch)
+            if w.partitions.epoch != epoch or tp not in w.consumer.assignment():
+                return  # the rewound consumer meets the batch again
+            whole = len(taken) == len(records)
+            if whole and batch.records is None:
                 self.dead_letter_batch(tp, batch)
-            if tp in w.consumer.assignment():
-                w.consumer.seek(tp, batch.next_offset)
+            w.consumer.seek(tp, batch.next_offset if whole else taken[-1].offset + 1)  # taken is never empty unless whole
+            if room <= 0:
+                return
 
     def dead_letter_batch(self, tp: TopicPartition, batch: RefusedBatch) -> None:
         """A batch whose bytes cannot be trusted (its CRC does not hold, or they do not parse): its

@@ -42,6 +42,10 @@ class Partitions:
         self.w = worker  # consumer, stats, registry, intake (to requeue an heir), telemetry
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self.generation = 0
+        # grows when a rebalance begins and when it ends: records fetched under another epoch may
+        # belong to an ownership that ended (even one regained since: the consumer then rewound
+        # to the committed offsets and fetches them again), so intake drops them
+        self.epoch = 0
         self.joined = False  # the consumer joined its group (it may own no partition)
         self.revoked: set[TopicPartition] = set()
         self._shrunk_since: dict[TopicPartition, float] = {}  # see check_shrunk
@@ -51,6 +55,7 @@ class Partitions:
         ``on_assigned``, which partitions actually moved (an eager rebalance revokes all)."""
         w = self.w
         w.stats.rebalances += 1
+        self.epoch += 1
         self.revoked |= revoked
         c, f = await kc.commit(w.consumer, self.tracker, list(revoked))
         w.stats.commits += c
@@ -59,6 +64,7 @@ class Partitions:
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
         w = self.w
         self.generation = kc.generation(w.consumer)
+        self.epoch += 1
         self.joined = True
         lost = (self.revoked | set(self.tracker.partitions())) - assigned
         self.revoked = set()

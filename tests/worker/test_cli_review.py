@@ -125,3 +125,37 @@ async def test_result_reader_stop_still_lets_its_caller_be_cancelled(broker, mon
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+def test_submit_follow_without_result_topics_is_one_line(broker) -> None:
+    """A fresh broker without the result topics: an 80-line TimeoutError traceback, exit 1, after
+    20 s whatever --timeout-s said."""
+    res = invoke(["submit", "-p", "hi", "--follow", "--timeout-s", "2"], broker.bootstrap,
+                 QWORKER_TOKENS_TOPIC="absent-tokens", QWORKER_COMPLETIONS_TOPIC="absent-completions")
+    one_line_error(res, 2, "not found", "topics create")
+
+
+def test_collect_writes_through_links_and_pipes_instead_of_replacing_them(tmp_path) -> None:
+    """--out naming a symlink, a FIFO or a device (/dev/stdout, /dev/null) was replaced by a
+    regular file (the temporary file renamed over it): as root, -o /dev/null clobbered the node."""
+    import os
+    import threading
+
+    from qworker.openai_batch.transfer import unwritable, write_lines
+
+    target = tmp_path / "target.jsonl"
+    target.write_text("old\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    assert unwritable(link) is None
+    write_lines(link, [{"a": 1}])
+    assert link.is_symlink() and target.read_bytes() == b'{"a":1}\n'
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert unwritable(pipe) is None
+    got = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_bytes()))
+    reader.start()
+    write_lines(pipe, [{"b": 2}])
+    reader.join(10)
+    assert got == [b'{"b":2}\n'] and not pipe.is_file()
