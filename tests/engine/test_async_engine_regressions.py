@@ -143,16 +143,21 @@ async def _expire_in_a_failing_step(tiny_model_dir, monkeypatch, first_prompt, o
         return real(*a, **k)
 
     e.engine.scheduler.schedule = schedule
+    # "first" must still run when the clock jumps (on a fast forward its 800 tokens took < 0.6 s):
+    # its fourth forward is held until then
+    held = HeldForward(e.engine, passes=3)
     try:
         first = asyncio.create_task(collect(e, "first", first_prompt, greedy(800)))
         await asyncio.sleep(0.3)
         queued = asyncio.create_task(e.generate("queued", [5, 6, 8], greedy(3), deadline=time.time() + 60).__anext__())
         await asyncio.sleep(0.3)
         clock.offset = 120.0
+        held.release()
         _, out = await _settle([first, queued])
         assert fired
         return out
     finally:
+        held.release()
         await e.shutdown()
 
 
