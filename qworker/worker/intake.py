@@ -38,6 +38,7 @@ class Intake:
     def __init__(self, worker: Worker):
         self.w = worker  # consumer, pauser, settings, engine, registry, answers, offset tracker
         self.validating: dict[asyncio.Task, JobState] = {}  # jobs whose grammar compiles at admission
+        self._refused_turn = 0  # which partition with a refused batch goes first (see skip_refused)
 
     async def poll_loop(self) -> None:
         """Never ends before ``stop``: a poll loop that dies leaves its partitions held and
@@ -122,10 +123,12 @@ class Intake:
         partition raw up to and through that batch: answer its readable records as any others,
         dead-letter the ones aiokafka refuses (or, when the batch's bytes cannot be trusted, the
         batch as one record), and seek past the batch; otherwise the partition would never be
-        answered again. At most ``room`` records are taken (``max_waiting_jobs`` holds here too):
-        the rest of a large batch waits for later polls, which meet the same refusal and resume
-        after the last record taken. Paused partitions are left for when they resume; nothing is
-        taken or sought once a rebalance began (see ``handle_records``)."""
+        answered again. At most ``room`` records are taken (``max_waiting_jobs`` holds here too),
+        shared evenly among the partitions found, the first one in turn (a large batch on one
+        must not starve a small one on another); the rest of a batch waits for later polls, which
+        meet the same refusal and resume after the last record taken. Paused partitions are left
+        for when they resume; nothing is taken or sought once a rebalance began (see
+        ``handle_records``)."""
         from qworker.worker.rawfetch import refused_batches
 
         w = self.w
@@ -141,9 +144,15 @@ class Intake:
         if not found:
             await asyncio.sleep(0.2)
             return
-        for tp, batch in found.items():
+        turn = self._refused_turn % len(found)
+        self._refused_turn += 1
+        order = list(found.items())
+        share = -(-room // len(order))  # ceil: every partition found takes at least one record
+        for tp, batch in order[turn:] + order[:turn]:
+            if room <= 0:
+                return
             records = batch.before + (batch.records or [])
-            taken = records[:room]
+            taken = records[:min(share, room)]
             room -= len(taken)
             await self.handle_records([(tp, r) for r in taken], epoch)
             if w.partitions.epoch != epoch or tp not in w.consumer.assignment():
@@ -152,8 +161,6 @@ class Intake:
             if whole and batch.records is None:
                 self.dead_letter_batch(tp, batch)
             w.consumer.seek(tp, batch.next_offset if whole else taken[-1].offset + 1)  # taken is never empty unless whole
-            if room <= 0:
-                return
 
     def dead_letter_batch(self, tp: TopicPartition, batch: RefusedBatch) -> None:
         """A batch whose bytes cannot be trusted (its CRC does not hold, or they do not parse): its

@@ -12,6 +12,7 @@ dead-letter the rest, and seek past the whole batch.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from dataclasses import dataclass
 
@@ -219,7 +220,10 @@ async def refused_batches(consumer: AIOKafkaConsumer, tps: list[TopicPartition])
     found: dict[TopicPartition, RefusedBatch] = {}
     for tp in tps:
         position = await consumer.position(tp)
-        refused = first_refused(tp, await _fetch(consumer, tp, position, 8 * 2**20, 100), position)
+        data = await _fetch(consumer, tp, position, 8 * 2**20, 100)
+        # parsed off the event loop: a few MB of records take a quarter of a second (heartbeats,
+        # streams and probes must not wait for it)
+        refused = await asyncio.to_thread(first_refused, tp, data, position)
         if refused is not None:
             found[tp] = refused
     return found
