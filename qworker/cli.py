@@ -159,8 +159,11 @@ class _AtMostEvery(logging.Filter):
 
 
 def _kafka(s: WorkerSettings, coro):  # noqa: ANN001, ANN202
-    """Run a client coroutine; a broker that cannot be reached is one line and exit 2."""
+    """Run a client coroutine; a broker that cannot be reached, or result topics that do not
+    exist, are one line and exit 2. aiokafka's own log lines are shown at most once per 30 s."""
     from aiokafka.errors import KafkaConnectionError
+
+    from qworker.client import TopicsMissing
 
     aiokafka_log = logging.getLogger("aiokafka")
     if not aiokafka_log.handlers:  # a logger's filter would not see its children's records: a handler's does
@@ -168,7 +171,6 @@ def _kafka(s: WorkerSettings, coro):  # noqa: ANN001, ANN202
         handler.addFilter(_AtMostEvery(30.0))
         aiokafka_log.addHandler(handler)
         aiokafka_log.propagate = False
-    from qworker.client import TopicsMissing
 
     try:
         return asyncio.run(coro)
