@@ -26,6 +26,7 @@ from qworker.worker.dlq import raw_headers_header
 
 _BATCH = struct.Struct(">qiibIhiqqqhii")  # the v2 record batch header, 61 bytes
 _DECODE = {1: gzip_decode, 2: snappy_decode, 3: lz4_decode, 4: zstd_decode}
+FETCH_BYTES, FETCH_WAIT_MS = 8 * 2**20, 100  # one raw fetch: how far it reads, how long it waits
 
 
 @dataclass(slots=True)
@@ -110,7 +111,7 @@ def parse(tp: TopicPartition, data: bytes) -> list[RawRecord]:
     return out
 
 
-async def _fetch(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int, max_wait_ms: int) -> bytes:
+async def _fetch(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = FETCH_BYTES, max_wait_ms: int = FETCH_WAIT_MS) -> bytes:
     """The raw record-set bytes one fetch of ``tp`` from ``offset`` returns (the broker may start
     them before ``offset``: it serves whole batches). Uses the consumer's client (a private
     attribute: aiokafka offers no raw fetch)."""
@@ -124,7 +125,7 @@ async def _fetch(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, ma
                     if partition == tp.partition and error_code == 0)
 
 
-async def fetch_raw(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = 8 * 2**20, max_wait_ms: int = 100) -> list[RawRecord]:
+async def fetch_raw(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = FETCH_BYTES, max_wait_ms: int = FETCH_WAIT_MS) -> list[RawRecord]:
     """The records of ``tp`` from ``offset`` on, as far as one fetch of ``max_bytes`` reaches."""
     return [r for r in parse(tp, await _fetch(consumer, tp, offset, max_bytes, max_wait_ms)) if r.offset >= offset]
 
@@ -155,30 +156,21 @@ def _batch_spans(data: bytes):
         pos = end
 
 
-def _refusal(batch: bytes) -> str | None:
-    """Why aiokafka's own reader refuses this batch (None: it reads every record), checked as its
-    fetcher reads one: the CRC, then each record's fields."""
+def _read_as_aiokafka(tp: TopicPartition, batch: bytes, position: int) -> list[RawRecord] | str:
+    """The records of ``batch`` from ``position`` on, read by aiokafka's own reader as its fetcher
+    reads one (the CRC, then each record's fields); or, where it refuses the batch, why."""
     try:
         b = MemoryRecords(batch).next_batch()
         if b is None:
             return "not a record batch"
         if not b.validate_crc():
             return "its CRC does not hold"
-        if not getattr(b, "is_control_batch", False):
-            for r in b:
-                r.offset, r.timestamp, r.key, r.value, r.headers  # noqa: B018 - decoding is the check
+        if getattr(b, "is_control_batch", False):
+            return []
+        return [RawRecord(tp.topic, tp.partition, r.offset, r.timestamp, r.key, r.value, [(k.encode(), v) for k, v in r.headers])
+                for r in b if r.offset >= position]
     except Exception as e:  # noqa: BLE001 - whatever aiokafka raises is what stops the partition
         return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _readable(tp: TopicPartition, batch: bytes, position: int) -> list[RawRecord]:
-    """The records of a batch aiokafka reads, as aiokafka gives them (any message format)."""
-    b = MemoryRecords(batch).next_batch()
-    if getattr(b, "is_control_batch", False):
-        return []
-    return [RawRecord(tp.topic, tp.partition, r.offset, r.timestamp, r.key, r.value, [(k.encode(), v) for k, v in r.headers])
-            for r in b if r.offset >= position]
 
 
 def _trusted(tp: TopicPartition, batch: bytes, position: int) -> list[RawRecord] | None:
@@ -204,12 +196,12 @@ def first_refused(tp: TopicPartition, data: bytes, position: int) -> RefusedBatc
     before: list[RawRecord] = []
     for start, end in _batch_spans(data):
         batch = data[start:end]
-        why = _refusal(batch)
-        if why is None:
-            before += _readable(tp, batch, position)
+        read = _read_as_aiokafka(tp, batch, position)
+        if not isinstance(read, str):
+            before += read
             continue
         first = max(struct.unpack_from(">q", batch, 0)[0], position)
-        return RefusedBatch(before, _trusted(tp, batch, position), why, first, max(_next_offset(batch), position + 1), batch)
+        return RefusedBatch(before, _trusted(tp, batch, position), read, first, max(_next_offset(batch), position + 1), batch)
     return None
 
 
@@ -220,7 +212,7 @@ async def refused_batches(consumer: AIOKafkaConsumer, tps: list[TopicPartition])
     found: dict[TopicPartition, RefusedBatch] = {}
     for tp in tps:
         position = await consumer.position(tp)
-        data = await _fetch(consumer, tp, position, 8 * 2**20, 100)
+        data = await _fetch(consumer, tp, position)
         # parsed off the event loop: a few MB of records take a quarter of a second (heartbeats,
         # streams and probes must not wait for it)
         refused = await asyncio.to_thread(first_refused, tp, data, position)

@@ -122,12 +122,12 @@ def load_lora_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
 
 def _read_tensors(weights_path: Path, data: bytes, expected: dict) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """The A/B pairs ``expected`` names, fp32, scaling folded into B, all finite, from the file's
-    bytes ``data``. Each is a copy that owns its memory (a view of ``data`` or of a memory map
-    would change with the file or keep it alive)."""
+    bytes ``data`` (``safetensors.torch.load`` gives each tensor a buffer of its own, never a
+    view of the file)."""
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     tensors = safetensors_load(data)
     for (layer, module), (a_name, b_name, scaling) in sorted(expected.items()):
-        a = tensors[a_name].to(torch.float32, copy=True)
+        a = tensors[a_name].to(torch.float32)
         b = tensors[b_name].to(torch.float32) * scaling
         for name, t in ((a_name, a), (b_name, b)):
             if not torch.isfinite(t).all():
