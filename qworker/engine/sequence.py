@@ -122,6 +122,8 @@ class Request:
     lora_loading: bool = False
     # the parent hash of the first block: per adapter, so prefix hits never cross adapters
     prefix_root: bytes = NONE_HASH
+    # failed steps this request ran alone in, since it last got past a failure (step_recovery)
+    lone_failures: int = 0
 
     @property
     def lora_int_id(self) -> int:

@@ -49,10 +49,11 @@ def test_1_failed_step_leaves_nothing_unwritten_in_the_prefix_cache(tiny_model_d
     a, b = shared + rand_ids(rng, 3), shared + rand_ids(rng, 5)
     want = solo(tiny_model_dir, b, greedy(8))
     e = dirty(engine(tiny_model_dir))
-    faults = Faults(e, lambda batch: True)
+    faults = Faults(e, lambda batch: True, times=2)
     e.add_request("a", a, greedy(8))
+    assert e.step() == [], "a lone request's first failed step is retried"
     (failed,) = e.step()
-    assert faults.raised == 1 and failed.finished and failed.error_code == "engine_error"
+    assert faults.raised == 2 and failed.finished and failed.error_code == "engine_error"
     assert e.stats()["kv_blocks_used"] == 0
     e.add_request("b", b, greedy(8))
     got = run(e)["b"]
@@ -87,7 +88,7 @@ def test_2_a_request_that_breaks_every_step_fails_alone(tiny_model_dir):
     for rid, p in prompts.items():
         e.add_request(rid, p, params[rid])
     done = run(e)
-    assert faults.raised == 2, "once with everyone, once alone"
+    assert faults.raised == 3, "once with everyone, twice alone"
     assert done["poison"].error_code == "engine_error" and done["poison"].seqs[0].finish_reason == "abort"
     for rid in prompts:
         if rid != "poison":
@@ -108,16 +109,33 @@ def test_2_a_transient_failure_mid_decode_costs_no_request(tiny_model_dir):
         assert done[rid].error is None and outputs(done[rid]) == solo(tiny_model_dir, p, greedy(12)), rid
 
 
+def test_2_a_one_off_failure_of_a_lone_request_costs_it_nothing(tiny_model_dir):
+    """A step of one request that fails once (an allocation failing under load) is recomputed
+    alone: the request ends as it would have without the failure, at any point of its run."""
+    rng = random.Random(14)
+    prompt = rand_ids(rng, 40)
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True)
+    want = solo(tiny_model_dir, prompt, params)
+    for fail_at in (0, 1, 6):
+        e = dirty(engine(tiny_model_dir, max_num_batched_tokens=32))  # two prefill chunks
+        faults = Faults(e, lambda batch: e.counters["steps"] == fail_at)
+        e.add_request("a", prompt, params)
+        got = run(e)["a"]
+        assert faults.raised == 1 and e.stats()["requests_failed"] == 0, fail_at
+        assert got.error is None and outputs(got) == want, fail_at
+        assert e.stats()["kv_blocks_used"] == 0
+
+
 # 3 ------------------------------------------------------------------------------------------------
 async def test_3_stream_gets_a_delta_after_a_failed_step(tiny_model_dir):
     eng = AsyncEngine.from_model(str(tiny_model_dir), kv_cache_memory=64 * BLOCK_BYTES_TINY)
-    faults = Faults(eng.engine, lambda batch: eng.engine.counters["steps"] >= 5)
+    faults = Faults(eng.engine, lambda batch: eng.engine.counters["steps"] >= 5, times=2)
     await eng.start()
     try:
         deltas = [d async for d in eng.generate("a", [5, 6, 7, 8], greedy(50))]
     finally:
         await eng.shutdown()
-    assert faults.raised == 1
+    assert faults.raised == 2
     last = deltas[-1]
     assert last.finished and last.error_code == "engine_error" and last.outputs[0].finish_reason == "abort"
     streamed = [t for d in deltas for c in d.outputs for t in c.token_ids]

@@ -104,9 +104,11 @@ def test_a_slot_write_that_fails_halfway_is_never_served(tiny_model_dir, folders
     req = engine.add_request("b1", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), lora_request=b)
     while engine.has_unfinished():
         engine.step()
-    assert calls and req.error_code == "engine_error"  # the step of b alone failed: b failed alone
+    # the step of b alone failed once: b ran again alone, on a slot written whole
+    assert len(calls) >= 2 and req.error is None
     assert generate(engine, "a2", a) == before
-    assert generate(engine, "b2", b) != before
+    assert generate(engine, "b2", b, n=3) == list(req.seqs[0].output_token_ids)
+    assert generate(engine, "b2b", b) != before
     assert_peft_greedy(tiny_model_dir, folders[1], PROMPT, generate(engine, "b3", b), "b after the failed write")
 
 

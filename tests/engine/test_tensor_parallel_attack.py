@@ -146,7 +146,7 @@ def test_a_failure_inside_the_leaders_forward_fails_its_request_alone(two, tiny_
     def failing(index: int, inner):
         """Layer ``index``'s o projection, raising before its all-reduce on a poisoned step: the
         first time in layer 0 (the engine's first step: no all-reduce seen yet, all owed), the
-        second time in layer 1 (two done, two owed)."""
+        second time in layer 1 (two done, two owed), the third (the poison alone again) in layer 0."""
 
         def o(x):
             if poisoned[0] and raised[0] % 2 == index:
@@ -163,14 +163,14 @@ def test_a_failure_inside_the_leaders_forward_fails_its_request_alone(two, tiny_
         two.add_request(rid, p, greedy(6))
     two.add_request("poison", [30, 31, POISON, 32], greedy(6))
     done = run(two, max_s=60)
-    assert raised[0] == 2, "once with everyone, once alone"
+    assert raised[0] == 3, "once with everyone, twice alone"
     assert two.runner.failure is None
     assert done["poison"].error_code == "engine_error"
     assert {k: outputs(done[k]) for k in prompts} == want
     # the group is still in step: a new request gives one rank's tokens
     two.add_request("again", prompts["c"], greedy(6))
     assert outputs(run(two, max_s=60)["again"]) == want["c"]
-    assert two.counters["requests_failed"] == 1 and two.counters["steps_failed"] == 2
+    assert two.counters["requests_failed"] == 1 and two.counters["steps_failed"] == 3
 
 
 def test_a_dropped_engine_gives_back_its_cores_and_followers(tiny_model_dir):
