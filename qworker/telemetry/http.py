@@ -1,9 +1,12 @@
 """One small HTTP/1.1 server for probes and metrics: ``/healthz``, ``/readyz``, ``/metrics``.
 
-Raw asyncio streams, one request per connection. It must never stall the worker's event loop:
-reads are bounded in size and time, probe checks are plain callables that must be cheap (they
-run on the loop), and the metrics exposition (which calls the engine's ``stats()`` and formats
-every series) runs in a worker thread.
+Raw asyncio streams, one request per connection. It must never stall the worker's event loop
+nor take what the worker needs: a request's head is read under one deadline and a size bound,
+at most ``MAX_CONNECTIONS`` connections are open at once (a new one closes the oldest, so slow
+clients cannot hold file descriptors the Kafka client needs, and a probe, which sends its
+request at once, is still served during such a flood), probe checks are plain callables that
+must be cheap (they run on the loop), and the metrics exposition (which calls the engine's
+``stats()`` and formats every series) runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ log = logging.getLogger(__name__)
 Check = Callable[[], bool]
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request", 500: "Internal Server Error", 503: "Service Unavailable"}
 _MAX_HEADER_LINES = 100
-_READ_TIMEOUT_S = 5.0
+_READ_TIMEOUT_S = 5.0  # for a whole request head, and for writing the answer
+MAX_CONNECTIONS = 32
 
 
 class EngineLiveness:
@@ -85,6 +89,7 @@ class TelemetryServer:
         self.liveness = dict(liveness or {})
         self.readiness = dict(readiness or {})
         self._server: asyncio.base_events.Server | None = None
+        self._open: dict[asyncio.StreamWriter, None] = {}  # open connections, oldest first
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=16 * 1024)
@@ -97,11 +102,12 @@ class TelemetryServer:
             await self._server.wait_closed()
             self._server = None
 
-    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
-        line = (await asyncio.wait_for(reader.readline(), _READ_TIMEOUT_S)).decode("latin-1")
+    @staticmethod
+    async def _read_head(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
+        line = (await reader.readline()).decode("latin-1")
         headers: dict[str, str] = {}
         for _ in range(_MAX_HEADER_LINES):
-            raw = await asyncio.wait_for(reader.readline(), _READ_TIMEOUT_S)
+            raw = await reader.readline()
             if raw in (b"\r\n", b"\n", b""):
                 break
             name, _, value = raw.decode("latin-1").partition(":")
@@ -132,8 +138,15 @@ class TelemetryServer:
         return (200 if ok else 503), "application/json", body
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open[writer] = None
+        while len(self._open) > MAX_CONNECTIONS:
+            oldest = next(iter(self._open))
+            del self._open[oldest]
+            oldest.transport.abort()  # its reader sees the connection lost and ends
         try:
-            method, path, headers = await self._read_head(reader)
+            method, path, headers = await asyncio.wait_for(self._read_head(reader), _READ_TIMEOUT_S)
+            if writer.transport.is_closing():
+                return  # closed for a newer connection while it was still sending its request
             try:
                 status, ctype, body = await self._respond(method, path, headers)
             except Exception:  # noqa: BLE001 - report, keep serving
@@ -145,4 +158,5 @@ class TelemetryServer:
         except (asyncio.TimeoutError, ConnectionError, asyncio.LimitOverrunError, ValueError):
             pass  # slow, broken or oversized client: drop it
         finally:
+            self._open.pop(writer, None)
             writer.close()

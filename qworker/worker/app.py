@@ -227,6 +227,7 @@ class Worker:
             asyncio.create_task(self.intake.poll_loop(), name="poll"),
             asyncio.create_task(self.runs.admit_loop(), name="admit"),
             asyncio.create_task(self.partitions.commit_loop(), name="commit"),
+            asyncio.create_task(self.gauges.observe_loop(s.commit_interval_ms / 1000), name="gauges"),
             asyncio.create_task(self.group_health.run(), name="group-health"),
         ]
         if s.lora_enabled:
@@ -386,10 +387,26 @@ async def _bounded(what: str, step: Any, deadline: float) -> None:
         log.warning("stop: %s failed: %r; going on without it", what, e)
 
 
+def raise_open_file_limit() -> int:
+    """Lift this process's soft limit on open files to its hard limit and return it. Container
+    runtimes often set the soft limit to 1,024, which a burst of probe connections or many
+    brokers' connections can reach; the hard limit is what the operator allowed."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20  # Linux's default nr_open
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return soft
+
+
 async def serve(settings: WorkerSettings, engine: Any | None = None) -> int:
     """Run a worker until SIGTERM/SIGINT, then drain. Returns the exit status."""
     from qworker.worker import shutdown
 
+    raise_open_file_limit()
     w = Worker(settings, engine)
     shutdown.install(asyncio.get_running_loop(), w.request_stop, w.hurry)
     try:

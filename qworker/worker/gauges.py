@@ -6,6 +6,8 @@ the engine's capacity on the worker's loop and writes them into ``WorkerMetrics`
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -15,10 +17,22 @@ from qworker.telemetry.lora_metrics import LoRASnapshot
 if TYPE_CHECKING:
     from qworker.worker.app import Worker
 
+log = logging.getLogger(__name__)
+
 
 class Gauges:
     def __init__(self, worker: Worker):
         self.w = worker
+
+    async def observe_loop(self, interval_s: float) -> None:
+        """Observe every ``interval_s``, on its own: a round of another loop that blocks (a
+        commit waiting for a broker that went away) must not freeze what ``/metrics`` shows."""
+        while not self.w.closed:
+            await asyncio.sleep(interval_s)
+            try:
+                self.observe()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("observing the gauges failed")
 
     def observe(self) -> None:
         """Consumer lag per owned partition (high watermark from the last fetch, which Tansu

@@ -201,7 +201,6 @@ class Partitions:
             await asyncio.sleep(w.settings.commit_interval_ms / 1000)
             try:
                 await self.commit()
-                w.gauges.observe()
             except Exception:  # noqa: BLE001 - offsets must keep moving whatever one round hit
                 log.exception("commit round failed")
 

@@ -121,3 +121,67 @@ async def test_slow_metrics_render_runs_off_the_loop():
         assert status == 200 and released == [True]
     finally:
         await server.stop()
+
+
+async def test_a_client_sending_its_head_slowly_is_dropped_at_the_deadline(monkeypatch):
+    """One header line every 0.3 s kept a connection (and its file descriptor) for as long as the
+    client liked: the time limit was per line. The whole head now has one deadline."""
+    monkeypatch.setattr("qworker.telemetry.http._READ_TIMEOUT_S", 1.0)
+    server = TelemetryServer("127.0.0.1", 0, liveness={"ok": lambda: True})
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        closed_after = None
+        for i in range(20):  # 6 s of header lines, each well inside the old per-line limit
+            await asyncio.sleep(0.3)
+            try:
+                writer.write(f"X-{i}: y\r\n".encode())
+                await writer.drain()
+            except ConnectionError:
+                closed_after = time.monotonic() - t0
+                break
+            if await _eof_within(reader, 0.0):
+                closed_after = time.monotonic() - t0
+                break
+        writer.close()
+        assert closed_after is not None and closed_after < 3.0, closed_after
+    finally:
+        await server.stop()
+
+
+async def _eof_within(reader: asyncio.StreamReader, timeout: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(1), max(timeout, 0.01)) == b""
+    except asyncio.TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
+async def test_a_flood_of_idle_connections_is_bounded_and_probes_are_still_answered():
+    """Slow clients held one file descriptor each without bound (1,100 of them starved the
+    worker's Kafka client of sockets and the probes timed out): at most MAX_CONNECTIONS are
+    open, a new one closes the oldest, and a probe, which sends its request at once, is served."""
+    from qworker.telemetry.http import MAX_CONNECTIONS
+
+    server = TelemetryServer("127.0.0.1", 0, liveness={"ok": lambda: True})
+    await server.start()
+    try:
+        clients = []
+        for _ in range(3 * MAX_CONNECTIONS):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+            clients.append((reader, writer))
+        await asyncio.sleep(0.3)
+        assert len(server._open) <= MAX_CONNECTIONS
+        oldest_closed = [await _eof_within(r, 1.0) for r, _ in clients[: 2 * MAX_CONNECTIONS - 1]]
+        assert all(oldest_closed), f"{oldest_closed.count(False)} of the oldest still open"
+        assert not await _eof_within(clients[-1][0], 0.2), "the newest connection was closed"
+        status, _, body = await get(server.port, "/healthz")
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        for _, w in clients:
+            w.close()
+    finally:
+        await server.stop()

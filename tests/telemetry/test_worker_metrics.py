@@ -170,3 +170,37 @@ async def test_preemptions_without_swap_pool_are_recomputes(tiny_model_dir, topi
     assert modes == {"recompute": stats["preemptions_recompute"]}
     assert names["swap_out"] == names["swap_in"] == 0
     assert span_total == stats["preemptions_recompute"]
+
+
+async def test_gauges_move_while_a_commit_hangs(tiny_engine, topics, raw_results: RawResults, monkeypatch) -> None:
+    """The worker's gauges were observed only after each commit round: a commit that waited on a
+    broker which went away froze /metrics at its last values. They are observed on their own."""
+    from qworker.worker import partitions
+
+    async def commit_that_hangs(*args, **kwargs):
+        await asyncio.Event().wait()
+
+    s = topics.model_copy(update={"commit_interval_ms": 100})
+    w = Worker(s, tiny_engine)
+    await w.start()  # joins the group (its first revoke commits): then every commit hangs
+    monkeypatch.setattr(partitions.kc, "commit", commit_that_hangs)
+    seen: list[float] = []
+
+    async def sample() -> None:
+        while True:
+            seen.append(scrape(w).get(("qworker:running_jobs", ()), 0.0))
+            await asyncio.sleep(0.02)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        job = Job(id="long", prompt_token_ids=ids(random.Random(3), 20), sampling=Sampling(max_tokens=300, temperature=0.0, ignore_eos=True))
+        await submit(s, [job])
+        await raw_results.wait(lambda: "long" in raw_results.completions, 120, "the job")
+        await asyncio.sleep(0.5)
+        final = scrape(w)
+    finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+        await w.stop(1.0)
+    assert max(seen) == 1, "running_jobs never showed the running job"
+    assert final[("qworker:running_jobs", ())] == 0 and final[("qworker:assigned_partitions", ())] == 4

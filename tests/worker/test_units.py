@@ -446,3 +446,20 @@ def test_first_refused_takes_the_whole_batch_aiokafka_refuses() -> None:
     r = first_refused(tp, good + bytes(torn) + _batch(4, [(b"g", b"7", [])]), 0)
     assert r is not None and "CRC" in r.reason and r.records is None
     assert [x.offset for x in r.before] == [0, 1] and (r.first_offset, r.next_offset, r.raw) == (2, 4, bytes(torn))
+
+
+def test_the_worker_lifts_its_open_file_limit_to_the_hard_limit():
+    """Container runtimes give a soft limit of 1,024 open files: a burst of connections took the
+    Kafka client's sockets. The worker lifts the soft limit to what the hard limit allows."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "from qworker.worker.app import raise_open_file_limit\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))\n"
+        "print(raise_open_file_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(None, 1) == ["4096", "(4096, 4096)\n"], out.stdout
