@@ -408,7 +408,16 @@ async def serve(settings: WorkerSettings, engine: Any | None = None) -> int:
 
     raise_open_file_limit()
     w = Worker(settings, engine)
-    shutdown.install(asyncio.get_running_loop(), w.request_stop, w.hurry)
+
+    def hurry() -> None:
+        if w.consumer is None:
+            # still starting (loading the model: a thread nothing can interrupt, for minutes on a
+            # large one): nothing is joined, consumed or produced yet, so stop now
+            log.warning("stopping at once: the worker had not joined its group")
+            shutdown.exit_now(0)
+        w.hurry()
+
+    shutdown.install(asyncio.get_running_loop(), w.request_stop, hurry)
     try:
         await w.start()
     except BaseException:

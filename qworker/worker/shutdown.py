@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -25,3 +27,14 @@ def install(loop: asyncio.AbstractEventLoop, drain: Callable[[], None], hurry: C
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, handler, sig)
+
+
+def exit_now(code: int) -> None:
+    """End the process at once (no unwinding: a thread may be loading weights), logs flushed."""
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - exiting regardless
+            pass
+    sys.stderr.flush()
+    os._exit(code)

@@ -423,3 +423,52 @@ def test_a_spawned_follower_keeps_the_default_sigterm(tmp_path: Path) -> None:
     script.write_text(_SPAWNS_A_FOLLOWER)
     out = subprocess.run([sys.executable, str(script), "run"], cwd=REPO, env=_clean_env(), capture_output=True, timeout=180)
     assert out.stdout.decode().split()[-1:] == ["-15"], (out.stdout.decode(), out.stderr.decode()[-2000:])
+
+
+
+_LOADS_FOR_AN_HOUR = """
+import asyncio, sys, time
+sys.argv = ["qworker", "run"]
+import qworker.worker.app as app
+
+
+async def load_for_an_hour(settings):
+    # a large model's load: a thread that holds the GIL only now and then, which nothing interrupts
+    print("LOADING", flush=True)
+    await asyncio.to_thread(time.sleep, 3600)
+
+
+app.load_engine = load_for_an_hour
+from qworker.cli import app as cli
+
+cli()
+"""
+
+
+def test_a_second_sigterm_while_the_model_loads_stops_at_once(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """helper-71: a second SIGTERM during the model load logged "aborting now" and then waited
+    for the load to end (seconds for the test model, minutes for a large one): the load runs in
+    a thread nothing interrupts. Before the worker joins its group it holds nothing, so it now
+    exits at once, status 0. The load of a large model is stood in for by an hour's sleep in
+    the loading thread (the real command otherwise)."""
+    import signal
+
+    script = tmp_path / "run_worker.py"
+    script.write_text(_LOADS_FOR_AN_HOUR)
+    p = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_clean_env(QWORKER_MODEL=str(tiny_model_dir), QWORKER_LOG_LEVEL="INFO"))
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"LOADING\n", p.communicate()[1].decode()[-2000:]
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert p.poll() is None, "the first SIGTERM waits for the load"
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0 and took < 5, (p.returncode, took, err.decode()[-2000:])
+    assert "stopping at once" in err.decode()
