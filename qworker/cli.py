@@ -389,7 +389,7 @@ def tail(
     idle_timeout_s: Optional[float] = typer.Option(None, help="Exit after this long without records"),
     bootstrap_servers: Optional[str] = typer.Option(None, help="[QWORKER_BOOTSTRAP_SERVERS]"),
 ) -> None:
-    """Print result topics as JSON lines (DLQ records with their headers)."""
+    """Print result topics as JSON lines (DLQ records with their headers, as [key, value] pairs)."""
     s = _settings(bootstrap_servers)
 
     async def go() -> None:
@@ -407,7 +407,8 @@ def tail(
                 except orjson.JSONDecodeError:
                     out["value_raw"] = (rec.value or b"").decode("utf-8", "replace")
                 if rec.headers:
-                    out["headers"] = {k: v.decode("utf-8", "replace") for k, v in rec.headers}
+                    # pairs, in order: a key may repeat (a dict kept only its last value)
+                    out["headers"] = [[k, (v or b"").decode("utf-8", "replace")] for k, v in rec.headers]
                 typer.echo(orjson.dumps(out).decode())
         finally:
             await reader.stop()

@@ -159,3 +159,26 @@ def test_collect_writes_through_links_and_pipes_instead_of_replacing_them(tmp_pa
     write_lines(pipe, [{"b": 2}])
     reader.join(10)
     assert got == [b'{"b":2}\n'] and not pipe.is_file()
+
+
+def test_tail_keeps_every_value_of_a_repeated_header_key(broker) -> None:
+    """tail printed headers as a JSON object: of a key given twice (a DLQ record's headers echo the
+    job's own), only the last value showed."""
+    from aiokafka import AIOKafkaProducer
+
+    s = make_settings(broker.bootstrap)
+    asyncio.run(create_topics(s, partitions=1))
+
+    async def produce() -> None:
+        p = AIOKafkaProducer(bootstrap_servers=broker.bootstrap)
+        await p.start()
+        try:
+            await p.send_and_wait(s.dlq_topic, b"{}", headers=[("trace", b"a"), ("trace", b"b"), ("other", b"c")])
+        finally:
+            await p.stop()
+
+    asyncio.run(produce())
+    res = invoke(["tail", "--from-beginning", "--topic", s.dlq_topic, "--idle-timeout-s", "3"], broker.bootstrap)
+    assert res.exit_code == 0, (res.output, res.exception)
+    [line] = [orjson.loads(x) for x in res.output.splitlines() if x.startswith("{")]
+    assert line["headers"] == [["trace", "a"], ["trace", "b"], ["other", "c"]]
