@@ -17,32 +17,47 @@ def prepare(sched: SchedulerOutput, now: float, lora_slots: dict[int, int] | Non
     is the first scheduled time of those that start. ``lora_slots``: adapter id -> the device
     slot it sits in this step (``LoRAManager.activate``); a chunk runs under its request's
     adapter's slot, the base model's chunks under -1."""
-    # decodes first, then verifications: attention runs them as one batched decode call
-    order = sorted(sched.scheduled, key=lambda s: 0 if s.num_new_tokens == 1 else 1 if s.draft else 2)
+    # decode rows first (plain decodes, verifications, then the output parts of recomputed
+    # sequences), then what is extended: attention runs the decode rows as one batched call, and
+    # the logits rows come out in this order
+    order = sorted(sched.scheduled, key=_batch_rank)
     for s in order:
         m = s.seq.request.metrics
         if m.first_scheduled_time is None:
             m.first_scheduled_time = now
     slots = lora_slots or {}
-    batch = Batch(chunks=[_chunk(s, slots) for s in order], swap_out=sched.copies.swap_out,
+    parts = [_chunks(s, slots) for s in order]
+    decodes = [c for cs in parts for c in cs if c.decode]
+    extends = [c for cs in parts for c in cs if not c.decode]
+    batch = Batch(chunks=decodes + extends, swap_out=sched.copies.swap_out,
                   swap_in=sched.copies.swap_in, copy=sched.copies.copy)
     return order, batch
 
 
-def _chunk(s: ScheduledSeq, lora_slots: dict[int, int]) -> SeqChunk:
+def _batch_rank(s: ScheduledSeq) -> int:
+    start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
+    if end <= s.seq.num_prompt_tokens:
+        return 3  # prompt only: extended
+    return 0 if s.num_new_tokens == 1 else 1 if s.draft else 2
+
+
+def _chunks(s: ScheduledSeq, lora_slots: dict[int, int]) -> list[SeqChunk]:
+    """The scheduled tokens as chunks: its prompt positions extended, its output positions decode
+    rows (see ``qworker.model.batch``); the last chunk carries the logits row."""
     seq = s.seq
     lora = seq.request.lora_int_id
     start = seq.num_computed_tokens
     num_plain = s.num_new_tokens - len(s.draft)
-    return SeqChunk(
-        token_ids=seq.token_ids[start : start + num_plain] + s.draft,
-        start_pos=start,
-        block_ids=[b.block_id for b in seq.block_table],
-        needs_logits=s.samples,
-        num_draft=len(s.draft),
-        argmax_only=s.samples and not s.draft and argmax_only(seq),
-        lora_slot=lora_slots[lora] if lora else -1,
-    )
+    token_ids = seq.token_ids[start : start + num_plain] + s.draft
+    # how many are prompt positions; a verification's rows stay together (and the speculator
+    # drafts only past the prompt, so none of them is one)
+    split = 0 if s.draft else min(max(seq.num_prompt_tokens - start, 0), len(token_ids))
+    common = dict(block_ids=[b.block_id for b in seq.block_table], lora_slot=lora_slots[lora] if lora else -1)
+    last = dict(needs_logits=s.samples, num_draft=len(s.draft), argmax_only=s.samples and not s.draft and argmax_only(seq))
+    if split == len(token_ids):
+        return [SeqChunk(token_ids=token_ids, start_pos=start, decode=False, **last, **common)]
+    out = [SeqChunk(token_ids=token_ids[:split], start_pos=start, needs_logits=False, decode=False, **common)] if split else []
+    return out + [SeqChunk(token_ids=token_ids[split:], start_pos=start + split, decode=True, **last, **common)]
 
 
 def sampling_rows(order: list[ScheduledSeq], new_fork: Callable[[Request, int, Sequence], Sequence],

@@ -2,7 +2,16 @@
 
 The runner knows nothing of scheduling; it only needs, per sequence, which tokens to compute,
 where they start, which KV blocks hold the sequence, and whether to return logits for its last
-token. Decode chunks (one token) come first: attention runs them as one batched call.
+token. Decode chunks come first: attention runs them as one batched call, each token a decode
+row over its causal prefix; the other chunks run through the prefill (extend) kernel.
+
+Which kernel computes a position must not depend on how the scheduler cut the work, or a
+request's bits would depend on its neighbours (the two kernels sum in different orders, and in
+the CPU bf16 mode round differently). So the engine marks a chunk ``decode`` by its positions: a
+sequence's output positions (at or past its prompt's length) are decode rows, its prompt
+positions are extended, whether the prompt's last token follows a prefix-cache hit, ends a
+chunked prefill or belongs to a recomputed sequence (whose recompute is split into its prompt
+part, extended, and its output part, decode rows).
 
 A *verify* chunk (``num_draft > 0``, speculative decoding) is a decoding sequence's last token
 followed by ``num_draft`` draft tokens: every one of its positions needs logits, and each of its
@@ -27,6 +36,13 @@ class SeqChunk:
     # only the argmax of the logits row is wanted (greedy, nothing reads or changes the logits):
     # the row may come back as that token's one-hot log-distribution (0 there, -inf elsewhere)
     argmax_only: bool = False
+    # attention runs each token as a decode row (a decode chunk, see the module docstring); None:
+    # a one-token or verify chunk is one (callers that build batches by hand)
+    decode: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.decode is None:
+            self.decode = len(self.token_ids) == 1 or self.num_draft > 0
 
 
 @dataclass(slots=True)

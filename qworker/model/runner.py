@@ -107,8 +107,8 @@ class ModelRunner:
         input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
         positions: list[int] = []
         slots: list[int] = []
-        # attention rows: a decode chunk is one; a leading verify chunk is one per token (each a
-        # decode query over its own causal prefix); any other chunk is one varlen prefill row
+        # attention rows: a leading decode chunk is one per token (each a decode query over its
+        # own causal prefix); any other chunk is one varlen prefill row
         query_start = [0]
         seq_lens = []
         tables_src: list[list[int]] = []
@@ -123,7 +123,7 @@ class ModelRunner:
             positions.extend(pos)
             slots.extend(c.block_ids[p // bs] * bs + p % bs for p in pos)
             first = query_start[-1]
-            if leading and (n == 1 or c.num_draft):
+            if leading and c.decode:
                 for i in range(n):
                     query_start.append(first + i + 1)
                     seq_lens.append(c.start_pos + i + 1)

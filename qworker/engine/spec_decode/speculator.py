@@ -48,11 +48,12 @@ class Speculator:
         for seq in running:
             if seq.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
-            num_decodes += 1
-            if seq.request.params.n > 1 and not seq.request.forked:
-                # a prompt's one-token last chunk, before its request forks: the children copy the
-                # parent's computed tokens but only the first sampled token, not accepted drafts
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                # a prompt's one-token last chunk: extended, as prompt positions always are
+                # (qworker.model.batch), not a verification's decode row; nor could a request with
+                # n > 1 keep drafts accepted there (its forks copy only the first sampled token)
                 continue
+            num_decodes += 1
             # never draft past max_tokens (the bonus token is the last one) or the context
             cap = min(spec.num_speculative_tokens, seq.request.params.max_tokens - seq.num_output_tokens - 1,
                       self.max_model_len - len(seq.token_ids))
