@@ -1,4 +1,5 @@
-"""One small HTTP/1.1 server for probes and metrics: ``/healthz``, ``/readyz``, ``/metrics``.
+"""One small HTTP/1.1 server for probes and metrics: ``/healthz``, ``/startupz``, ``/readyz``,
+``/metrics``.
 
 Raw asyncio streams, one request per connection. It must never stall the worker's event loop
 nor take what the worker needs: a request's head is read under one deadline and a size bound,
@@ -68,8 +69,10 @@ def _run_checks(checks: Mapping[str, Check]) -> tuple[bool, dict[str, bool]]:
 
 
 class TelemetryServer:
-    """Serves ``/healthz`` (all ``liveness`` checks), ``/readyz`` (all ``readiness`` checks,
-    e.g. model loaded, warm-up done, consumer in its group) and ``/metrics``.
+    """Serves ``/healthz`` (all ``liveness`` checks), ``/startupz`` (the ``liveness`` and the
+    ``startup`` checks, e.g. model loaded: a startup probe that passes only then bounds the time a
+    load may take), ``/readyz`` (all ``readiness`` checks, e.g. model loaded, warm-up done,
+    consumer in its group) and ``/metrics``.
 
     Each probe answers 200 or 503 with a JSON body naming every check, so an operator can see
     which one failed. ``port=0`` picks a free port (read ``.port`` after ``start``).
@@ -83,11 +86,13 @@ class TelemetryServer:
         metrics: WorkerMetrics | None = None,
         liveness: Mapping[str, Check] | None = None,
         readiness: Mapping[str, Check] | None = None,
+        startup: Mapping[str, Check] | None = None,
     ):
         self.host, self.port = host, port
         self.metrics = metrics
         self.liveness = dict(liveness or {})
         self.readiness = dict(readiness or {})
+        self.startup = {**self.liveness, **(startup or {})}
         self._server: asyncio.base_events.Server | None = None
         self._open: dict[asyncio.StreamWriter, None] = {}  # open connections, oldest first
 
@@ -126,6 +131,8 @@ class TelemetryServer:
             return self._probe(self.liveness)
         if path == "/readyz":
             return self._probe(self.readiness)
+        if path == "/startupz":
+            return self._probe(self.startup)
         if path == "/metrics" and self.metrics is not None:
             body, ctype = await asyncio.to_thread(self.metrics.render, headers.get("accept"))
             return 200, ctype, body

@@ -143,7 +143,8 @@ class Worker:
         name = s.model_name or (self.engine.model_name if self.engine is not None else os.path.basename(os.path.normpath(s.model or "model")))
         self.metrics = WorkerMetrics(name)
         if s.http_port >= 0:
-            # up before the model loads, so a startup probe sees a live process
+            # up before the model loads: /healthz answers while it loads, /startupz once it has
+            model_loaded = lambda: self.engine is not None and bool(getattr(self.engine, "ready", False))  # noqa: E731
             self.http = TelemetryServer(
                 s.http_host,
                 s.http_port,
@@ -154,8 +155,9 @@ class Worker:
                     # a dead tensor-parallel rank: the worker is exiting; red until it has
                     "engine_executors": lambda: getattr(self.engine, "fatal", None) is None,
                 },
+                startup={"model_loaded": model_loaded, "warmed_up": lambda: self.warmed_up},
                 readiness={
-                    "model_loaded": lambda: self.engine is not None and bool(getattr(self.engine, "ready", False)),
+                    "model_loaded": model_loaded,
                     "warmed_up": lambda: self.warmed_up,
                     "in_group": lambda: self.group_health is not None and self.group_health.ready(),
                     "not_draining": lambda: not self.draining,

@@ -102,9 +102,10 @@ def check_invariants(r, merged: dict[str, Any]) -> None:
     assert cfg["QWORKER_DEVICE"] == ("cuda" if merged["gpu"]["enabled"] else "cpu")
     assert {"configMapRef": {"name": r.config_map["metadata"]["name"]}} in c["envFrom"]
 
-    # Signals: the grace period outlasts the drain.
+    # Signals: the grace period outlasts the drain and the broker steps after it (20 s) and the
+    # trace flush (5 s).
     drain = int(cfg["QWORKER_DRAIN_TIMEOUT_S"])
-    assert pod["terminationGracePeriodSeconds"] > drain
+    assert pod["terminationGracePeriodSeconds"] >= drain + 25
 
     # Rollouts never drop capacity.
     strategy = dep["spec"]["strategy"]
@@ -118,7 +119,7 @@ def check_invariants(r, merged: dict[str, Any]) -> None:
     for probe, path in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")]:
         assert c[probe]["httpGet"] == {"path": path, "port": "http"}
     startup = c["startupProbe"]
-    assert startup["httpGet"]["port"] == "http"
+    assert startup["httpGet"] == {"path": "/startupz", "port": "http"}  # passes once the model is loaded
     budget = startup["periodSeconds"] * startup["failureThreshold"]
     liveness = c["livenessProbe"]
     assert budget >= 300 and budget > liveness["periodSeconds"] * liveness["failureThreshold"]
@@ -422,8 +423,8 @@ def test_lag_threshold_is_sized_to_pod_capacity(render):
 
 def test_grace_period_follows_the_drain(render):
     assert render({"worker": {"drainTimeoutSeconds": 200}}).pod["terminationGracePeriodSeconds"] == 230
-    r = render({"worker": {"drainTimeoutSeconds": 200}, "terminationGracePeriodSeconds": 201})
-    assert r.pod["terminationGracePeriodSeconds"] == 201
+    r = render({"worker": {"drainTimeoutSeconds": 200}, "terminationGracePeriodSeconds": 225})
+    assert r.pod["terminationGracePeriodSeconds"] == 225
 
 
 def test_scale_to_zero_only_with_keda(rendered_cases):
@@ -469,6 +470,8 @@ INVALID_CASES = [
     ("hpa-cpu-without-request", {"autoscaling": {"keda": {"enabled": False}},
                                  "resources": {"requests": {"cpu": None}}}, "requests.cpu"),
     ("grace-not-above-drain", {"terminationGracePeriodSeconds": 120}, "terminationGracePeriodSeconds"),
+    # helper-72: drain + 1 rendered, but the broker steps (20 s) and the trace flush (5 s) follow the drain
+    ("grace-without-the-broker-steps", {"terminationGracePeriodSeconds": 144}, "+ 25"),
     ("grace-below-long-drain", {"worker": {"drainTimeoutSeconds": 600},
                                 "terminationGracePeriodSeconds": 300}, "drainTimeoutSeconds"),
     ("sasl-without-credentials", {"kafka": {"sasl": {"enabled": True}}}, "kafka.sasl"),

@@ -185,3 +185,23 @@ async def test_a_flood_of_idle_connections_is_bounded_and_probes_are_still_answe
             w.close()
     finally:
         await server.stop()
+
+
+async def test_startupz_passes_only_once_the_model_is_loaded():
+    """The chart's startup probe hit /healthz, which passes while the model loads (liveness holds
+    then), so its load budget bounded nothing: a load that hung was never restarted. /startupz
+    adds the startup checks to liveness."""
+    state = {"model_loaded": False, "alive": True}
+    server = TelemetryServer("127.0.0.1", 0, liveness={"alive": lambda: state["alive"]},
+                             startup={"model_loaded": lambda: state["model_loaded"]})
+    await server.start()
+    try:
+        assert (await get(server.port, "/healthz"))[0] == 200
+        status, _, body = await get(server.port, "/startupz")
+        assert status == 503 and json.loads(body)["checks"] == {"alive": True, "model_loaded": False}
+        state["model_loaded"] = True
+        assert (await get(server.port, "/startupz"))[0] == 200
+        state["alive"] = False
+        assert (await get(server.port, "/startupz"))[0] == 503
+    finally:
+        await server.stop()

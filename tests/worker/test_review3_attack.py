@@ -453,12 +453,28 @@ def test_a_second_sigterm_while_the_model_loads_stops_at_once(tmp_path: Path, ti
     the loading thread (the real command otherwise)."""
     import signal
 
+    import urllib.error
+    import urllib.request
+
+    from qworker.broker import free_port
+
+    def probe(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", None, 5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
     script = tmp_path / "run_worker.py"
     script.write_text(_LOADS_FOR_AN_HOUR)
+    port = free_port()
     p = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=_clean_env(QWORKER_MODEL=str(tiny_model_dir), QWORKER_LOG_LEVEL="INFO"))
+                         env=_clean_env(QWORKER_MODEL=str(tiny_model_dir), QWORKER_LOG_LEVEL="INFO", QWORKER_HTTP_PORT=str(port),
+                                        QWORKER_HTTP_HOST="127.0.0.1"))
     try:
         assert p.stdout is not None and p.stdout.readline() == b"LOADING\n", p.communicate()[1].decode()[-2000:]
+        # while it loads the pod is alive but not started: the chart's startup probe waits on /startupz
+        assert (probe("/healthz"), probe("/startupz")) == (200, 503)
         p.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert p.poll() is None, "the first SIGTERM waits for the load"

@@ -53,8 +53,10 @@ Every template includes this, so a bad combination fails `helm install` and
 
 {{- $grace := int (include "qworker.gracePeriod" .) -}}
 {{- $drain := int $v.worker.drainTimeoutSeconds -}}
-{{- if le $grace $drain -}}
-{{- fail (printf "qworker: terminationGracePeriodSeconds (%d) must be greater than worker.drainTimeoutSeconds (%d), or the kubelet kills the worker mid-drain and its jobs run twice; leave it empty for drain + 30" $grace $drain) -}}
+{{- /* after the drain the stop waits up to 20 s on the broker (commit, leave the group, flush)
+     and 5 s on the trace exporter: a shorter grace period kills it there */ -}}
+{{- if lt $grace (add $drain 25) -}}
+{{- fail (printf "qworker: terminationGracePeriodSeconds (%d) must be at least worker.drainTimeoutSeconds (%d) + 25 (the broker steps and the trace flush after the drain), or the kubelet kills the worker before it commits and its jobs run twice; leave it empty for drain + 30" $grace $drain) -}}
 {{- end -}}
 
 {{- if $k.sasl.enabled -}}
