@@ -204,3 +204,6 @@ async def test_gauges_move_while_a_commit_hangs(tiny_engine, topics, raw_results
         await w.stop(1.0)
     assert max(seen) == 1, "running_jobs never showed the running job"
     assert final[("qworker:running_jobs", ())] == 0 and final[("qworker:assigned_partitions", ())] == 4
+    # every owned partition has its lag series, the three that never held a record too (helper-72)
+    lags = {dict(k[1])["partition"]: v for k, v in final.items() if k[0] == "qworker:consumer_lag"}
+    assert lags == {"0": 0, "1": 0, "2": 0, "3": 0}, lags
