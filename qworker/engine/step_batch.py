@@ -35,8 +35,7 @@ def prepare(sched: SchedulerOutput, now: float, lora_slots: dict[int, int] | Non
 
 
 def _batch_rank(s: ScheduledSeq) -> int:
-    start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
-    if end <= s.seq.num_prompt_tokens:
+    if s.seq.num_computed_tokens + s.num_new_tokens <= s.seq.num_prompt_tokens:
         return 3  # prompt only: extended
     return 0 if s.num_new_tokens == 1 else 1 if s.draft else 2
 
