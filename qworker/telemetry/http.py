@@ -2,12 +2,13 @@
 ``/metrics``.
 
 Raw asyncio streams, one request per connection. It must never stall the worker's event loop
-nor take what the worker needs: a request's head is read under one deadline and a size bound,
-at most ``MAX_CONNECTIONS`` connections are open at once (a new one closes the oldest, so slow
-clients cannot hold file descriptors the Kafka client needs, and a probe, which sends its
-request at once, is still served during such a flood), probe checks are plain callables that
-must be cheap (they run on the loop), and the metrics exposition (which calls the engine's
-``stats()`` and formats every series) runs in a worker thread.
+nor take what the worker needs: a request's head is read under one deadline and a size bound;
+beyond ``MAX_CONNECTIONS`` open connections a new one closes the oldest that has been open for
+``MIN_AGE_S`` (so slow clients cannot hold the file descriptors the Kafka client needs, while a
+probe, which is answered within milliseconds, is never the one closed, even amid a burst of
+connections); probe checks are plain callables that must be cheap (they run on the loop), and
+the metrics exposition (which calls the engine's ``stats()`` and formats every series) runs in a
+worker thread.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ Check = Callable[[], bool]
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request", 500: "Internal Server Error", 503: "Service Unavailable"}
 _MAX_HEADER_LINES = 100
 _READ_TIMEOUT_S = 5.0  # for a whole request head, and for writing the answer
-MAX_CONNECTIONS = 32
+MAX_CONNECTIONS = 128
+MIN_AGE_S = 1.0  # a connection younger than this is never closed for a newer one
 
 
 class EngineLiveness:
@@ -94,7 +96,7 @@ class TelemetryServer:
         self.readiness = dict(readiness or {})
         self.startup = {**self.liveness, **(startup or {})}
         self._server: asyncio.base_events.Server | None = None
-        self._open: dict[asyncio.StreamWriter, None] = {}  # open connections, oldest first
+        self._open: dict[asyncio.StreamWriter, float] = {}  # open connections -> when, oldest first
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=16 * 1024)
@@ -145,9 +147,12 @@ class TelemetryServer:
         return (200 if ok else 503), "application/json", body
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._open[writer] = None
+        now = time.monotonic()
+        self._open[writer] = now
         while len(self._open) > MAX_CONNECTIONS:
-            oldest = next(iter(self._open))
+            oldest, since = next(iter(self._open.items()))
+            if now - since < MIN_AGE_S:
+                break  # a burst: those younger are bounded by the accept rate
             del self._open[oldest]
             oldest.transport.abort()  # its reader sees the connection lost and ends
         try:

@@ -160,30 +160,42 @@ async def _eof_within(reader: asyncio.StreamReader, timeout: float) -> bool:
         return True
 
 
-async def test_a_flood_of_idle_connections_is_bounded_and_probes_are_still_answered():
+async def test_a_flood_of_idle_connections_is_bounded_and_probes_are_still_answered(monkeypatch):
     """Slow clients held one file descriptor each without bound (1,100 of them starved the
-    worker's Kafka client of sockets and the probes timed out): at most MAX_CONNECTIONS are
-    open, a new one closes the oldest, and a probe, which sends its request at once, is served."""
-    from qworker.telemetry.http import MAX_CONNECTIONS
+    worker's Kafka client of sockets and the probes timed out): beyond MAX_CONNECTIONS a new
+    connection closes the oldest ones that have been open for MIN_AGE_S; a probe amid a burst of
+    younger connections is answered (helper-73: closing by arrival alone aborted probes that
+    arrived just before a burst)."""
+    from qworker.telemetry import http
 
+    monkeypatch.setattr(http, "MAX_CONNECTIONS", 16)
+    monkeypatch.setattr(http, "MIN_AGE_S", 0.5)
     server = TelemetryServer("127.0.0.1", 0, liveness={"ok": lambda: True})
     await server.start()
-    try:
-        clients = []
-        for _ in range(3 * MAX_CONNECTIONS):
+    clients = []
+
+    async def idle_clients(n: int) -> None:
+        for _ in range(n):
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
             clients.append((reader, writer))
-        await asyncio.sleep(0.3)
-        assert len(server._open) <= MAX_CONNECTIONS
-        oldest_closed = [await _eof_within(r, 1.0) for r, _ in clients[: 2 * MAX_CONNECTIONS - 1]]
-        assert all(oldest_closed), f"{oldest_closed.count(False)} of the oldest still open"
-        assert not await _eof_within(clients[-1][0], 0.2), "the newest connection was closed"
-        status, _, body = await get(server.port, "/healthz")
+
+    try:
+        await idle_clients(40)
+        status, _, body = await get(server.port, "/healthz")  # amid 40 young connections
         assert status == 200 and json.loads(body)["status"] == "ok"
+        await asyncio.sleep(0.6)  # all 40 are old now
+        await idle_clients(1)
+        await asyncio.sleep(0.1)
+        assert len(server._open) <= 16
+        closed = [await _eof_within(r, 1.0) for r, _ in clients[:25]]
+        assert all(closed), f"{closed.count(False)} of the oldest still open"
+        assert not await _eof_within(clients[-1][0], 0.2), "the newest connection was closed"
+        status, _, _ = await get(server.port, "/healthz")
+        assert status == 200
+    finally:
         for _, w in clients:
             w.close()
-    finally:
         await server.stop()
 
 
