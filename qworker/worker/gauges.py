@@ -48,7 +48,7 @@ class Gauges:
                 if hw is not None:
                     # no record seen since it was assigned: its fetches found none past the
                     # position, so it is at its end (it had no series before: helper-72)
-                    w.metrics.set_consumer_lag(tp.topic, tp.partition, hw - (hw if c is None else c))
+                    w.metrics.set_consumer_lag(tp.topic, tp.partition, 0 if c is None else hw - c)
         w.metrics.retain_consumer_lag(owned)
         # job outcomes are counted by qworker:jobs_total{outcome}; these are the rest
         counters = {k: v for k, v in asdict(w.stats).items() if k not in ("completed", "cancelled", "errors", "dlq", "abandoned")}
