@@ -144,7 +144,6 @@ class Worker:
         self.metrics = WorkerMetrics(name)
         if s.http_port >= 0:
             # up before the model loads: /healthz answers while it loads, /startupz once it has
-            model_loaded = lambda: self.engine is not None and bool(getattr(self.engine, "ready", False))  # noqa: E731
             self.http = TelemetryServer(
                 s.http_host,
                 s.http_port,
@@ -155,9 +154,9 @@ class Worker:
                     # a dead tensor-parallel rank: the worker is exiting; red until it has
                     "engine_executors": lambda: getattr(self.engine, "fatal", None) is None,
                 },
-                startup={"model_loaded": model_loaded, "warmed_up": lambda: self.warmed_up},
+                startup={"model_loaded": self.model_loaded, "warmed_up": lambda: self.warmed_up},
                 readiness={
-                    "model_loaded": model_loaded,
+                    "model_loaded": self.model_loaded,
                     "warmed_up": lambda: self.warmed_up,
                     "in_group": lambda: self.group_health is not None and self.group_health.ready(),
                     "not_draining": lambda: not self.draining,
@@ -261,6 +260,9 @@ class Worker:
             return True
         loops_ok = all(not t.done() for t in self._loops)
         return loops_ok and (self._cancel_watcher is None or self._cancel_watcher.alive())
+
+    def model_loaded(self) -> bool:
+        return self.engine is not None and bool(getattr(self.engine, "ready", False))
 
     def _loop_ended(self, t: asyncio.Task) -> None:
         if not self.closed and not t.cancelled():
