@@ -219,6 +219,7 @@ class Worker:
             return
         self.consumer = AIOKafkaConsumer(**s.consumer_options())
         self.consumer.subscribe([s.jobs_topic], listener=kc.Listener(self.partitions.on_revoked, self.partitions.on_assigned))
+        kc.on_log_may_have_changed(self.consumer, self.tracker.suspect_all)
         await self._connect(self.consumer)
         self.pauser = kc.Pauser(self.consumer)
         self.group_health = kc.GroupHealth(self.consumer, TopicPartition(s.jobs_topic, 0), s.ready_timeout_s)

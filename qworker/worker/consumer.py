@@ -9,6 +9,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.cluster import ClusterMetadata
+from aiokafka.conn import CloseReason
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from qworker.worker.offsets import OffsetTracker
@@ -35,6 +37,36 @@ def generation(consumer: AIOKafkaConsumer) -> int:
     coord = getattr(consumer, "_coordinator", None)
     gen = getattr(coord, "generation", -1)
     return gen if isinstance(gen, int) and gen >= 0 else 0
+
+
+def on_log_may_have_changed(consumer: AIOKafkaConsumer, callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever a partition's log may have been replaced under the same
+    offsets: one of the consumer's connections broke or timed out (the broker behind it may
+    have restarted without its data), or a metadata update shows a subscribed partition with
+    another leader (a failover; an unclean one truncates) or gone (a topic deleted, perhaps to be
+    re-created). Must be called before the consumer starts. Wraps the client's own close
+    handler, which every connection is given when it opens, and listens to its cluster metadata
+    (private attributes: aiokafka offers no hook)."""
+    client = consumer._client  # noqa: SLF001
+    own = client._on_connection_closed  # noqa: SLF001
+
+    def closed(conn: object, reason: CloseReason) -> None:
+        if reason in (CloseReason.CONNECTION_BROKEN, CloseReason.CONNECTION_TIMEOUT):
+            callback()
+        own(conn, reason)
+
+    leaders: dict[TopicPartition, int | None] | None = None  # None: no metadata seen yet
+
+    def metadata_updated(cluster: ClusterMetadata) -> None:
+        nonlocal leaders
+        now = {TopicPartition(topic, p): cluster.leader_for_partition(TopicPartition(topic, p))
+               for topic in consumer.subscription() for p in cluster.partitions_for_topic(topic) or ()}
+        if leaders is not None and now != leaders:  # a leader moved, or partitions came or went
+            callback()
+        leaders = now
+
+    client._on_connection_closed = closed  # noqa: SLF001
+    client.cluster.add_listener(metadata_updated)
 
 
 class Pauser:

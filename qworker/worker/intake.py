@@ -24,6 +24,7 @@ from qworker.worker import consumer as kc
 from qworker.worker.decode import Decoded, Invalid, Unparseable, Valid, decode
 from qworker.worker.dlq import dlq_headers, with_original
 from qworker.worker.jobs import JobState, cancelled_completion, error_message, log_fields
+from qworker.worker.offsets import fingerprint
 from qworker.worker.wire import answer_headers
 from qworker.worker.wire import shape as answer_shape
 
@@ -53,6 +54,7 @@ class Intake:
     async def poll_once(self) -> None:
         w = self.w
         assert w.consumer is not None and w.pauser is not None and w.registry.wake is not None
+        await w.partitions.restart_due()
         # fetched and not yet admitted: the pending queue and the jobs whose grammar compiles (a
         # burst of distinct schemas would otherwise fetch the whole topic while they compile)
         held = len(w.registry.pending) + len(self.validating)
@@ -181,7 +183,7 @@ class Intake:
         w, reg, answers = self.w, self.w.registry, self.w.answers
         if tp not in w.consumer.assignment():
             return None  # revoked while this batch was being handled
-        if not w.tracker.add(tp, rec.offset):
+        if not w.tracker.add(tp, rec.offset, fingerprint(rec.timestamp, rec.key, rec.value)):
             w.stats.refetched += 1
             return None
         w.stats.records += 1

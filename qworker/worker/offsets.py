@@ -4,6 +4,12 @@ A committed offset ``c`` for a partition means: every job record below ``c`` is 
 completion, error or DLQ entry was published and acknowledged by the broker — so a new owner
 of the partition may start reading at ``c`` without losing a job. Records at or above ``c``
 may already be finished too; they are rerun after a crash (at-least-once).
+
+A partition is also withheld from commits while its log is *suspect*: after a connection to the
+broker broke, the broker may have come back with a new log whose offsets continue past ours
+(memory storage restarted, a topic re-created) while its records are not the ones we read. The
+last record read before the break (its offset and fingerprint, the *witness*) is then compared
+with what the log now holds at that offset before the partition is committed again.
 """
 
 from __future__ import annotations
@@ -19,6 +25,14 @@ class _Partition:
     high: int  # one past the highest offset seen; every offset below it was seen by us
     pending: set[int] = field(default_factory=set)
     committed: int | None = None  # last offset we committed (or learned was committed)
+    last_read: tuple[int, int] | None = None  # (offset, fingerprint) of the last record read that has one
+    witness: tuple[int, int] | None = None  # last_read when a connection broke, until the log is checked
+
+
+def fingerprint(timestamp: int, key: bytes | None, value: bytes | None) -> int:
+    """What tells two records at one offset apart: a new log's record has its own timestamp and,
+    almost always, its own job. Only compared within this process."""
+    return hash((timestamp, key, value))
 
 
 class OffsetTracker(Generic[TP]):
@@ -32,17 +46,19 @@ class OffsetTracker(Generic[TP]):
     def __init__(self) -> None:
         self._parts: dict[TP, _Partition] = {}
 
-    def add(self, tp: TP, offset: int) -> bool:
-        """Record a fetched offset as unfinished; False when it was already seen."""
+    def add(self, tp: TP, offset: int, fingerprint: int | None = None) -> bool:
+        """Record a fetched offset as unfinished; False when it was already seen. ``fingerprint``
+        (see ``fingerprint``) makes the record the partition's witness after a broken connection."""
         p = self._parts.get(tp)
         if p is None:
-            self._parts[tp] = _Partition(high=offset + 1, pending={offset})
-            return True
+            p = self._parts[tp] = _Partition(high=offset)
         if offset < p.high:
             return False
         # Offsets may skip (compaction, transaction markers): the gap holds no job.
         p.high = offset + 1
         p.pending.add(offset)
+        if fingerprint is not None:
+            p.last_read = (offset, fingerprint)
         return True
 
     def done(self, tp: TP, offset: int) -> None:
@@ -60,14 +76,32 @@ class OffsetTracker(Generic[TP]):
         return min(p.pending) if p.pending else p.high
 
     def to_commit(self, tps: list[TP] | None = None) -> dict[TP, int]:
-        """Partitions whose committable offset moved past the last commit."""
+        """Partitions whose committable offset moved past the last commit (suspect ones never)."""
         out: dict[TP, int] = {}
         for tp in self._parts if tps is None else tps:
             c = self.committable(tp)
             p = self._parts.get(tp)
-            if c is not None and p is not None and (p.committed is None or c > p.committed):
+            if c is not None and p is not None and p.witness is None and (p.committed is None or c > p.committed):
                 out[tp] = c
         return out
+
+    def suspect_all(self) -> None:
+        """A connection broke: every partition's log is suspect until its witness is checked. A
+        witness already waiting is kept: it is older, and what was read since is suspect too."""
+        for p in self._parts.values():
+            if p.witness is None:
+                p.witness = p.last_read
+
+    def witness(self, tp: TP) -> tuple[int, int] | None:
+        """(offset, fingerprint) the log must still hold before ``tp`` is committed; None if none."""
+        p = self._parts.get(tp)
+        return p.witness if p else None
+
+    def vouched(self, tp: TP) -> None:
+        """The log still holds the witness: ``tp`` may be committed again."""
+        p = self._parts.get(tp)
+        if p is not None:
+            p.witness = None
 
     def mark_committed(self, offsets: dict[TP, int]) -> None:
         for tp, off in offsets.items():

@@ -8,7 +8,8 @@ assignment. Invariants:
 - On a rebalance, jobs keep running until the assignment says which partitions actually moved;
   the lost ones' unfinished jobs are abandoned without committing (their next owner reruns them).
 - A kept partition whose group offset went below ours (log reset) starts afresh: its in-flight
-  jobs still answer, but mark no offsets of the new log.
+  jobs still answer, but mark no offsets of the new log. So does one whose log, after a broken
+  connection, no longer holds the record we read last (see ``check_witnesses``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from qworker.worker import consumer as kc
+from qworker.worker import rawfetch
 from qworker.worker.jobs import JobState
-from qworker.worker.offsets import OffsetTracker
+from qworker.worker.offsets import OffsetTracker, fingerprint
 
 if TYPE_CHECKING:
     from qworker.worker.app import Worker
@@ -49,6 +51,9 @@ class Partitions:
         self.joined = False  # the consumer joined its group (it may own no partition)
         self.revoked: set[TopicPartition] = set()
         self._shrunk_since: dict[TopicPartition, float] = {}  # see check_shrunk
+        # partitions to start afresh, why, and where to read again (None: the log's beginning);
+        # the poll loop does it between two fetches (see restart_due)
+        self._restarts_due: dict[TopicPartition, tuple[str, int | None]] = {}
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Commit what is done before ownership may move. Jobs keep running until we learn, in
@@ -57,7 +62,8 @@ class Partitions:
         w.stats.rebalances += 1
         self.epoch += 1
         self.revoked |= revoked
-        c, f = await kc.commit(w.consumer, self.tracker, list(revoked))
+        # not those whose log was found reset or short: the offset we hold belongs to the old log
+        c, f = await kc.commit(w.consumer, self.tracker, list(revoked - self._restarts_due.keys() - self._shrunk_since.keys()))
         w.stats.commits += c
         w.stats.commit_failures += f
 
@@ -151,11 +157,62 @@ class Partitions:
             log.debug("committed(%s) failed: %r", tp, e)
             return
         del self._shrunk_since[tp]
-        self.start_afresh(tp, f"its log now ends at {end}, below the {seen} we read: the log was reset")
-        if theirs is not None and theirs <= end:
-            self.w.consumer.seek(tp, theirs)
-        else:
-            await self.w.consumer.seek_to_beginning(tp)
+        self._restarts_due[tp] = (f"its log now ends at {end}, below the {seen} we read: the log was reset",
+                                  theirs if theirs is not None and theirs <= end else None)
+
+    async def check_witnesses(self, tps: list[TopicPartition]) -> list[TopicPartition]:
+        """Those of ``tps`` that may be committed this round as far as their logs' identity goes.
+
+        After a connection to the broker broke, every partition is suspect (``OffsetTracker.
+        suspect_all``): a broker that came back with a new log (memory storage restarted, a
+        topic re-created; a pod frozen through it) numbers new records from 0 again, and once
+        that log has grown past our position its offsets look continuous, so neither the shrink
+        check nor the group's offsets (the new broker takes our commit) show it. Its first
+        records would never be fetched, and our next commit would step over them. So the log is
+        asked for the record at the witness's offset: the same record vouches for the log;
+        another one, or none in a log that reaches past that offset (retention or compaction
+        removed it: the same answer is the safe one), starts the partition afresh from the log's
+        beginning (the group's offset may be the old log's). A log that does not reach the
+        witness yet, or a broker that cannot be asked, leaves the partition suspect and
+        uncommitted until a later round (a log that stays short is ``check_shrunk``'s)."""
+        deadline = asyncio.get_running_loop().time() + KEPT_CHECK_TIMEOUT_S
+        kept = []
+        for tp in tps:
+            witness = self.tracker.witness(tp)
+            if witness is None:
+                kept.append(tp)
+                continue
+            offset, known = witness
+            try:
+                async with asyncio.timeout_at(deadline):
+                    now = await rawfetch.record_at(self.w.consumer, tp, offset)
+            except (KafkaError, LookupError, TimeoutError) as e:
+                log.debug("record_at(%s, %d) failed: %r", tp, offset, e)
+                continue
+            if now is None:
+                continue
+            if not isinstance(now, str) and fingerprint(now.timestamp, now.key, now.value) == known:
+                self.tracker.vouched(tp)
+                kept.append(tp)
+                continue
+            why = now if isinstance(now, str) else f"offset {offset} holds another record than the one we read there"
+            self._restarts_due[tp] = (f"after a broken connection, {why}: the log was replaced", None)
+        return kept
+
+    async def restart_due(self) -> None:
+        """Start afresh the partitions the commit loop found reset, and seek them. Called by the
+        poll loop between two fetches: records of the old position still being decoded would
+        otherwise land in the fresh tracker and mark the offsets below them seen (the rewound
+        fetch would skip those jobs, the next commit step over them). Until then the partition
+        is not committed (``commit`` leaves it out)."""
+        for tp, (why, offset) in list(self._restarts_due.items()):
+            if tp in self.w.consumer.assignment():  # else moved away: its new owner reads from the group's offset
+                self.start_afresh(tp, why)
+                if offset is not None:
+                    self.w.consumer.seek(tp, offset)
+                else:  # a failure raises before the entry goes: the next round does it again
+                    await self.w.consumer.seek_to_beginning(tp)
+            del self._restarts_due[tp]
 
     def abandon(self, lost: set[TopicPartition]) -> None:
         """Abort the lost partitions' unfinished jobs without committing them: the new owner
@@ -194,6 +251,7 @@ class Partitions:
                 w.intake.queue(heir, w.intake.precheck(heir) if st.params is None else None)
         for tp in lost:
             self.tracker.drop(tp)
+            self._restarts_due.pop(tp, None)
 
     async def commit_loop(self) -> None:
         w = self.w
@@ -207,7 +265,8 @@ class Partitions:
     async def commit(self) -> None:
         w = self.w
         assigned = w.consumer.assignment()
-        mine = await self.check_shrunk([tp for tp in self.tracker.partitions() if tp in assigned])
+        mine = await self.check_shrunk([tp for tp in self.tracker.partitions() if tp in assigned and tp not in self._restarts_due])
+        mine = await self.check_witnesses(mine)
         c, f = await kc.commit(w.consumer, self.tracker, mine)
         w.stats.commits += c
         w.stats.commit_failures += f

@@ -111,23 +111,60 @@ def parse(tp: TopicPartition, data: bytes) -> list[RawRecord]:
     return out
 
 
-async def _fetch(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = FETCH_BYTES, max_wait_ms: int = FETCH_WAIT_MS) -> bytes:
-    """The raw record-set bytes one fetch of ``tp`` from ``offset`` returns (the broker may start
-    them before ``offset``: it serves whole batches). Uses the consumer's client (a private
-    attribute: aiokafka offers no raw fetch)."""
+async def _fetch_partition(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = FETCH_BYTES,
+                           max_wait_ms: int = FETCH_WAIT_MS) -> tuple[int, int, bytes]:
+    """(error code, high watermark, raw record-set bytes) of one fetch of ``tp`` from ``offset``
+    (the broker may start the bytes before ``offset``: it serves whole batches). Uses the
+    consumer's client (a private attribute: aiokafka offers no raw fetch). Raises KafkaError when
+    the request fails and LookupError when the partition has no known leader."""
     client = consumer._client  # noqa: SLF001
     node = client.cluster.leader_for_partition(tp)
     if node is None or node < 0:
-        return b""
+        raise LookupError(f"no leader known for {tp.topic}/{tp.partition}")
     req = FetchRequest(max_wait_ms, 1, max_bytes, 0, [(tp.topic, [(tp.partition, offset, max_bytes)])])
     resp = await client.send(node, req)
-    return b"".join(rest[-1] or b"" for _topic, parts in resp.topics for partition, error_code, _hw, *rest in parts
-                    if partition == tp.partition and error_code == 0)
+    for _topic, parts in resp.topics:
+        for partition, error_code, high_watermark, *rest in parts:
+            if partition == tp.partition:
+                return error_code, high_watermark, rest[-1] or b""
+    raise LookupError(f"the fetch answer holds no {tp.topic}/{tp.partition}")
+
+
+async def _fetch(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = FETCH_BYTES, max_wait_ms: int = FETCH_WAIT_MS) -> bytes:
+    """The raw record-set bytes one fetch of ``tp`` from ``offset`` returns; none on any error."""
+    try:
+        error_code, _hw, data = await _fetch_partition(consumer, tp, offset, max_bytes, max_wait_ms)
+    except LookupError:
+        return b""
+    return data if error_code == 0 else b""
 
 
 async def fetch_raw(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int, max_bytes: int = FETCH_BYTES, max_wait_ms: int = FETCH_WAIT_MS) -> list[RawRecord]:
     """The records of ``tp`` from ``offset`` on, as far as one fetch of ``max_bytes`` reaches."""
     return [r for r in parse(tp, await _fetch(consumer, tp, offset, max_bytes, max_wait_ms)) if r.offset >= offset]
+
+
+OFFSET_OUT_OF_RANGE = 1  # Kafka's error code
+
+
+async def record_at(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int) -> RawRecord | None | str:
+    """What ``tp``'s log holds at ``offset`` now: the record; None when the log does not reach
+    ``offset`` yet (or the answer says nothing: ask again later); or, as a string, why the record
+    is gone from a log that reaches past it (below the log's start, or removed from its batch).
+    Raises KafkaError or LookupError when the broker cannot be asked."""
+    error_code, high_watermark, data = await _fetch_partition(consumer, tp, offset, max_wait_ms=0)
+    reaches = high_watermark is not None and high_watermark > offset
+    if error_code == OFFSET_OUT_OF_RANGE and reaches:
+        return f"offset {offset} lies below the log's start"
+    if error_code != 0 or not reaches:
+        return None
+    records = parse(tp, data)
+    for r in records:
+        if r.offset == offset:
+            return r
+    if any(r.offset > offset for r in records):
+        return f"offset {offset} holds no record any more"
+    return None
 
 
 @dataclass(slots=True)

@@ -251,3 +251,60 @@ async def test_jobs_after_the_log_starts_over_are_not_mistaken_for_refetches(eng
             await r.stop()
     finally:
         stop_broker(broker)
+
+
+async def test_a_log_replaced_while_the_worker_was_frozen_is_read_from_its_start(engines, tmp_path) -> None:
+    """helper-71: a broker that restarted without its data while the worker was stopped (a pod
+    frozen, a slow reconnect) and whose new log grew past the worker's position before the
+    worker fetched again. Its offsets look continuous: the worker fetched on from its old
+    position, and its next commit stepped over the new log's first jobs (never answered). Now
+    every partition is suspect after a broken connection until the log still holds the record
+    read there last; here it holds another job, so the partition is read from its start."""
+    import threading
+
+    from qworker.broker import start_broker, stop_broker
+    from qworker.worker.client import create_topics, submit
+
+    from .conftest import make_settings
+
+    broker = start_broker(log_dir=tmp_path)
+    try:
+        s = make_settings(broker.bootstrap)
+        await create_topics(s, partitions=1)
+        eng = await engines()
+        r = await Results(s).start()
+        w = await started(s, eng)
+        try:
+            await submit(s, [job(f"a{i}", max_tokens=1) for i in range(3)])
+            await r.wait(lambda: len(r.completions) == 3, 30, "the first jobs")
+            await wait_committed(s, partitions=1)
+
+            def restart_and_refill() -> None:  # memory storage: topics, records and offsets gone
+                broker.restart()
+
+                async def refill() -> None:
+                    deadline = time.monotonic() + 30
+                    while True:  # the operator re-creates the topic; producers resubmit at once
+                        try:
+                            await create_topics(s, partitions=1)
+                            break
+                        except Exception:  # noqa: BLE001 - the broker is still coming up
+                            assert time.monotonic() < deadline
+                            await asyncio.sleep(0.5)
+                    await submit(s, [job(f"b{i}", max_tokens=1) for i in range(6)])
+
+                asyncio.run(refill())
+
+            # run on another thread while this loop, the worker's, is blocked: a frozen pod
+            t = threading.Thread(target=restart_and_refill)
+            t.start()
+            t.join()
+            await r.stop()
+            r = await Results(s).start()
+            await r.wait(lambda: {f"b{i}" for i in range(6)} <= set(r.completions), 60, "every job of the new log")
+            await wait_committed(s, partitions=1)
+        finally:
+            await w.stop(drain_timeout_s=5)
+            await r.stop()
+    finally:
+        stop_broker(broker)

@@ -404,12 +404,137 @@ def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit(monkeypatch)
         await w.partitions.commit()
         time.sleep(0.35)
         await w.partitions.commit()
+        # believed now; the poll loop starts them afresh between two fetches, not the commit loop
+        assert not c.rewound and not c.sought and running.tp == reset
+        await w.partitions.commit()
+        await w.partitions.restart_due()
 
     asyncio.run(rounds())
     assert c.rewound == [reset] and c.sought == [(truncated, 4)] and running.tp == DETACHED
     assert all(reset not in done for done in c.commits), "nothing of the reset log is committed"
     assert w.tracker.add(reset, 0) and w.tracker.add(truncated, 4), "the new logs' records count as new"
 
+
+
+def test_a_broken_connection_withholds_commits_until_the_log_still_holds_what_was_read(monkeypatch) -> None:
+    """helper-71: a broker that came back with a new log grown past our position (memory storage
+    restarted; a pod frozen through it) looks continuous, and our next commit stepped over the
+    new log's first jobs. After a broken connection every partition is suspect: it is committed
+    again only once the log holds the record read last before the break (the witness) at its
+    offset. Another record there, or none in a log that reaches past it, restarts the partition
+    from the log's start (from the poll loop, between two fetches); a log not reaching it yet, or
+    a broker that cannot be asked, keeps it suspect and uncommitted."""
+    import asyncio
+
+    from aiokafka.errors import KafkaConnectionError
+    from aiokafka.structs import TopicPartition
+
+    from qworker.worker import app as app_mod
+    from qworker.worker import rawfetch
+    from qworker.worker.jobs import JobState
+    from qworker.worker.offsets import fingerprint
+    from qworker.worker.partitions import DETACHED
+
+    same, replaced, short, gone, down = (TopicPartition("jobs", p) for p in range(5))
+
+    def rec(tp, off, ts):
+        return rawfetch.RawRecord(tp.topic, tp.partition, off, ts, b"k%d" % off, b"v%d" % off, [])
+
+    logs = {same: rec(same, 3, 1000), replaced: rec(replaced, 3, 2000), short: None, gone: "offset 3 lies below the log's start"}
+
+    async def record_at(consumer, tp, offset):
+        assert offset == 3, "the witness is the last record read before the break"
+        if tp == down:
+            raise KafkaConnectionError("no broker")
+        return logs[tp]
+
+    monkeypatch.setattr(rawfetch, "record_at", record_at)
+
+    class Consumer:
+        commits: list = []
+        rewound: list = []
+
+        def assignment(self):
+            return {same, replaced, short, gone, down}
+
+        def highwater(self, tp):
+            return 100
+
+        async def seek_to_beginning(self, *tps):
+            self.rewound += tps
+
+        async def commit(self, offsets):
+            self.commits.append(dict(offsets))
+
+    w = app_mod.Worker(WorkerSettings())
+    w.consumer = c = Consumer()
+    tps = sorted(c.assignment(), key=lambda tp: tp.partition)
+    for tp in tps:
+        for off in range(4):
+            w.tracker.add(tp, off, fingerprint(1000, b"k%d" % off, b"v%d" % off))
+            w.tracker.done(tp, off)
+    running = JobState(job=Job(id="running", prompt="x"), tp=replaced, offset=5, produced_at=0.0, received_at=0.0)
+    w.registry.jobs["running"] = running
+
+    async def rounds() -> None:
+        await w.partitions.commit()
+        assert c.commits == [{tp: 4 for tp in tps}]
+        w.tracker.suspect_all()  # a connection broke
+        w.tracker.suspect_all()  # and again: the first witness stays
+        for tp in tps:  # read since, maybe from a new log; a record of unknown identity changes no witness
+            w.tracker.add(tp, 4, fingerprint(5000, b"new", b"new"))
+            w.tracker.add(tp, 5)
+            w.tracker.done(tp, 4)
+            w.tracker.done(tp, 5)
+        await w.partitions.commit()
+        assert c.commits[-1] == {same: 6}, "only the log that still holds the witness is committed"
+        assert not c.rewound and running.tp == replaced, "the commit loop itself seeks nothing"
+        await w.partitions.restart_due()
+        assert sorted(tp.partition for tp in c.rewound) == [replaced.partition, gone.partition]
+        assert running.tp == DETACHED
+        await w.partitions.commit()
+        assert len(c.commits) == 2, "a short log and an unreachable broker stay suspect"
+        logs[short] = rec(short, 3, 1000)  # the trailing leader caught up
+        await w.partitions.commit()
+        assert c.commits[-1] == {short: 6}
+
+    asyncio.run(rounds())
+    assert w.tracker.add(replaced, 0) and w.tracker.add(gone, 0), "the new logs' records count as new"
+
+
+def test_a_broken_connection_or_a_moved_leader_makes_partitions_suspect() -> None:
+    """The triggers of the check above: a connection that broke or timed out (not one closed
+    for idling or at shutdown), and metadata showing a subscribed partition led by another
+    broker or gone (not the first metadata, nor one that changes nothing)."""
+    import asyncio
+
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.conn import CloseReason
+    from aiokafka.protocol.metadata import MetadataResponse_v0
+
+    from qworker.worker import consumer as kc
+
+    def metadata(leaders: dict[int, int], topic: str = "jobs") -> MetadataResponse_v0:
+        return MetadataResponse_v0(brokers=[(0, "127.0.0.1", 1), (1, "127.0.0.1", 2)],
+                                   topics=[(0, topic, [(0, p, leader, [0, 1], [0, 1]) for p, leader in leaders.items()])])
+
+    async def check() -> list[int]:
+        consumer = AIOKafkaConsumer(bootstrap_servers="127.0.0.1:1")
+        consumer.subscribe(["jobs"])
+        calls: list[int] = []
+        kc.on_log_may_have_changed(consumer, lambda: calls.append(1))
+        for reason in CloseReason:
+            consumer._client._on_connection_closed(object(), reason)
+        assert len(calls) == 2, "broken and timed out only"
+        cluster = consumer._client.cluster
+        for leaders, topic, suspect in (({0: 0, 1: 0}, "jobs", False), ({0: 0, 1: 0}, "jobs", False), ({0: 0, 1: 1}, "jobs", True),
+                                        ({0: 0, 1: 1}, "other", True), ({0: 0, 1: 1}, "jobs", True), ({0: 0, 1: 1}, "jobs", False)):
+            before = len(calls)
+            cluster.update_metadata(metadata(leaders, topic))
+            assert len(calls) - before == suspect, (leaders, topic)
+        return calls
+
+    asyncio.run(check())
 
 
 def test_first_refused_takes_the_whole_batch_aiokafka_refuses() -> None:
