@@ -163,10 +163,10 @@ class Partitions:
     async def check_witnesses(self, tps: list[TopicPartition]) -> list[TopicPartition]:
         """Those of ``tps`` that may be committed this round as far as their logs' identity goes.
 
-        After a connection to the broker broke, every partition is suspect (``OffsetTracker.
-        suspect_all``): a broker that came back with a new log (memory storage restarted, a
-        topic re-created; a pod frozen through it) numbers new records from 0 again, and once
-        that log has grown past our position its offsets look continuous, so neither the shrink
+        After a connection to the broker broke (or a leader moved), every partition is suspect
+        (``OffsetTracker.suspect_all``): a broker that came back with a new log (memory storage
+        restarted, a topic re-created; a pod frozen through it) numbers new records from 0 again,
+        and once that log has grown past our position its offsets look continuous, so neither the shrink
         check nor the group's offsets (the new broker takes our commit) show it. Its first
         records would never be fetched, and our next commit would step over them. So the log is
         asked for the record at the witness's offset: the same record vouches for the log;
@@ -196,7 +196,7 @@ class Partitions:
                 kept.append(tp)
                 continue
             why = now if isinstance(now, str) else f"offset {offset} holds another record than the one we read there"
-            self._restarts_due[tp] = (f"after a broken connection, {why}: the log was replaced", None)
+            self._restarts_due[tp] = (f"{why} (checked after a connection broke or a leader moved): the log was replaced", None)
         return kept
 
     async def restart_due(self) -> None:
