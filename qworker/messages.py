@@ -344,8 +344,12 @@ def _json(data: Any) -> bytes:
         return json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode()
 
 
+DECODER_DEPTH = 1024  # how deep ``loads`` nests: orjson's limit; the stdlib fallback stops near the recursion limit
+
+
 def loads(raw: bytes) -> Any:
-    """Parse JSON; falls back to the stdlib for valid JSON orjson rejects (integers beyond 64 bits)."""
+    """Parse JSON; falls back to the stdlib for valid JSON orjson rejects (integers beyond 64 bits).
+    Valid JSON nested deeper than ``DECODER_DEPTH`` raises: ``jsonscan`` reads it."""
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:

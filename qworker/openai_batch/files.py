@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from qworker.messages import Completion, JobError, loads
+from qworker.jsonscan import NotJson, scan
+from qworker.messages import DECODER_DEPTH, Completion, JobError, loads
 from qworker.openai_batch.requests import ENDPOINTS, OpenAIRequest, is_openai_line, looks_like_openai_line
 from qworker.openai_batch.results import IdText, error_line, output_line
 from qworker.client import MAX_JOB_RECORD_BYTES
@@ -76,8 +77,7 @@ def classify(number: int, raw: bytes) -> InputLine:
     try:
         data = loads(raw)
     except (ValueError, RecursionError) as e:
-        line.problem = f"not valid JSON ({str(e)[:200]})"
-        return line
+        return _too_deep_or_not_json(line, e)
     if not isinstance(data, dict):
         line.problem = f"a JSON {type(data).__name__}, not an object"
         return line
@@ -95,6 +95,23 @@ def classify(number: int, raw: bytes) -> InputLine:
         line.code = "request_too_large"
         return line
     line.key = data[field]
+    return line
+
+
+def _too_deep_or_not_json(line: InputLine, err: BaseException) -> InputLine:
+    """The decoder refused the line. Valid JSON nested deeper than it goes (1,024 levels) still
+    names its line: read without recursion, its string ``custom_id``/``id`` is the answer's id
+    (as the worker, sent such a record, answers it ``invalid_job`` under that id)."""
+    try:
+        found = scan(line.raw, {"id", "custom_id"})
+    except (NotJson, RecursionError, MemoryError):
+        line.problem = f"not valid JSON ({str(err)[:200]})"
+        return line
+    if not found.is_object:
+        line.problem = f"a JSON value nested {found.depth} levels deep, not an object"
+        return line
+    line.data = {k: v for k, v in found.fields.items() if isinstance(v, str)}
+    line.problem = f"the JSON nests {found.depth} levels deep; the decoder takes at most {DECODER_DEPTH}"
     return line
 
 

@@ -14,9 +14,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from qworker.job_ids import usable_id
-from qworker.messages import MAX_ID_LEN, Job, bounded_metadata, loads
+from qworker.jsonscan import NotJson, scan
+from qworker.messages import DECODER_DEPTH, MAX_ID_LEN, Job, bounded_metadata, loads
 from qworker.openai_batch.requests import OpenAIRequest, RequestError, is_openai_line, map_line
-from qworker.worker.jsonscan import NotJson, scan
 
 
 @dataclass(slots=True)
@@ -110,7 +110,7 @@ def _undecodable(value: bytes, err: BaseException) -> Decoded:
         return Unparseable("not_json", f"not valid JSON: {str(err)[:500]}")
     if not found.is_object:
         return Unparseable("not_object", f"JSON nests {found.depth} levels deep and is not an object")
-    message = f"the job's JSON nests {found.depth} levels deep; the decoder takes at most {_DECODER_DEPTH}"
+    message = f"the job's JSON nests {found.depth} levels deep; the decoder takes at most {DECODER_DEPTH}"
     if "custom_id" in found.fields:  # an OpenAI request line, as is_openai_line tells them apart
         cid = found.fields["custom_id"]
         if not usable_id(cid):
@@ -123,5 +123,3 @@ def _undecodable(value: bytes, err: BaseException) -> Decoded:
     assert isinstance(jid, str)
     return Invalid(jid, message, None, dead_letter="too_deep")
 
-
-_DECODER_DEPTH = 1024  # orjson's limit; the stdlib fallback stops at about the recursion limit

@@ -94,6 +94,25 @@ def test_an_openai_line_without_custom_id_is_told_so() -> None:
     assert "'id'" in native.problem  # a native job still lacks an id
 
 
+@pytest.mark.parametrize("field", ["custom_id", "id"])
+def test_a_line_nested_deeper_than_the_decoder_keeps_its_id(field: str) -> None:
+    """helper-74: valid JSON nested past 1,024 levels was called "not valid JSON" and answered
+    as ``line-N``, though it names its line (the worker, sent such a record, answers it under
+    its id). Read without recursion, its id is the answer's."""
+    from qworker.worker.decode import Invalid, decode
+
+    deep = b"[" * 3000 + b"]" * 3000
+    raw = b'{"%s": "deep-1", "method": "POST", "url": "/v1/chat/completions", "body": {"metadata": %s}}' % (field.encode(), deep)
+    got = classify(7, raw)
+    assert got.key is None, "not submitted"
+    answer = local_answer(got)
+    assert answer["custom_id"] == "deep-1" and answer["error"]["code"] == "invalid_job"
+    assert "3002 levels deep" in answer["error"]["message"] and "not valid JSON" not in answer["error"]["message"]
+    assert isinstance(worker := decode(raw), Invalid) and worker.job_id == "deep-1"
+    for bad, why in ((deep, "not an object"), (b'{"custom_id": "x", "a": ' + deep[:-1], "not valid JSON")):
+        line = classify(8, bad)
+        assert why in line.problem and local_answer(line)["custom_id"] == "line-8"
+
 def test_submit_names_custom_id(broker, tmp_path) -> None:
     f = tmp_path / "batch.jsonl"
     f.write_bytes(b'{"method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}\n')
