@@ -8,8 +8,9 @@ may already be finished too; they are rerun after a crash (at-least-once).
 A partition is also withheld from commits while its log is *suspect*: after a connection to the
 broker broke, the broker may have come back with a new log whose offsets continue past ours
 (memory storage restarted, a topic re-created) while its records are not the ones we read. The
-last record read before the break (its offset and fingerprint, the *witness*) is then compared
-with what the log now holds at that offset before the partition is committed again.
+last record read before the break (its offset and fingerprint, the *witness*; for a partition
+not read yet in this ownership, the record before the group's offset, its *baseline*) is then
+compared with what the log now holds at that offset before the partition is committed again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ class _Partition:
     pending: set[int] = field(default_factory=set)
     committed: int | None = None  # last offset we committed (or learned was committed)
     last_read: tuple[int, int] | None = None  # (offset, fingerprint) of the last record read that has one
-    witness: tuple[int, int] | None = None  # last_read when a connection broke, until the log is checked
 
 
 def fingerprint(timestamp: int, key: bytes | None, value: bytes | None) -> int:
@@ -45,6 +45,8 @@ class OffsetTracker(Generic[TP]):
 
     def __init__(self) -> None:
         self._parts: dict[TP, _Partition] = {}
+        self._baselines: dict[TP, tuple[int, int]] = {}  # (offset, fingerprint) before the group's offset
+        self._witnesses: dict[TP, tuple[int, int]] = {}  # what the log must still hold before a commit
 
     def add(self, tp: TP, offset: int, fingerprint: int | None = None) -> bool:
         """Record a fetched offset as unfinished; False when it was already seen. ``fingerprint``
@@ -81,27 +83,31 @@ class OffsetTracker(Generic[TP]):
         for tp in self._parts if tps is None else tps:
             c = self.committable(tp)
             p = self._parts.get(tp)
-            if c is not None and p is not None and p.witness is None and (p.committed is None or c > p.committed):
+            if c is not None and p is not None and tp not in self._witnesses and (p.committed is None or c > p.committed):
                 out[tp] = c
         return out
+
+    def set_baseline(self, tp: TP, offset: int, fingerprint: int) -> None:
+        """The record before the group's offset of a partition just assigned: its witness until
+        a record of it is read."""
+        self._baselines[tp] = (offset, fingerprint)
 
     def suspect_all(self) -> None:
         """A connection broke: every partition's log is suspect until its witness is checked. A
         witness already waiting is kept: it is older, and what was read since is suspect too."""
-        for p in self._parts.values():
-            if p.witness is None:
-                p.witness = p.last_read
+        for tp in self._parts.keys() | self._baselines.keys():
+            p = self._parts.get(tp)
+            known = (p.last_read if p is not None else None) or self._baselines.get(tp)
+            if known is not None:
+                self._witnesses.setdefault(tp, known)
 
     def witness(self, tp: TP) -> tuple[int, int] | None:
         """(offset, fingerprint) the log must still hold before ``tp`` is committed; None if none."""
-        p = self._parts.get(tp)
-        return p.witness if p else None
+        return self._witnesses.get(tp)
 
     def vouched(self, tp: TP) -> None:
         """The log still holds the witness: ``tp`` may be committed again."""
-        p = self._parts.get(tp)
-        if p is not None:
-            p.witness = None
+        self._witnesses.pop(tp, None)
 
     def mark_committed(self, offsets: dict[TP, int]) -> None:
         for tp, off in offsets.items():
@@ -129,6 +135,8 @@ class OffsetTracker(Generic[TP]):
     def drop(self, tp: TP) -> None:
         """Forget a partition we no longer own; its unfinished records are the new owner's."""
         self._parts.pop(tp, None)
+        self._baselines.pop(tp, None)
+        self._witnesses.pop(tp, None)
 
     def partitions(self) -> list[TP]:
         return list(self._parts)

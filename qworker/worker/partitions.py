@@ -34,6 +34,8 @@ log = logging.getLogger("qworker.worker")
 KEPT_CHECK_TIMEOUT_S = 5.0
 # how long a partition's log must stay shorter than what we read before we believe it was reset
 SHRUNK_CONFIRM_S = 10.0
+# how long a suspect partition may stay unchecked (and uncommitted) before each warning
+SUSPECT_WARN_S = 30.0
 
 # The partition of a job whose log was reset under it: it still answers, marks no offset.
 DETACHED = TopicPartition("", -1)
@@ -54,6 +56,8 @@ class Partitions:
         # partitions to start afresh, why, and where to read again (None: the log's beginning);
         # the poll loop does it between two fetches (see restart_due)
         self._restarts_due: dict[TopicPartition, tuple[str, int | None]] = {}
+        # suspect partitions not checked yet: since when, last warned (see check_witnesses)
+        self._unchecked_since: dict[TopicPartition, tuple[float, float]] = {}
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Commit what is done before ownership may move. Jobs keep running until we learn, in
@@ -77,6 +81,7 @@ class Partitions:
         if lost:
             self.abandon(lost)
         await self.check_kept(assigned)
+        await self.take_baselines(assigned - set(self.tracker.partitions()))
         if w.pauser is not None and w.pauser.paused:
             w.consumer.pause(*assigned)  # a rebalance clears pauses
         log.info("assigned %s (generation %d)", sorted(f"{tp.topic}/{tp.partition}" for tp in assigned), self.generation)
@@ -112,6 +117,27 @@ class Partitions:
                 self.start_afresh(tp, "the group has no offset for a partition we read but never committed: its log may have been reset")
             else:
                 self.start_afresh(tp, f"the group's offset is {theirs}, below the {ours} we committed: the log was reset")
+
+    async def take_baselines(self, tps: set[TopicPartition]) -> None:
+        """For each partition newly ours, the record before the group's offset, where the
+        consumer starts reading it: its witness if a connection breaks before we read a record of
+        it (see ``check_witnesses``). A broker that comes back with a new log grown past that
+        offset would otherwise have its first records skipped. Within one deadline; a partition
+        not answered in time goes without (as before there was any)."""
+        deadline = asyncio.get_running_loop().time() + KEPT_CHECK_TIMEOUT_S
+
+        async def take(tp: TopicPartition) -> None:
+            async with asyncio.timeout_at(deadline):
+                start = await self.w.consumer.committed(tp)
+                if start:
+                    before = await rawfetch.record_at(self.w.consumer, tp, start - 1)
+                    if isinstance(before, rawfetch.RawRecord):
+                        self.tracker.set_baseline(tp, start - 1, fingerprint(before.timestamp, before.key, before.value))
+
+        order = list(tps)
+        for tp, got in zip(order, await asyncio.gather(*(take(tp) for tp in order), return_exceptions=True)):
+            if isinstance(got, BaseException):
+                log.debug("no baseline for %s: %r", tp, got)
 
     def start_afresh(self, tp: TopicPartition, why: str) -> None:
         """Forget what we saw of ``tp``'s log: its jobs in flight still answer but mark no offset."""
@@ -175,7 +201,9 @@ class Partitions:
         beginning (the group's offset may be the old log's). A log that does not reach the
         witness yet, or a broker that cannot be asked, leaves the partition suspect and
         uncommitted until a later round (a log that stays short is ``check_shrunk``'s)."""
-        deadline = asyncio.get_running_loop().time() + KEPT_CHECK_TIMEOUT_S
+        t0 = asyncio.get_running_loop().time()
+        deadline = t0 + KEPT_CHECK_TIMEOUT_S
+        self._unchecked_since = {tp: t for tp, t in self._unchecked_since.items() if self.tracker.witness(tp) is not None}
         kept = []
         for tp in tps:
             witness = self.tracker.witness(tp)
@@ -187,10 +215,12 @@ class Partitions:
                 async with asyncio.timeout_at(deadline):
                     now = await rawfetch.record_at(self.w.consumer, tp, offset)
             except (KafkaError, LookupError, TimeoutError) as e:
-                log.debug("record_at(%s, %d) failed: %r", tp, offset, e)
+                self._still_unchecked(tp, t0, offset, f"the broker could not be asked: {e!r}")
                 continue
             if now is None:
+                self._still_unchecked(tp, t0, offset, "the log does not reach it")
                 continue
+            self._unchecked_since.pop(tp, None)
             if not isinstance(now, str) and fingerprint(now.timestamp, now.key, now.value) == known:
                 self.tracker.vouched(tp)
                 kept.append(tp)
@@ -198,6 +228,15 @@ class Partitions:
             why = now if isinstance(now, str) else f"offset {offset} holds another record than the one we read there"
             self._restarts_due[tp] = (f"{why} (checked after a connection broke or a leader moved): the log was replaced", None)
         return kept
+
+    def _still_unchecked(self, tp: TopicPartition, now: float, offset: int, why: str) -> None:
+        """A suspect partition stays uncommitted; say so every SUSPECT_WARN_S (a stuck check
+        would otherwise only show as reruns after the next restart)."""
+        first, warned = self._unchecked_since.setdefault(tp, (now, now))
+        if now - warned >= SUSPECT_WARN_S:
+            self._unchecked_since[tp] = (first, now)
+            log.warning("%s/%d: not committed for %.0f s: its log is unchecked since a connection broke or a leader moved (offset %d: %s)",
+                        tp.topic, tp.partition, now - first, offset, why)
 
     async def restart_due(self) -> None:
         """Start afresh the partitions the commit loop found reset, and seek them. Called by the

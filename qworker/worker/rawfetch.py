@@ -152,7 +152,8 @@ async def record_at(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int)
     ``offset`` yet (or the answer says nothing: ask again later); or, as a string, why the record
     is gone from a log that reaches past it (below the log's start, or removed from its batch).
     Raises KafkaError or LookupError when the broker cannot be asked."""
-    error_code, high_watermark, data = await _fetch_partition(consumer, tp, offset, max_wait_ms=0)
+    # not a zero wait: Tansu answers such a fetch without the partition
+    error_code, high_watermark, data = await _fetch_partition(consumer, tp, offset, max_wait_ms=10)
     reaches = high_watermark is not None and high_watermark > offset
     if error_code == OFFSET_OUT_OF_RANGE and reaches:
         return f"offset {offset} lies below the log's start"

@@ -253,13 +253,32 @@ async def test_jobs_after_the_log_starts_over_are_not_mistaken_for_refetches(eng
         stop_broker(broker)
 
 
+def _jobs_on(partition: int, ids: list[str]) -> dict[int, list[tuple[bytes, bytes, list]]]:
+    return {partition: [(i.encode(), job(i, max_tokens=1).model_dump_json().encode(), []) for i in ids]}
+
+
+async def _commit_as_group(s, offsets: dict[int, int]) -> None:
+    """Commit for the worker's group, as a previous owner of these partitions would have."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    c = AIOKafkaConsumer(bootstrap_servers=s.bootstrap_servers, group_id=s.group_id, enable_auto_commit=False)
+    await c.start()
+    try:
+        c.assign([TopicPartition(s.jobs_topic, p) for p in offsets])
+        await c.commit({TopicPartition(s.jobs_topic, p): o for p, o in offsets.items()})
+    finally:
+        await c.stop()
+
+
 async def test_a_log_replaced_while_the_worker_was_frozen_is_read_from_its_start(engines, tmp_path) -> None:
-    """helper-71: a broker that restarted without its data while the worker was stopped (a pod
-    frozen, a slow reconnect) and whose new log grew past the worker's position before the
-    worker fetched again. Its offsets look continuous: the worker fetched on from its old
-    position, and its next commit stepped over the new log's first jobs (never answered). Now
-    every partition is suspect after a broken connection until the log still holds the record
-    read there last; here it holds another job, so the partition is read from its start."""
+    """helper-71, helper-76: a broker that restarted without its data while the worker was
+    stopped (a pod frozen, a slow reconnect) and whose new log grew past the worker's position
+    before the worker fetched again. Its offsets look continuous: the worker fetched on from its
+    old position, and its next commit stepped over the new log's first jobs (never answered).
+    Now every partition is suspect after a broken connection until the log still holds the
+    record read there last (partition 0), or, for a partition not read yet in this ownership,
+    the record before the group's offset a previous owner left (partition 1); here each holds
+    another job, so both partitions are read from their starts."""
     import threading
 
     from qworker.broker import start_broker, stop_broker
@@ -270,14 +289,16 @@ async def test_a_log_replaced_while_the_worker_was_frozen_is_read_from_its_start
     broker = start_broker(log_dir=tmp_path)
     try:
         s = make_settings(broker.bootstrap)
-        await create_topics(s, partitions=1)
+        await create_topics(s, partitions=2)
+        await _produce_to(s, s.jobs_topic, _jobs_on(1, [f"old{i}" for i in range(10)]))
+        await _commit_as_group(s, {1: 10})  # answered by a previous owner
         eng = await engines()
         r = await Results(s).start()
         w = await started(s, eng)
         try:
-            await submit(s, [job(f"a{i}", max_tokens=1) for i in range(3)])
+            await _produce_to(s, s.jobs_topic, _jobs_on(0, [f"a{i}" for i in range(3)]))
             await r.wait(lambda: len(r.completions) == 3, 30, "the first jobs")
-            await wait_committed(s, partitions=1)
+            await wait_committed(s, partitions=2)
 
             def restart_and_refill() -> None:  # memory storage: topics, records and offsets gone
                 broker.restart()
@@ -286,12 +307,12 @@ async def test_a_log_replaced_while_the_worker_was_frozen_is_read_from_its_start
                     deadline = time.monotonic() + 30
                     while True:  # the operator re-creates the topic; producers resubmit at once
                         try:
-                            await create_topics(s, partitions=1)
+                            await create_topics(s, partitions=2)
                             break
                         except Exception:  # noqa: BLE001 - the broker is still coming up
                             assert time.monotonic() < deadline
                             await asyncio.sleep(0.5)
-                    await submit(s, [job(f"b{i}", max_tokens=1) for i in range(6)])
+                    await _produce_to(s, s.jobs_topic, {**_jobs_on(0, [f"b{i}" for i in range(6)]), **_jobs_on(1, [f"c{i}" for i in range(14)])})
 
                 asyncio.run(refill())
 
@@ -301,10 +322,35 @@ async def test_a_log_replaced_while_the_worker_was_frozen_is_read_from_its_start
             t.join()
             await r.stop()
             r = await Results(s).start()
-            await r.wait(lambda: {f"b{i}" for i in range(6)} <= set(r.completions), 60, "every job of the new log")
-            await wait_committed(s, partitions=1)
+            want = {f"b{i}" for i in range(6)} | {f"c{i}" for i in range(14)}
+            await r.wait(lambda: want <= set(r.completions), 60, "every job of the new log")
+            await wait_committed(s, partitions=2)
         finally:
             await w.stop(drain_timeout_s=5)
             await r.stop()
     finally:
         stop_broker(broker)
+
+
+async def test_a_log_that_kept_its_records_vouches_for_them_and_commits_resume(topics, results: Results, engines) -> None:
+    """helper-76: the check above asked the broker with a zero-wait fetch, which Tansu answers
+    without the partition, so after any broken connection a partition was never committed
+    again (its next owner reran everything read since). A log that kept its records vouches for
+    them: commits resume, nothing is read twice."""
+    from qworker.worker.client import submit
+
+    eng = await engines()
+    w = await started(topics, eng)
+    try:
+        await submit(topics, [job(f"a{i}", max_tokens=1) for i in range(6)])
+        await results.wait(lambda: len(results.completions) == 6, 30, "the first jobs")
+        await wait_committed(topics)
+        w.tracker.suspect_all()  # what a broken connection does
+        assert any(w.tracker.witness(tp) for tp in w.tracker.partitions())
+        await submit(topics, [job(f"b{i}", max_tokens=1) for i in range(6)])
+        await results.wait(lambda: len(results.completions) == 12, 30, "the jobs after")
+        await wait_committed(topics)
+        assert not any(w.tracker.witness(tp) for tp in w.tracker.partitions())
+        assert all(len(v) == 1 for v in results.completions.values()) and w.stats.refetched == 0
+    finally:
+        await w.stop()

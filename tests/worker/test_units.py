@@ -502,6 +502,72 @@ def test_a_broken_connection_withholds_commits_until_the_log_still_holds_what_wa
     assert w.tracker.add(replaced, 0) and w.tracker.add(gone, 0), "the new logs' records count as new"
 
 
+def test_a_partition_not_read_yet_is_checked_by_the_record_before_the_groups_offset(monkeypatch) -> None:
+    """helper-76: a partition assigned at a previous owner's offset 10 and not read yet had no
+    witness; frozen through a memory broker's restart whose new log grew past 10, the worker
+    fetched on from 10 and committed over the new log's first ten jobs. At assignment it now
+    takes the record before the group's offset as its baseline, which a broken connection makes
+    its witness until a record of it is read."""
+    import asyncio
+
+    from aiokafka.structs import TopicPartition
+
+    from qworker.worker import app as app_mod
+    from qworker.worker import rawfetch
+    from qworker.worker.offsets import fingerprint
+
+    unread, fresh, slow = (TopicPartition("jobs", p) for p in range(3))
+    log = {9: rawfetch.RawRecord("jobs", 0, 9, 1000, b"k9", b"v9", [])}
+    asked = []
+
+    async def record_at(consumer, tp, offset):
+        asked.append((tp.partition, offset))
+        if tp == slow:
+            await asyncio.sleep(3600)
+        return log.get(offset)
+
+    monkeypatch.setattr(rawfetch, "record_at", record_at)
+    monkeypatch.setattr("qworker.worker.partitions.KEPT_CHECK_TIMEOUT_S", 0.5)
+
+    class Consumer:
+        group = {unread: 10, fresh: None, slow: 4}
+        commits: list = []
+        rewound: list = []
+
+        def assignment(self):
+            return set(self.group)
+
+        def highwater(self, tp):
+            return 100
+
+        async def committed(self, tp):
+            return self.group[tp]
+
+        async def seek_to_beginning(self, *tps):
+            self.rewound += tps
+
+        async def commit(self, offsets):
+            self.commits.append(dict(offsets))
+
+    w = app_mod.Worker(WorkerSettings())
+    w.consumer = c = Consumer()
+
+    async def scenario() -> None:
+        await w.partitions.take_baselines({unread, fresh, slow})
+        assert sorted(asked) == [(0, 9), (2, 3)], "the record before the group's offset, where there is one"
+        w.tracker.suspect_all()  # a connection broke before any record was read
+        assert w.tracker.witness(unread) == (9, fingerprint(1000, b"k9", b"v9"))
+        assert w.tracker.witness(fresh) is None and w.tracker.witness(slow) is None
+        log[9] = rawfetch.RawRecord("jobs", 0, 9, 2000, b"b9", b"new", [])  # the new log's record 9
+        w.tracker.add(unread, 10, fingerprint(2001, b"b10", b"new"))  # fetched on from the old position
+        w.tracker.done(unread, 10)
+        await w.partitions.commit()
+        assert not c.commits, "nothing committed over the new log's first records"
+        await w.partitions.restart_due()
+        assert c.rewound == [unread]
+
+    asyncio.run(scenario())
+
 def test_a_broken_connection_or_a_moved_leader_makes_partitions_suspect() -> None:
     """The triggers of the check above: a connection that broke or timed out (not one closed
     for idling or at shutdown), and metadata showing a subscribed partition led by another
@@ -520,6 +586,12 @@ def test_a_broken_connection_or_a_moved_leader_makes_partitions_suspect() -> Non
 
     async def check() -> list[int]:
         consumer = AIOKafkaConsumer(bootstrap_servers="127.0.0.1:1")
+        try:
+            return await triggers(consumer)
+        finally:
+            await consumer.stop()  # never started; an unclosed one complains when collected
+
+    async def triggers(consumer: AIOKafkaConsumer) -> list[int]:
         consumer.subscribe(["jobs"])
         calls: list[int] = []
         kc.on_log_may_have_changed(consumer, lambda: calls.append(1))
