@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .contracts import check_block_tables, check_out, check_vector
+
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 
@@ -159,10 +161,12 @@ def _decode_reduce_kernel(
     d_mask = offs_d < D
     base = (b.to(tl.int64) * HQ + h) * NUM_SPLITS + offs_s
     lse = tl.load(part_lse_ptr + base, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: split 0 is live since seq_len >= 1
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no live split (seq_len 0): all weights 0, no NaN
     w = tl.exp2(lse - m)
     o = tl.load(part_out_ptr + base[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)  # zeros, as one split writes
     dst = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -213,8 +217,11 @@ def paged_decode_attention(
     assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     G = Hq // Hkv
+    check_block_tables(block_tables, B)
+    check_vector(seq_lens, "seq_lens", B)
     if out is None:
         out = torch.empty_like(q)
+    check_out(out, q)
     if B == 0:
         return out
     max_ctx = max(1, block_tables.shape[1] * block_size)

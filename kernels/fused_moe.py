@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .contracts import require
 from .moe_reference import moe_align
 
 
@@ -151,6 +152,9 @@ def moe_experts(
         return torch.zeros_like(x)
     assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1
     assert gate_up.dtype == down.dtype == x.dtype, "activations and expert weights share one dtype"
+    require(gate_up.shape == (E, 2 * I, H) and two_i % 2 == 0, f"gate_up has shape {tuple(gate_up.shape)}, expected ({E}, 2 * I, {H})")
+    require(down.shape == (E, H, I), f"down has shape {tuple(down.shape)}, expected ({E}, {H}, {I})")
+    require(topk_ids.shape == topk_weights.shape == (T, K), f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)}, expected ({T}, {K})")
     bm = block_m or _block_m(M, E)
     bn = block_n or 64
     bk = block_k or (32 if x.dtype == torch.float32 else 64)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .contracts import check_vector, require
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -51,6 +53,8 @@ def store_kv(
     as long as their last dim is contiguous; caches must share one layout.
     """
     T, Hkv, D = key.shape
+    require(value.shape == key.shape, f"value has shape {tuple(value.shape)}, key {tuple(key.shape)}")
+    check_vector(slot_mapping, "slot_mapping", T)
     if T == 0:
         return
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim must be contiguous"

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .contracts import check_vector
 from .lora_reference import LoraTiles, lora_tiles
 
 
@@ -130,6 +131,10 @@ def default_block_m(num_tokens: int, num_segments: int) -> int:
 
 
 def _tiles(tiles, seg_start, seg_len, seg_slot, num_tokens) -> LoraTiles:
+    # the segments' values (slots in range, bounds within the tokens) are the caller's contract:
+    # they live on the device, and checking them would synchronise
+    for name, t in (("seg_start", seg_start), ("seg_len", seg_len), ("seg_slot", seg_slot)):
+        check_vector(t, name, seg_len.numel())
     if tiles is not None:
         return tiles
     return lora_tiles(seg_start, seg_len, seg_slot, num_tokens, default_block_m(num_tokens, seg_len.numel()))

@@ -61,7 +61,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     flat = topk_ids.reshape(-1).to(torch.int64)
     M = flat.numel()
     dev = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat, minlength=num_experts)  # sizes its output by the largest id
+    if counts.numel() > num_experts:  # so this check costs no further synchronisation
+        raise ValueError(f"an expert id is at least num_experts ({num_experts})")
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded

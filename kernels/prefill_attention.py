@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .contracts import check_block_tables, check_out, check_vector
 from .decode_attention import _tanh
 
 _LOG2E = 1.4426950408889634
@@ -141,8 +142,12 @@ def paged_prefill_attention(
     assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     B = query_start_loc.shape[0] - 1
+    check_vector(query_start_loc, "query_start_loc", B + 1)
+    check_vector(seq_lens, "seq_lens", B)
+    check_block_tables(block_tables, B)
     if out is None:
         out = torch.empty_like(q)
+    check_out(out, q)
     if T == 0 or B == 0 or max_query_len == 0:
         return out
     assert sliding_window is None or sliding_window >= 1, f"sliding_window {sliding_window}"

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .contracts import require
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -47,12 +49,16 @@ def rms_norm(
     N = x.shape[-1]
     x2 = x.reshape(-1, N)
     assert x2.stride(-1) == 1 and weight.is_contiguous()
+    require(weight.shape == (N,), f"weight has shape {tuple(weight.shape)}, expected ({N},)")
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if residual is None:
         res2, new_res = x2, x  # unused by the kernel
     else:
+        require(residual.shape == x.shape and residual.dtype == x.dtype,
+                f"residual is {tuple(residual.shape)} {residual.dtype}, x {tuple(x.shape)} {x.dtype}")
         res2 = residual.reshape(-1, N)
+        require(res2.stride(-1) == 1, "residual's last dim must be contiguous")
         new_res = torch.empty_like(x2)
     rows = x2.shape[0]
     if rows:
