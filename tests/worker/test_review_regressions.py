@@ -212,6 +212,20 @@ async def test_bad_header_on_one_partition_loses_no_record_of_another(topics, re
             await w.stop()
 
 
+async def _recreate_topics(s, partitions: int) -> None:
+    """Create the topics again on a broker that is still coming up."""
+    from qworker.worker.client import create_topics
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            await create_topics(s, partitions=partitions)
+            return
+        except Exception:  # noqa: BLE001 - the broker is still coming up
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.5)
+
+
 async def test_jobs_after_the_log_starts_over_are_not_mistaken_for_refetches(engines, tmp_path) -> None:
     """A broker that comes back without its data (memory storage; in real Kafka a topic deleted
     and re-created, or a log truncated by an unclean leader election) numbers new records from 0
@@ -235,14 +249,7 @@ async def test_jobs_after_the_log_starts_over_are_not_mistaken_for_refetches(eng
             await wait_committed(s)
             await r.stop()
             await asyncio.to_thread(broker.restart)  # memory storage: topics, records and offsets gone
-            deadline = time.monotonic() + 30
-            while True:  # the operator re-creates the topics
-                try:
-                    await create_topics(s, partitions=4)
-                    break
-                except Exception:  # noqa: BLE001 - the broker is still coming up
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.5)
+            await _recreate_topics(s, partitions=4)  # the operator re-creates the topics
             r = await Results(s).start()
             await submit(s, [job(f"b{i}", max_tokens=1) for i in range(4)])
             await r.wait(lambda: {f"b{i}" for i in range(4)} <= set(r.completions), 40, "the jobs after the restart")
@@ -282,7 +289,7 @@ async def test_a_log_replaced_while_the_worker_was_frozen_is_read_from_its_start
     import threading
 
     from qworker.broker import start_broker, stop_broker
-    from qworker.worker.client import create_topics, submit
+    from qworker.worker.client import create_topics
 
     from .conftest import make_settings
 
@@ -303,15 +310,8 @@ async def test_a_log_replaced_while_the_worker_was_frozen_is_read_from_its_start
             def restart_and_refill() -> None:  # memory storage: topics, records and offsets gone
                 broker.restart()
 
-                async def refill() -> None:
-                    deadline = time.monotonic() + 30
-                    while True:  # the operator re-creates the topic; producers resubmit at once
-                        try:
-                            await create_topics(s, partitions=2)
-                            break
-                        except Exception:  # noqa: BLE001 - the broker is still coming up
-                            assert time.monotonic() < deadline
-                            await asyncio.sleep(0.5)
+                async def refill() -> None:  # the operator re-creates the topic; producers resubmit at once
+                    await _recreate_topics(s, partitions=2)
                     await _produce_to(s, s.jobs_topic, {**_jobs_on(0, [f"b{i}" for i in range(6)]), **_jobs_on(1, [f"c{i}" for i in range(14)])})
 
                 asyncio.run(refill())

@@ -416,6 +416,25 @@ def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit(monkeypatch)
 
 
 
+class _RecordingConsumer:
+    """What the log checks call on the jobs consumer; records seeks to the beginning and commits."""
+
+    def __init__(self, partitions) -> None:
+        self.partitions, self.commits, self.rewound = set(partitions), [], []
+
+    def assignment(self):
+        return set(self.partitions)
+
+    def highwater(self, tp):
+        return 100
+
+    async def seek_to_beginning(self, *tps):
+        self.rewound += tps
+
+    async def commit(self, offsets):
+        self.commits.append(dict(offsets))
+
+
 def test_a_broken_connection_withholds_commits_until_the_log_still_holds_what_was_read(monkeypatch) -> None:
     """helper-71: a broker that came back with a new log grown past our position (memory storage
     restarted; a pod frozen through it) looks continuous, and our next commit stepped over the
@@ -450,24 +469,8 @@ def test_a_broken_connection_withholds_commits_until_the_log_still_holds_what_wa
 
     monkeypatch.setattr(rawfetch, "record_at", record_at)
 
-    class Consumer:
-        commits: list = []
-        rewound: list = []
-
-        def assignment(self):
-            return {same, replaced, short, gone, down}
-
-        def highwater(self, tp):
-            return 100
-
-        async def seek_to_beginning(self, *tps):
-            self.rewound += tps
-
-        async def commit(self, offsets):
-            self.commits.append(dict(offsets))
-
     w = app_mod.Worker(WorkerSettings())
-    w.consumer = c = Consumer()
+    w.consumer = c = _RecordingConsumer({same, replaced, short, gone, down})
     tps = sorted(c.assignment(), key=lambda tp: tp.partition)
     for tp in tps:
         for off in range(4):
@@ -529,28 +532,14 @@ def test_a_partition_not_read_yet_is_checked_by_the_record_before_the_groups_off
     monkeypatch.setattr(rawfetch, "record_at", record_at)
     monkeypatch.setattr("qworker.worker.partitions.KEPT_CHECK_TIMEOUT_S", 0.5)
 
-    class Consumer:
+    class Consumer(_RecordingConsumer):
         group = {unread: 10, fresh: None, slow: 4}
-        commits: list = []
-        rewound: list = []
-
-        def assignment(self):
-            return set(self.group)
-
-        def highwater(self, tp):
-            return 100
 
         async def committed(self, tp):
             return self.group[tp]
 
-        async def seek_to_beginning(self, *tps):
-            self.rewound += tps
-
-        async def commit(self, offsets):
-            self.commits.append(dict(offsets))
-
     w = app_mod.Worker(WorkerSettings())
-    w.consumer = c = Consumer()
+    w.consumer = c = Consumer(Consumer.group)
 
     async def scenario() -> None:
         await w.partitions.take_baselines({unread, fresh, slow})
