@@ -40,6 +40,8 @@ def test_decode_refuses_bad_out_and_index_layouts(batch) -> None:
         kernels.paged_decode_attention(q, kc, vc, _strided(bt), sl, scale)
     with pytest.raises(KernelInputError, match="block_tables"):
         kernels.paged_decode_attention(q, kc, vc, bt[:2], sl, scale)
+    with pytest.raises(KernelInputError, match="one dtype"):  # was an interpreter assertion deep in tl.dot
+        kernels.paged_decode_attention(q, kc.half(), vc.half(), bt, sl, scale)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
