@@ -81,6 +81,7 @@ class Intake:
             log.warning("poll: undecodable record (%r); reading its batch raw", e)
             await self.skip_refused(room)
             return
+        w.partitions.note_ends()
         await self.handle_records([(tp, rec) for tp, records in batches.items() for rec in records], w.partitions.epoch)
 
     async def handle_records(self, records: list[tuple[TopicPartition, Any]], epoch: int) -> None:

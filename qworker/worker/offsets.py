@@ -92,14 +92,18 @@ class OffsetTracker(Generic[TP]):
         a record of it is read."""
         self._baselines[tp] = (offset, fingerprint)
 
+    def suspect(self, tp: TP) -> None:
+        """``tp``'s log may have been replaced: suspect until its witness is checked. A witness
+        already waiting is kept: it is older, and what was read since is suspect too."""
+        p = self._parts.get(tp)
+        known = (p.last_read if p is not None else None) or self._baselines.get(tp)
+        if known is not None:
+            self._witnesses.setdefault(tp, known)
+
     def suspect_all(self) -> None:
-        """A connection broke: every partition's log is suspect until its witness is checked. A
-        witness already waiting is kept: it is older, and what was read since is suspect too."""
+        """A connection broke: every partition's log may have been replaced."""
         for tp in self._parts.keys() | self._baselines.keys():
-            p = self._parts.get(tp)
-            known = (p.last_read if p is not None else None) or self._baselines.get(tp)
-            if known is not None:
-                self._witnesses.setdefault(tp, known)
+            self.suspect(tp)
 
     def witness(self, tp: TP) -> tuple[int, int] | None:
         """(offset, fingerprint) the log must still hold before ``tp`` is committed; None if none."""

@@ -117,6 +117,7 @@ class Partitions:
                 self.start_afresh(tp, "the group has no offset for a partition we read but never committed: its log may have been reset")
             else:
                 self.start_afresh(tp, f"the group's offset is {theirs}, below the {ours} we committed: the log was reset")
+            self._restarts_due.pop(tp, None)  # the rebalance already placed it at the group's offset
 
     async def take_baselines(self, tps: set[TopicPartition]) -> None:
         """For each partition newly ours, the record before the group's offset, where the
@@ -186,6 +187,22 @@ class Partitions:
         self._restarts_due[tp] = (f"its log now ends at {end}, below the {seen} we read: the log was reset",
                                   theirs if theirs is not None and theirs <= end else None)
 
+    def note_ends(self) -> None:
+        """A partition whose last fetch shows its log ending below what we read becomes suspect
+        (see ``check_witnesses``). Tansu answers fetches of a deleted topic with an empty log, no
+        error, so neither metadata nor a broken connection tells of a topic deleted and
+        re-created; and a new log refilled past our position within ``check_shrunk``'s 10 s
+        would look continuous. Called after every poll: the fetch positions' high watermarks
+        are fresh then."""
+        for tp in self.tracker.partitions():
+            try:
+                end = self.w.consumer.highwater(tp)
+            except AssertionError:  # aiokafka's "not assigned": a rebalance is under way
+                continue
+            seen = self.tracker.seen_up_to(tp)
+            if end is not None and seen is not None and end < seen:
+                self.tracker.suspect(tp)
+
     async def check_witnesses(self, tps: list[TopicPartition]) -> list[TopicPartition]:
         """Those of ``tps`` that may be committed this round as far as their logs' identity goes.
 
@@ -226,7 +243,7 @@ class Partitions:
                 kept.append(tp)
                 continue
             why = now if isinstance(now, str) else f"offset {offset} holds another record than the one we read there"
-            self._restarts_due[tp] = (f"{why} (checked after a connection broke or a leader moved): the log was replaced", None)
+            self._restarts_due[tp] = (f"{why} (checked as its log may have been replaced): the log was replaced", None)
         return kept
 
     def _still_unchecked(self, tp: TopicPartition, now: float, offset: int, why: str) -> None:
@@ -235,7 +252,7 @@ class Partitions:
         first, warned = self._unchecked_since.setdefault(tp, (now, now))
         if now - warned >= SUSPECT_WARN_S:
             self._unchecked_since[tp] = (first, now)
-            log.warning("%s/%d: not committed for %.0f s: its log is unchecked since a connection broke or a leader moved (offset %d: %s)",
+            log.warning("%s/%d: not committed for %.0f s: its log is unchecked since it may have been replaced (offset %d: %s)",
                         tp.topic, tp.partition, now - first, offset, why)
 
     async def restart_due(self) -> None:

@@ -354,3 +354,32 @@ async def test_a_log_that_kept_its_records_vouches_for_them_and_commits_resume(t
         assert all(len(v) == 1 for v in results.completions.values()) and w.stats.refetched == 0
     finally:
         await w.stop()
+
+
+async def test_a_topic_deleted_and_recreated_under_a_running_worker_is_read_from_its_start(topics, results: Results, engines) -> None:
+    """helper-78: the jobs topic deleted and re-created (same partitions) on a broker that stays
+    up, while the worker runs, and refilled past the worker's position at once. Tansu answers
+    fetches of a deleted topic with an empty log and no error, so no metadata changed and no
+    connection broke: the worker read on from its old position and committed over the new
+    log's first jobs. A fetch showing the log shorter than what was read now makes the
+    partition suspect, and the record check finds the new log."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    eng = await engines()
+    w = await started(topics, eng)
+    admin = AIOKafkaAdminClient(bootstrap_servers=topics.bootstrap_servers)
+    await admin.start()
+    try:
+        await _produce_to(topics, topics.jobs_topic, _jobs_on(0, [f"a{i}" for i in range(6)]))
+        await results.wait(lambda: len(results.completions) == 6, 30, "the first jobs")
+        await wait_committed(topics)
+        await admin.delete_topics([topics.jobs_topic])
+        await asyncio.sleep(2)  # the worker fetches the deleted topic meanwhile
+        await admin.create_topics([NewTopic(topics.jobs_topic, 4, 1)])
+        await _produce_to(topics, topics.jobs_topic, _jobs_on(0, [f"b{i}" for i in range(9)]))
+        await results.wait(lambda: {f"b{i}" for i in range(9)} <= set(results.completions), 60, "every job of the new topic")
+        await wait_committed(topics)
+    finally:
+        await admin.close()
+        await w.stop()
+
