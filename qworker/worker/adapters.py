@@ -16,7 +16,8 @@ only the names in ``QWORKER_LORA_MODULES`` exist. Invariants:
   id) never mix two versions. Ids are never reused.
 - Reload (``refresh``, every ``lora_reload_interval_s``): the modules file is re-read when its
   bytes change (a bad new version keeps the last good set), and every adapter's version is
-  re-checked; only what changed is validated again. A refused adapter whose folder changes
+  re-checked; only what changed is validated again. An empty file after a non-empty one is taken
+  for a write in progress, not for "no adapters" (``{}`` says that). A refused adapter whose folder changes
   (e.g. appears) is tried again. A removed name stops taking new jobs at once; its running jobs
   finish under the version they started with; a version no longer served is dropped from the
   engine's adapter cache (``release``) once no request uses it.
@@ -176,6 +177,13 @@ class Adapters:
         if raw == self._file_bytes:
             return dict(self._paths)
         self._file_bytes = raw
+        if not raw.strip() and self._paths:
+            # most often a file being rewritten in place (``>`` truncates before it writes): taken
+            # as it stands, every adapter job would fail at once, and for good (model_not_found)
+            self.file_errors += 1
+            log.error("LoRA modules file %s is empty (a write in progress?); keeping the %d adapters read before (write {} to serve none)",
+                      path, len(self._paths))
+            return None
         try:
             return parse_file_bytes(raw, path)
         except LoRAModulesError as e:

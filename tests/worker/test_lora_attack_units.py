@@ -67,6 +67,30 @@ def test_a_modules_file_turned_hostile_keeps_the_last_good_set(tmp_path: Path) -
     assert table.resolve(None, "a", True).lora == served["a"]
 
 
+def test_an_empty_modules_file_after_a_good_one_keeps_the_set_and_braces_empty_it(tmp_path: Path) -> None:
+    """helper-79: a file rewritten in place (``echo ... >``, most editors) is empty for a moment;
+    read then, it removed every adapter and their jobs failed for good (model_not_found, not
+    retryable). An empty file after a non-empty one now keeps the set, counted as a file error;
+    ``{}`` serves none; an empty file at the start means no adapters."""
+    a = adapter_dir(tmp_path, "a")
+    f = tmp_path / "modules"
+    f.write_text("")
+    table = Adapters(str(f), validate, "base")
+    asyncio.run(table.refresh())
+    assert table.served == {} and table.file_errors == 0
+    f.write_text(f"a={a}")
+    asyncio.run(table.refresh())
+    served = dict(table.served)
+    assert list(served) == ["a"]
+    for blank in ("", "\n  \n"):
+        f.write_text(blank)
+        asyncio.run(table.refresh())
+        assert table.served == served
+    assert table.file_errors == 2
+    f.write_text("{}")
+    asyncio.run(table.refresh())
+    assert table.served == {} and table.resolve(None, "a", True).code == "model_not_found"
+
 def test_files_rewritten_in_place_with_their_mtime_restored_are_a_new_version(tmp_path: Path) -> None:
     """``cp -p`` / ``rsync -t --inplace`` write the same inode and size and put the old mtime
     back: with only size, mtime and inode in the version the table kept the old id, and the
