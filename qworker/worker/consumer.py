@@ -92,13 +92,16 @@ class Pauser:
         return switched
 
 
-async def commit(consumer: AIOKafkaConsumer, tracker: OffsetTracker[TopicPartition], tps: list[TopicPartition] | None = None) -> tuple[int, int]:
+async def commit(consumer: AIOKafkaConsumer, tracker: OffsetTracker[TopicPartition], tps: list[TopicPartition] | None = None,
+                 vouch: Callable[[], Awaitable[bool]] | None = None) -> tuple[int, int]:
     """Commit every partition whose finished prefix grew. Returns (commits, failures).
 
+    ``vouch``, when given, is asked after the offsets are taken and before they are committed
+    (whether the log they were read from is still there); False skips the round.
     A failed commit is only logged: the offsets stay in the tracker and the next round retries;
     if the partition moved meanwhile, its new owner reruns those jobs (at-least-once)."""
     offsets = tracker.to_commit(tps)
-    if not offsets:
+    if not offsets or (vouch is not None and not await vouch()):
         return 0, 0
     try:
         await consumer.commit(offsets)

@@ -22,7 +22,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from qworker.worker import consumer as kc
-from qworker.worker import rawfetch
+from qworker.worker import rawfetch, topic_ids
 from qworker.worker.jobs import JobState
 from qworker.worker.offsets import OffsetTracker, fingerprint
 
@@ -56,6 +56,8 @@ class Partitions:
         # partitions to start afresh, why, and where to read again (None: the log's beginning);
         # the poll loop does it between two fetches (see restart_due)
         self._restarts_due: dict[TopicPartition, tuple[str, int | None]] = {}
+        self._topic_id: bytes | None = None  # the jobs topic's id when last asked (see same_topic)
+        self._topic_ids = True  # False once the broker showed it gives none
         # suspect partitions not checked yet: since when, last warned (see check_witnesses)
         self._unchecked_since: dict[TopicPartition, tuple[float, float]] = {}
 
@@ -67,7 +69,7 @@ class Partitions:
         self.epoch += 1
         self.revoked |= revoked
         # not those whose log was found reset or short: the offset we hold belongs to the old log
-        c, f = await kc.commit(w.consumer, self.tracker, list(revoked - self._restarts_due.keys() - self._shrunk_since.keys()))
+        c, f = await kc.commit(w.consumer, self.tracker, list(revoked - self._restarts_due.keys() - self._shrunk_since.keys()), self.same_topic)
         w.stats.commits += c
         w.stats.commit_failures += f
 
@@ -82,6 +84,8 @@ class Partitions:
             self.abandon(lost)
         await self.check_kept(assigned)
         await self.take_baselines(assigned - set(self.tracker.partitions()))
+        if self._topic_id is None:
+            await self.same_topic()  # the id the first records will be read under
         if w.pauser is not None and w.pauser.paused:
             w.consumer.pause(*assigned)  # a rebalance clears pauses
         log.info("assigned %s (generation %d)", sorted(f"{tp.topic}/{tp.partition}" for tp in assigned), self.generation)
@@ -186,6 +190,39 @@ class Partitions:
         del self._shrunk_since[tp]
         self._restarts_due[tp] = (f"its log now ends at {end}, below the {seen} we read: the log was reset",
                                   theirs if theirs is not None and theirs <= end else None)
+
+    async def same_topic(self) -> bool:
+        """Whether the jobs topic is still the one read: its id (``topic_ids``) unchanged since
+        last asked. Asked between a commit's snapshot of offsets and the commit itself: offsets of
+        a topic deleted and re-created (whose new log outgrew our position between two fetches,
+        which nothing else shows) would step over the new log's first records. A new id means a
+        new log in every partition: each is read again from its beginning (records read since
+        the last ask may already be the new log's, so there is nothing to compare with) and the
+        round commits nothing; so does a topic that is gone, or a broker that cannot be asked
+        (the commit would fail too). Brokers without topic ids (Kafka before 2.8) are not asked
+        again."""
+        if not self._topic_ids:
+            return True
+        topic = self.w.settings.jobs_topic
+        try:
+            async with asyncio.timeout(KEPT_CHECK_TIMEOUT_S):
+                now = await topic_ids.topic_id(self.w.consumer, topic)
+        except topic_ids.TopicIdsUnsupported as e:
+            log.info("the broker gives no topic ids (%s): a topic re-created between two fetches goes unseen", e)
+            self._topic_ids = False
+            return True
+        except (KafkaError, TimeoutError) as e:
+            log.debug("topic id of %s not read: %r", topic, e)
+            return False
+        if now is None:
+            return False  # deleted: when it is back, its new id restarts every partition
+        if self._topic_id is None or now == self._topic_id:
+            self._topic_id = now
+            return True
+        self._topic_id = now
+        for tp in self.w.consumer.assignment():
+            self._restarts_due[tp] = (f"the topic {topic} was re-created (its id changed)", None)
+        return False
 
     def note_ends(self) -> None:
         """A partition whose last fetch shows its log ending below what we read becomes suspect
@@ -323,6 +360,6 @@ class Partitions:
         assigned = w.consumer.assignment()
         mine = await self.check_shrunk([tp for tp in self.tracker.partitions() if tp in assigned and tp not in self._restarts_due])
         mine = await self.check_witnesses(mine)
-        c, f = await kc.commit(w.consumer, self.tracker, mine)
+        c, f = await kc.commit(w.consumer, self.tracker, mine, self.same_topic)
         w.stats.commits += c
         w.stats.commit_failures += f

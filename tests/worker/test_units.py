@@ -346,6 +346,7 @@ def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit(monkeypatch)
     below (a failover's new leader can trail for a moment: that must not replay the partition),
     the partition starts afresh: from the group's offset where that lies inside the new log (a
     truncated one), else from its beginning."""
+    monkeypatch.setattr("qworker.worker.topic_ids.topic_id", _same_topic_id)
     import asyncio
     import time
 
@@ -416,6 +417,11 @@ def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit(monkeypatch)
 
 
 
+async def _same_topic_id(consumer, topic: str) -> bytes:
+    """The jobs topic's id, as a broker that kept the topic answers (see partitions.same_topic)."""
+    return b"t" * 16
+
+
 class _RecordingConsumer:
     """What the log checks call on the jobs consumer; records seeks to the beginning and commits."""
 
@@ -443,6 +449,7 @@ def test_a_broken_connection_withholds_commits_until_the_log_still_holds_what_wa
     offset. Another record there, or none in a log that reaches past it, restarts the partition
     from the log's start (from the poll loop, between two fetches); a log not reaching it yet, or
     a broker that cannot be asked, keeps it suspect and uncommitted."""
+    monkeypatch.setattr("qworker.worker.topic_ids.topic_id", _same_topic_id)
     import asyncio
 
     from aiokafka.errors import KafkaConnectionError
@@ -511,6 +518,7 @@ def test_a_partition_not_read_yet_is_checked_by_the_record_before_the_groups_off
     fetched on from 10 and committed over the new log's first ten jobs. At assignment it now
     takes the record before the group's offset as its baseline, which a broken connection makes
     its witness until a record of it is read."""
+    monkeypatch.setattr("qworker.worker.topic_ids.topic_id", _same_topic_id)
     import asyncio
 
     from aiokafka.structs import TopicPartition
@@ -556,6 +564,58 @@ def test_a_partition_not_read_yet_is_checked_by_the_record_before_the_groups_off
         assert c.rewound == [unread]
 
     asyncio.run(scenario())
+
+def test_a_commit_asks_the_topics_id_and_a_new_one_restarts_every_partition(monkeypatch) -> None:
+    """helper-78: a topic deleted, re-created and refilled between two fetches of a running
+    worker shows nothing in offsets, high watermarks or leaders, and the next commit stepped
+    over the new log's first jobs. Each commit now asks the topic's id after taking its offsets:
+    the same id commits them; a new id restarts every assigned partition from its beginning
+    (read or not) and commits nothing; a topic that is gone, or a broker that cannot be asked,
+    commits nothing; a broker without ids is not asked again."""
+    import asyncio
+
+    from aiokafka.errors import KafkaConnectionError
+    from aiokafka.structs import TopicPartition
+
+    from qworker.worker import app as app_mod
+    from qworker.worker import topic_ids
+
+    read, unread = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
+    answers = [b"a" * 16, b"a" * 16, None, KafkaConnectionError("down"), b"b" * 16, b"b" * 16, topic_ids.TopicIdsUnsupported("old Kafka")]
+    asked = []
+
+    async def topic_id(consumer, topic):
+        asked.append(topic)
+        got = answers.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    monkeypatch.setattr(topic_ids, "topic_id", topic_id)
+    w = app_mod.Worker(WorkerSettings(jobs_topic="jobs"))
+    w.consumer = c = _RecordingConsumer({read, unread})
+
+    def read_one(off: int) -> None:
+        w.tracker.add(read, off)
+        w.tracker.done(read, off)
+
+    async def rounds() -> None:
+        await w.partitions.same_topic()  # at assignment: the id the first records are read under
+        for off, want in ((0, {read: 1}), (1, None), (2, None), (3, None)):
+            read_one(off)
+            await w.partitions.commit()
+            assert c.commits[-1] == want if want else len(c.commits) == 1, off
+        await w.partitions.restart_due()  # the new id (b) restarted both
+        assert sorted(tp.partition for tp in c.rewound) == [0, 1] and read not in w.tracker.partitions()
+        read_one(0)
+        await w.partitions.commit()
+        assert c.commits[-1] == {read: 1}, "the new topic's offsets, once read from its start"
+        for off in (1, 2):  # a broker without ids: asked once, then commits go on unasked
+            read_one(off)
+            await w.partitions.commit()
+        assert c.commits[-1] == {read: 3} and not answers and len(asked) == 7
+
+    asyncio.run(rounds())
 
 def test_a_broken_connection_or_a_moved_leader_makes_partitions_suspect() -> None:
     """The triggers of the check above: a connection that broke or timed out (not one closed
