@@ -54,7 +54,7 @@ class Intake:
     async def poll_once(self) -> None:
         w = self.w
         assert w.consumer is not None and w.pauser is not None and w.registry.wake is not None
-        await w.partitions.restart_due()
+        await w.partitions.resets.restart_due()
         # fetched and not yet admitted: the pending queue and the jobs whose grammar compiles (a
         # burst of distinct schemas would otherwise fetch the whole topic while they compile)
         held = len(w.registry.pending) + len(self.validating)
@@ -81,7 +81,7 @@ class Intake:
             log.warning("poll: undecodable record (%r); reading its batch raw", e)
             await self.skip_refused(room)
             return
-        w.partitions.note_ends()
+        w.partitions.resets.note_ends()
         await self.handle_records([(tp, rec) for tp, records in batches.items() for rec in records], w.partitions.epoch)
 
     async def handle_records(self, records: list[tuple[TopicPartition, Any]], epoch: int) -> None:

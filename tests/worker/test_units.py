@@ -353,11 +353,10 @@ def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit(monkeypatch)
     from aiokafka.structs import TopicPartition
 
     from qworker.worker import app as app_mod
-    from qworker.worker import partitions as partitions_mod
     from qworker.worker.jobs import JobState
     from qworker.worker.partitions import DETACHED
 
-    monkeypatch.setattr(partitions_mod, "SHRUNK_CONFIRM_S", 0.3)
+    monkeypatch.setattr("qworker.worker.log_resets.SHRUNK_CONFIRM_S", 0.3)
     reset, truncated, fine = (TopicPartition("jobs", p) for p in range(3))
 
     class Consumer:
@@ -408,7 +407,7 @@ def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit(monkeypatch)
         # believed now; the poll loop starts them afresh between two fetches, not the commit loop
         assert not c.rewound and not c.sought and running.tp == reset
         await w.partitions.commit()
-        await w.partitions.restart_due()
+        await w.partitions.resets.restart_due()
 
     asyncio.run(rounds())
     assert c.rewound == [reset] and c.sought == [(truncated, 4)] and running.tp == DETACHED
@@ -418,7 +417,7 @@ def test_a_log_that_shrank_under_us_starts_afresh_before_any_commit(monkeypatch)
 
 
 async def _same_topic_id(consumer, topic: str) -> bytes:
-    """The jobs topic's id, as a broker that kept the topic answers (see partitions.same_topic)."""
+    """The jobs topic's id, as a broker that kept the topic answers (see LogResets.same_topic)."""
     return b"t" * 16
 
 
@@ -499,7 +498,7 @@ def test_a_broken_connection_withholds_commits_until_the_log_still_holds_what_wa
         await w.partitions.commit()
         assert c.commits[-1] == {same: 6}, "only the log that still holds the witness is committed"
         assert not c.rewound and running.tp == replaced, "the commit loop itself seeks nothing"
-        await w.partitions.restart_due()
+        await w.partitions.resets.restart_due()
         assert sorted(tp.partition for tp in c.rewound) == [replaced.partition, gone.partition]
         assert running.tp == DETACHED
         await w.partitions.commit()
@@ -538,7 +537,7 @@ def test_a_partition_not_read_yet_is_checked_by_the_record_before_the_groups_off
         return log.get(offset)
 
     monkeypatch.setattr(rawfetch, "record_at", record_at)
-    monkeypatch.setattr("qworker.worker.partitions.KEPT_CHECK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("qworker.worker.log_resets.CHECK_TIMEOUT_S", 0.5)
 
     class Consumer(_RecordingConsumer):
         group = {unread: 10, fresh: None, slow: 4}
@@ -550,7 +549,7 @@ def test_a_partition_not_read_yet_is_checked_by_the_record_before_the_groups_off
     w.consumer = c = Consumer(Consumer.group)
 
     async def scenario() -> None:
-        await w.partitions.take_baselines({unread, fresh, slow})
+        await w.partitions.resets.take_baselines({unread, fresh, slow})
         assert sorted(asked) == [(0, 9), (2, 3)], "the record before the group's offset, where there is one"
         w.tracker.suspect_all()  # a connection broke before any record was read
         assert w.tracker.witness(unread) == (9, fingerprint(1000, b"k9", b"v9"))
@@ -560,7 +559,7 @@ def test_a_partition_not_read_yet_is_checked_by_the_record_before_the_groups_off
         w.tracker.done(unread, 10)
         await w.partitions.commit()
         assert not c.commits, "nothing committed over the new log's first records"
-        await w.partitions.restart_due()
+        await w.partitions.resets.restart_due()
         assert c.rewound == [unread]
 
     asyncio.run(scenario())
@@ -600,12 +599,12 @@ def test_a_commit_asks_the_topics_id_and_a_new_one_restarts_every_partition(monk
         w.tracker.done(read, off)
 
     async def rounds() -> None:
-        await w.partitions.same_topic()  # at assignment: the id the first records are read under
+        await w.partitions.resets.same_topic()  # at assignment: the id the first records are read under
         for off, want in ((0, {read: 1}), (1, None), (2, None), (3, None)):
             read_one(off)
             await w.partitions.commit()
             assert c.commits[-1] == want if want else len(c.commits) == 1, off
-        await w.partitions.restart_due()  # the new id (b) restarted both
+        await w.partitions.resets.restart_due()  # the new id (b) restarted both
         assert sorted(tp.partition for tp in c.rewound) == [0, 1] and read not in w.tracker.partitions()
         read_one(0)
         await w.partitions.commit()
