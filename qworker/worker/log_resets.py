@@ -25,11 +25,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from qworker.worker import rawfetch, topic_ids
-from qworker.worker.offsets import fingerprint
+from qworker.worker.offsets import OffsetTracker, fingerprint
 
 if TYPE_CHECKING:
     from qworker.worker.partitions import Partitions
@@ -54,6 +54,14 @@ class LogResets:
         self._topic_ids = True  # False once the broker showed it gives none
         # suspect partitions not checked yet: since when, last warned (see check_witnesses)
         self._unchecked_since: dict[TopicPartition, tuple[float, float]] = {}
+
+    @property
+    def consumer(self) -> AIOKafkaConsumer:
+        return self.p.w.consumer
+
+    @property
+    def tracker(self) -> OffsetTracker[TopicPartition]:
+        return self.p.tracker
 
     def withheld(self) -> set[TopicPartition]:
         """Partitions whose offsets belong to a log found reset or short: never committed."""
@@ -82,11 +90,11 @@ class LogResets:
 
         async def take(tp: TopicPartition) -> None:
             async with asyncio.timeout_at(deadline):
-                start = await self.p.w.consumer.committed(tp)
+                start = await self.consumer.committed(tp)
                 if start:
-                    before = await rawfetch.record_at(self.p.w.consumer, tp, start - 1)
+                    before = await rawfetch.record_at(self.consumer, tp, start - 1)
                     if isinstance(before, rawfetch.RawRecord):
-                        self.p.tracker.set_baseline(tp, start - 1, fingerprint(before.timestamp, before.key, before.value))
+                        self.tracker.set_baseline(tp, start - 1, fingerprint(before.timestamp, before.key, before.value))
 
         order = list(tps)
         for tp, got in zip(order, await asyncio.gather(*(take(tp) for tp in order), return_exceptions=True)):
@@ -109,10 +117,10 @@ class LogResets:
         kept = []
         for tp in tps:
             try:
-                end = self.p.w.consumer.highwater(tp)
+                end = self.consumer.highwater(tp)
             except AssertionError:  # aiokafka's "not assigned": a rebalance began since we listed them
                 continue
-            seen = self.p.tracker.seen_up_to(tp)
+            seen = self.tracker.seen_up_to(tp)
             if end is None or seen is None or end >= seen:
                 self._shrunk_since.pop(tp, None)
                 kept.append(tp)
@@ -123,7 +131,7 @@ class LogResets:
     async def _restart_shrunk(self, tp: TopicPartition, end: int, seen: int) -> None:
         try:
             async with asyncio.timeout(CHECK_TIMEOUT_S):
-                theirs = await self.p.w.consumer.committed(tp)
+                theirs = await self.consumer.committed(tp)
         except (KafkaError, TimeoutError) as e:  # asked again next round
             log.debug("committed(%s) failed: %r", tp, e)
             return
@@ -146,7 +154,7 @@ class LogResets:
         topic = self.p.w.settings.jobs_topic
         try:
             async with asyncio.timeout(CHECK_TIMEOUT_S):
-                now = await topic_ids.topic_id(self.p.w.consumer, topic)
+                now = await topic_ids.topic_id(self.consumer, topic)
         except topic_ids.TopicIdsUnsupported as e:
             log.info("the broker gives no topic ids (%s): a topic re-created between two fetches goes unseen", e)
             self._topic_ids = False
@@ -160,7 +168,7 @@ class LogResets:
             self._topic_id = now
             return True
         self._topic_id = now
-        for tp in self.p.w.consumer.assignment():
+        for tp in self.consumer.assignment():
             self._restarts_due[tp] = (f"the topic {topic} was re-created (its id changed)", None)
         return False
 
@@ -171,14 +179,14 @@ class LogResets:
         re-created; and a new log refilled past our position within ``check_shrunk``'s 10 s
         would look continuous. Called after every poll: the fetch positions' high watermarks
         are fresh then."""
-        for tp in self.p.tracker.partitions():
+        for tp in self.tracker.partitions():
             try:
-                end = self.p.w.consumer.highwater(tp)
+                end = self.consumer.highwater(tp)
             except AssertionError:  # aiokafka's "not assigned": a rebalance is under way
                 continue
-            seen = self.p.tracker.seen_up_to(tp)
+            seen = self.tracker.seen_up_to(tp)
             if end is not None and seen is not None and end < seen:
-                self.p.tracker.suspect(tp)
+                self.tracker.suspect(tp)
 
     async def check_witnesses(self, tps: list[TopicPartition]) -> list[TopicPartition]:
         """Those of ``tps`` that may be committed this round as far as their logs' identity goes.
@@ -197,17 +205,17 @@ class LogResets:
         uncommitted until a later round (a log that stays short is ``check_shrunk``'s)."""
         t0 = asyncio.get_running_loop().time()
         deadline = t0 + CHECK_TIMEOUT_S
-        self._unchecked_since = {tp: t for tp, t in self._unchecked_since.items() if self.p.tracker.witness(tp) is not None}
+        self._unchecked_since = {tp: t for tp, t in self._unchecked_since.items() if self.tracker.witness(tp) is not None}
         kept = []
         for tp in tps:
-            witness = self.p.tracker.witness(tp)
+            witness = self.tracker.witness(tp)
             if witness is None:
                 kept.append(tp)
                 continue
             offset, known = witness
             try:
                 async with asyncio.timeout_at(deadline):
-                    now = await rawfetch.record_at(self.p.w.consumer, tp, offset)
+                    now = await rawfetch.record_at(self.consumer, tp, offset)
             except (KafkaError, LookupError, TimeoutError) as e:
                 self._still_unchecked(tp, t0, offset, f"the broker could not be asked: {e!r}")
                 continue
@@ -216,7 +224,7 @@ class LogResets:
                 continue
             self._unchecked_since.pop(tp, None)
             if not isinstance(now, str) and fingerprint(now.timestamp, now.key, now.value) == known:
-                self.p.tracker.vouched(tp)
+                self.tracker.vouched(tp)
                 kept.append(tp)
                 continue
             why = now if isinstance(now, str) else f"offset {offset} holds another record than the one we read there"
@@ -239,10 +247,10 @@ class LogResets:
         fetch would skip those jobs, the next commit step over them). Until then the partition
         is not committed (``commit`` leaves it out)."""
         for tp, (why, offset) in list(self._restarts_due.items()):
-            if tp in self.p.w.consumer.assignment():  # else moved away: its new owner reads from the group's offset
+            if tp in self.consumer.assignment():  # else moved away: its new owner reads from the group's offset
                 self.p.start_afresh(tp, why)
                 if offset is not None:
-                    self.p.w.consumer.seek(tp, offset)
+                    self.consumer.seek(tp, offset)
                 else:  # a failure raises before the entry goes: the next round does it again
-                    await self.p.w.consumer.seek_to_beginning(tp)
+                    await self.consumer.seek_to_beginning(tp)
             del self._restarts_due[tp]
