@@ -168,6 +168,7 @@ class LogResets:
             self._topic_id = now
             return True
         self._topic_id = now
+        self.consumer._client.force_metadata_update()  # noqa: SLF001 - it may have other partitions now
         for tp in self.consumer.assignment():
             self._restarts_due[tp] = (f"the topic {topic} was re-created (its id changed)", None)
         return False

@@ -145,27 +145,31 @@ async def fetch_raw(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int,
 
 
 OFFSET_OUT_OF_RANGE = 1  # Kafka's error code
+RECORD_AT_WAIT_MS = 500
 
 
 async def record_at(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int) -> RawRecord | None | str:
     """What ``tp``'s log holds at ``offset`` now: the record; None when the log does not reach
-    ``offset`` yet (or the answer says nothing: ask again later); or, as a string, why the record
-    is gone from a log that reaches past it (below the log's start, or removed from its batch).
-    Raises KafkaError or LookupError when the broker cannot be asked."""
-    # not a zero wait: Tansu answers such a fetch without the partition
-    error_code, high_watermark, data = await _fetch_partition(consumer, tp, offset, max_wait_ms=10)
+    ``offset`` yet; or, as a string, why the record is gone from a log that reaches past it
+    (below the log's start, or removed from its batch). Raises KafkaError or LookupError when the
+    broker cannot be asked, or answers without saying (ask again later)."""
+    # Not a zero wait: Tansu answers such a fetch without the partition. The broker answers as
+    # soon as it has a byte; on object storage it may first answer with none within a short wait.
+    error_code, high_watermark, data = await _fetch_partition(consumer, tp, offset, max_wait_ms=RECORD_AT_WAIT_MS)
     reaches = high_watermark is not None and high_watermark > offset
     if error_code == OFFSET_OUT_OF_RANGE and reaches:
         return f"offset {offset} lies below the log's start"
-    if error_code != 0 or not reaches:
+    if not reaches:
         return None
+    if error_code != 0:
+        raise LookupError(f"the fetch of {tp.topic}/{tp.partition} at {offset} answered error {error_code}")
     records = parse(tp, data)
     for r in records:
         if r.offset == offset:
             return r
     if any(r.offset > offset for r in records):
         return f"offset {offset} holds no record any more"
-    return None
+    raise LookupError(f"the log of {tp.topic}/{tp.partition} reaches past {offset}, but the fetch brought no record")
 
 
 @dataclass(slots=True)

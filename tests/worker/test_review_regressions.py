@@ -170,7 +170,7 @@ def test_rawfetch_agrees_with_aiokafka_on_valid_batches() -> None:
 # ------------------------------------------------------------------ through the broker (tiny model)
 from .test_defects import RawKey, produce_raw  # noqa: E402
 from .test_flow import engines, job, one_torch_thread, started  # noqa: E402,F401 - fixtures
-from .conftest import Results, wait_committed  # noqa: E402
+from .conftest import Results, partition_ends, wait_committed  # noqa: E402
 
 
 async def _produce_to(s, topic: str, per_partition: dict[int, list[tuple[bytes, bytes, list]]]) -> None:
@@ -394,3 +394,47 @@ async def test_a_topic_deleted_and_recreated_under_a_running_worker_is_read_from
         await admin.close()
         await w.stop()
 
+
+
+async def test_a_log_on_object_storage_vouches_for_its_records_after_a_restart(engines, tmp_path) -> None:
+    """helper-80: a broker on S3 storage restarted (its data kept) answered the check's short
+    fetch with no records before it had read them back, so the check never passed and the
+    worker stopped committing for good (its next owner would rerun everything since). The check
+    now waits for a record as a consumer's fetch does; commits resume."""
+    from qworker.broker import start_broker, stop_broker
+    from qworker.worker.client import create_topics, submit
+
+    from .conftest import make_settings
+
+    broker = start_broker(s3=True, log_dir=tmp_path)
+    try:
+        s = make_settings(broker.bootstrap)
+        await create_topics(s, partitions=2)
+        eng = await engines()
+        r = await Results(s).start()
+        w = await started(s, eng)
+        try:
+            await submit(s, [job(f"a{i}", max_tokens=1) for i in range(6)])
+            await r.wait(lambda: len(r.completions) == 6, 30, "the first jobs")
+            await wait_committed(s, partitions=2)
+            await r.stop()
+            await asyncio.to_thread(broker.restart)  # S3 storage: the same records, the same topic
+            from aiokafka import TopicPartition
+
+            from qworker.worker import rawfetch
+
+            held = {TopicPartition(s.jobs_topic, p): e for p, e in (await partition_ends(s, partitions=2)).items() if e}
+            for tp, end in held.items():  # what the check reads: every record still there
+                for off in range(end):
+                    got = await rawfetch.record_at(w.consumer, tp, off)
+                    assert isinstance(got, rawfetch.RawRecord) and got.offset == off, (tp, off, got)
+            r = await Results(s).start()
+            await submit(s, [job(f"b{i}", max_tokens=1) for i in range(6)])
+            await r.wait(lambda: {f"b{i}" for i in range(6)} <= set(r.completions), 60, "the jobs after the restart")
+            await wait_committed(s, timeout=30, partitions=2)
+            assert w.stats.refetched == 0 and all(len(v) == 1 for v in r.completions.values()), "nothing read twice"
+        finally:
+            await w.stop(drain_timeout_s=5)
+            await r.stop()
+    finally:
+        stop_broker(broker)

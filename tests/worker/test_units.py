@@ -425,7 +425,10 @@ class _RecordingConsumer:
     """What the log checks call on the jobs consumer; records seeks to the beginning and commits."""
 
     def __init__(self, partitions) -> None:
-        self.partitions, self.commits, self.rewound = set(partitions), [], []
+        from types import SimpleNamespace
+
+        self.partitions, self.commits, self.rewound, self.metadata_updates = set(partitions), [], [], []
+        self._client = SimpleNamespace(force_metadata_update=lambda: self.metadata_updates.append(1))
 
     def assignment(self):
         return set(self.partitions)
@@ -605,6 +608,7 @@ def test_a_commit_asks_the_topics_id_and_a_new_one_restarts_every_partition(monk
             await w.partitions.commit()
             assert c.commits[-1] == want if want else len(c.commits) == 1, off
         await w.partitions.resets.restart_due()  # the new id (b) restarted both
+        assert c.metadata_updates == [1], "metadata asked again: the new topic may have more partitions"
         assert sorted(tp.partition for tp in c.rewound) == [0, 1] and read not in w.tracker.partitions()
         read_one(0)
         await w.partitions.commit()
