@@ -71,14 +71,24 @@ class LogResets:
         """``tp`` moved away, or a rebalance already placed it at the group's offset."""
         self._restarts_due.pop(tp, None)
 
-    async def on_assigned(self, new: set[TopicPartition]) -> None:
+    async def on_assigned(self, new: set[TopicPartition], restarted: set[TopicPartition]) -> None:
+        """After a rebalance: baselines for the partitions ``new`` to us, and the topic's id (the
+        one the first records are read under; a rebalance often follows a broker that lost its
+        data). ``restarted``: those the rebalance check already placed at the group's offset of a
+        new log: a new id must not restart them a second time (their jobs would run again)."""
         await self.take_baselines(new)
-        if self._topic_id is None:
-            await self.same_topic()  # the id the first records will be read under
+        await self.same_topic()
+        for tp in restarted:
+            self.forget(tp)
 
     async def committable(self, tps: list[TopicPartition]) -> list[TopicPartition]:
-        """Those of ``tps`` whose logs pass the checks before a commit round."""
-        return await self.check_witnesses(await self.check_shrunk([tp for tp in tps if tp not in self._restarts_due]))
+        """Those of ``tps`` whose logs pass the checks before a commit round. A round that finds
+        a log replaced asks the topic's id at once: a re-created topic then restarts all its
+        partitions together, not this one now and the others (and this one again) a round later."""
+        kept = await self.check_witnesses(await self.check_shrunk([tp for tp in tps if tp not in self._restarts_due]))
+        if self._restarts_due:
+            await self.same_topic()
+        return [tp for tp in kept if tp not in self._restarts_due]
 
     async def take_baselines(self, tps: set[TopicPartition]) -> None:
         """For each partition newly ours, the record before the group's offset, where the

@@ -71,13 +71,13 @@ class Partitions:
         self.revoked = set()
         if lost:
             self.abandon(lost)
-        await self.check_kept(assigned)
-        await self.resets.on_assigned(assigned - set(self.tracker.partitions()))
+        restarted = await self.check_kept(assigned)
+        await self.resets.on_assigned(assigned - set(self.tracker.partitions()), restarted)
         if w.pauser is not None and w.pauser.paused:
             w.consumer.pause(*assigned)  # a rebalance clears pauses
         log.info("assigned %s (generation %d)", sorted(f"{tp.topic}/{tp.partition}" for tp in assigned), self.generation)
 
-    async def check_kept(self, assigned: set[TopicPartition]) -> None:
+    async def check_kept(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
         """A kept partition whose group offset is now below the one we committed (or gone) no
         longer holds the records we saw: the broker lost its data (a topic re-created, a log
         truncated by an unclean election, memory storage restarted) or an operator reset the
@@ -94,6 +94,7 @@ class Partitions:
         # One deadline for all of them: a stalled broker must not hold up the rebalance (5 s per
         # partition, one after the other, was 40 s for 8 partitions). Unchecked ones stay as they are.
         deadline = asyncio.get_running_loop().time() + KEPT_CHECK_TIMEOUT_S
+        restarted = set()
         for tp in sorted(assigned & set(self.tracker.partitions()), key=lambda t: t.partition):
             ours = self.tracker.last_committed(tp)
             try:
@@ -109,6 +110,8 @@ class Partitions:
             else:
                 self.start_afresh(tp, f"the group's offset is {theirs}, below the {ours} we committed: the log was reset")
             self.resets.forget(tp)  # the rebalance already placed it at the group's offset
+            restarted.add(tp)
+        return restarted
 
     def start_afresh(self, tp: TopicPartition, why: str) -> None:
         """Forget what we saw of ``tp``'s log: its jobs in flight still answer but mark no offset."""

@@ -620,6 +620,49 @@ def test_a_commit_asks_the_topics_id_and_a_new_one_restarts_every_partition(monk
 
     asyncio.run(rounds())
 
+def test_a_new_topic_id_at_a_rebalance_spares_the_partitions_the_rebalance_restarted(monkeypatch) -> None:
+    """helper-80: after a memory broker's restart the rebalance check restarted each partition
+    (the group's offset was gone) and the first commit round's id check restarted them again
+    (16 of 57 jobs answered twice). The id is now asked at the rebalance, and a new one restarts
+    only the partitions the rebalance did not; a commit round that finds a log replaced asks the
+    id at once, so a re-created topic restarts all its partitions in that one round."""
+    import asyncio
+
+    from aiokafka.structs import TopicPartition
+
+    from qworker.worker import app as app_mod
+    from qworker.worker import rawfetch, topic_ids
+    from qworker.worker.offsets import fingerprint
+
+    ids = iter([b"a" * 16, b"b" * 16, b"c" * 16, b"c" * 16])
+
+    async def topic_id(consumer, topic):
+        return next(ids)
+
+    async def record_at(consumer, tp, offset):
+        return rawfetch.RawRecord(tp.topic, tp.partition, offset, 9, b"new", b"new", [])
+
+    monkeypatch.setattr(topic_ids, "topic_id", topic_id)
+    monkeypatch.setattr(rawfetch, "record_at", record_at)
+    reset, kept = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
+    w = app_mod.Worker(WorkerSettings())
+    w.consumer = c = _RecordingConsumer({reset, kept})
+
+    async def scenario() -> None:
+        await w.partitions.resets.same_topic()  # a
+        await w.partitions.resets.on_assigned(set(), {reset})  # b: the rebalance restarted `reset`
+        await w.partitions.resets.restart_due()
+        assert c.rewound == [kept]
+        for tp in (reset, kept):
+            w.tracker.add(tp, 0, fingerprint(1, b"k", b"v"))
+            w.tracker.done(tp, 0)
+        w.tracker.suspect(reset)  # its log found replaced in a commit round: the id (c) is asked then
+        await w.partitions.commit()
+        await w.partitions.resets.restart_due()
+        assert sorted(tp.partition for tp in c.rewound) == [0, 1, 1] and not c.commits
+
+    asyncio.run(scenario())
+
 def test_a_broken_connection_or_a_moved_leader_makes_partitions_suspect() -> None:
     """The triggers of the check above: a connection that broke or timed out (not one closed
     for idling or at shutdown), and metadata showing a subscribed partition led by another
