@@ -30,6 +30,11 @@ def check_out(out: torch.Tensor, like: torch.Tensor, name: str = "out") -> None:
     require(out.stride(-1) == 1, f"{name}'s last dim must be contiguous (stride {out.stride(-1)})")
 
 
+def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The attention kernels read q and both caches in one dtype (``tl.dot`` takes no mix)."""
+    require(k_cache.dtype == v_cache.dtype == q.dtype, f"q is {q.dtype}, the cache {k_cache.dtype}/{v_cache.dtype}: one dtype")
+
+
 def check_vector(t: torch.Tensor, name: str, length: int) -> None:
     """A per-sequence or per-token index tensor the kernel reads as ``ptr + i``."""
     require(t.dim() == 1 and t.numel() == length, f"{name} has shape {tuple(t.shape)}, expected ({length},)")

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .contracts import check_block_tables, check_out, check_vector, require
+from .contracts import check_block_tables, check_cache, check_out, check_vector
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -216,7 +216,7 @@ def paged_decode_attention(
     _, block_size, Hkv, Dc = k_cache.shape
     assert Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    require(k_cache.dtype == v_cache.dtype == q.dtype, f"q is {q.dtype}, the cache {k_cache.dtype}/{v_cache.dtype}: one dtype")
+    check_cache(q, k_cache, v_cache)
     G = Hq // Hkv
     check_block_tables(block_tables, B)
     check_vector(seq_lens, "seq_lens", B)

@@ -24,7 +24,7 @@ from qworker.worker import consumer as kc
 from qworker.worker.decode import Decoded, Invalid, Unparseable, Valid, decode
 from qworker.worker.dlq import dlq_headers, with_original
 from qworker.worker.jobs import JobState, cancelled_completion, error_message, log_fields
-from qworker.worker.offsets import fingerprint
+from qworker.worker.offsets import record_fingerprint
 from qworker.worker.wire import answer_headers
 from qworker.worker.wire import shape as answer_shape
 
@@ -184,7 +184,7 @@ class Intake:
         w, reg, answers = self.w, self.w.registry, self.w.answers
         if tp not in w.consumer.assignment():
             return None  # revoked while this batch was being handled
-        if not w.tracker.add(tp, rec.offset, fingerprint(rec.timestamp, rec.key, rec.value)):
+        if not w.tracker.add(tp, rec.offset, record_fingerprint(rec)):
             w.stats.refetched += 1
             return None
         w.stats.records += 1

@@ -29,7 +29,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from qworker.worker import rawfetch, topic_ids
-from qworker.worker.offsets import OffsetTracker, fingerprint
+from qworker.worker.offsets import OffsetTracker, record_fingerprint
 
 if TYPE_CHECKING:
     from qworker.worker.partitions import Partitions
@@ -104,7 +104,7 @@ class LogResets:
                 if start:
                     before = await rawfetch.record_at(self.consumer, tp, start - 1)
                     if isinstance(before, rawfetch.RawRecord):
-                        self.tracker.set_baseline(tp, start - 1, fingerprint(before.timestamp, before.key, before.value))
+                        self.tracker.set_baseline(tp, start - 1, record_fingerprint(before))
 
         order = list(tps)
         for tp, got in zip(order, await asyncio.gather(*(take(tp) for tp in order), return_exceptions=True)):
@@ -234,7 +234,7 @@ class LogResets:
                 self._still_unchecked(tp, t0, offset, "the log does not reach it")
                 continue
             self._unchecked_since.pop(tp, None)
-            if not isinstance(now, str) and fingerprint(now.timestamp, now.key, now.value) == known:
+            if not isinstance(now, str) and record_fingerprint(now) == known:
                 self.tracker.vouched(tp)
                 kept.append(tp)
                 continue

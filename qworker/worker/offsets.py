@@ -16,7 +16,7 @@ compared with what the log now holds at that offset before the partition is comm
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, Hashable, TypeVar
+from typing import Any, Generic, Hashable, TypeVar
 
 TP = TypeVar("TP", bound=Hashable)
 
@@ -33,6 +33,11 @@ def fingerprint(timestamp: int, key: bytes | None, value: bytes | None) -> int:
     """What tells two records at one offset apart: a new log's record has its own timestamp and,
     almost always, its own job. Only compared within this process."""
     return hash((timestamp, key, value))
+
+
+def record_fingerprint(record: Any) -> int:
+    """``fingerprint`` of a record as aiokafka gives it or as ``rawfetch`` reads it."""
+    return fingerprint(record.timestamp, record.key, record.value)
 
 
 class OffsetTracker(Generic[TP]):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.codec import gzip_decode, lz4_decode, snappy_decode, zstd_decode
+from aiokafka.errors import OffsetOutOfRangeError
 from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.record.memory_records import MemoryRecords
 from aiokafka.record.util import calc_crc32c, decode_varint
@@ -144,7 +145,6 @@ async def fetch_raw(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int,
     return [r for r in parse(tp, await _fetch(consumer, tp, offset, max_bytes, max_wait_ms)) if r.offset >= offset]
 
 
-OFFSET_OUT_OF_RANGE = 1  # Kafka's error code
 RECORD_AT_WAIT_MS = 500
 
 
@@ -157,7 +157,7 @@ async def record_at(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int)
     # soon as it has a byte; on object storage it may first answer with none within a short wait.
     error_code, high_watermark, data = await _fetch_partition(consumer, tp, offset, max_wait_ms=RECORD_AT_WAIT_MS)
     reaches = high_watermark is not None and high_watermark > offset
-    if error_code == OFFSET_OUT_OF_RANGE and reaches:
+    if error_code == OffsetOutOfRangeError.errno and reaches:
         return f"offset {offset} lies below the log's start"
     if not reaches:
         return None

@@ -12,12 +12,9 @@ from __future__ import annotations
 from io import BytesIO
 
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import IncompatibleBrokerVersion, KafkaConnectionError, for_code
+from aiokafka.errors import IncompatibleBrokerVersion, KafkaConnectionError, UnknownTopicOrPartitionError, for_code
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import AbstractType, Boolean, CompactArray, CompactString, Int16, Int32, Schema, TaggedFields
-
-_UNKNOWN_TOPIC = 3  # UNKNOWN_TOPIC_OR_PARTITION
-
 
 class _Uuid(AbstractType[bytes]):
     @classmethod
@@ -95,7 +92,7 @@ async def topic_id(consumer: AIOKafkaConsumer, topic: str) -> bytes | None:
     for error_code, name, tid, *_ in resp.topics:
         if name != topic:
             continue
-        if error_code == _UNKNOWN_TOPIC:
+        if error_code == UnknownTopicOrPartitionError.errno:
             return None
         if error_code:
             raise for_code(error_code)()
