@@ -1,8 +1,8 @@
 """The decoder every family shares (norm -> attention -> norm -> MLP) over a paged KV cache.
 
 A family (:mod:`qworker.model.families`) says what differs as a :class:`DecoderSpec`: weight
-names, q/k norms, MLP kind, the norms' form, extra norms, attention options per layer, embedding
-scale, logit soft-capping. Two forwards: :meth:`DecoderModel.forward` is the Llama loop, used
+names, q/k norms, MLP kind, the norms' form, extra or missing norms, attention options per layer
+(window, rope table or none), embedding, residual and logit scales, logit soft-capping. Two forwards: :meth:`DecoderModel.forward` is the Llama loop, used
 whenever the spec adds nothing but one window for all layers (Llama, Mistral, Qwen2 without
 per-layer windows, Phi-3), so that path does no per-layer work beyond what it always did;
 :meth:`DecoderModel._forward_general` carries every hook. On CPU in bf16 mode the Llama loop
@@ -63,17 +63,21 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def no_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+    """A NoPE layer's rope (SmolLM3): q and k are left as they are."""
+
+
 @dataclass(slots=True)
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: no norm before attention (OLMo 2), nor before the MLP
     qkv: Linear  # q, k, v fused (with their biases, Qwen2)
     o: Linear
-    post_norm: torch.Tensor  # the norm before the MLP
+    post_norm: torch.Tensor | None  # the norm before the MLP
     gate_up: Linear | None  # gate and up fused (None for a MoE layer)
     down: Linear | None
     mlp: Callable[[torch.Tensor], torch.Tensor]  # the general forward's MLP (dense or MoE)
     attn: PagedAttention
-    rope: RotaryEmbedding
+    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # a RotaryEmbedding, or no_rope
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None
@@ -154,6 +158,8 @@ class DecoderModel:
         # the embedding scale is rounded to the model dtype first, as transformers does
         self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale, dtype=dtype).to(device=device, dtype=act)
         self.final_softcap = spec.final_softcap
+        self.logit_divisor = spec.logit_divisor
+        self.residual_scale = spec.residual_scale
         self.greedy_head = self._bounded_greedy_head(shard)
 
         self.ropes = {key: rotary_embedding(config, self.head_dim, max_positions, device, act, backend, layer_type, spec.partial_rotary)
@@ -191,7 +197,7 @@ class DecoderModel:
                 down=down,
                 mlp=mlp,
                 attn=attns[a.sliding_window],
-                rope=self.ropes[a.rope],
+                rope=self.ropes[a.rope] if a.rotary else no_rope,
                 q_norm=opt(layer.q_norm),
                 k_norm=opt(layer.k_norm),
                 attn_out_norm=opt(layer.attn_out_norm),
@@ -204,7 +210,8 @@ class DecoderModel:
         self.attn = self.layers[0].attn
         self.fused_layers: DecoderLayers | None = None  # the plain CPU loop in one C call (see _fused)
         fusable = backend == "cpu" and self.linear_backend == "panels" and type(self.rope) is RotaryEmbedding
-        if not spec.is_plain() or len(self.ropes) != 1 or any(layer.gate_up is None for layer in self.layers):
+        if (not spec.is_plain() or len(self.ropes) != 1
+                or any(layer.gate_up is None or layer.input_norm is None or layer.post_norm is None for layer in self.layers)):
             self.forward = self._forward_general
         elif backend == "cpu" and self.act_dtype != dtype:
             self.norm_bf16 = kernels.rms_norm_bf16_out_cpu
@@ -217,7 +224,7 @@ class DecoderModel:
     def _bounded_greedy_head(self, shard) -> BoundedGreedyHead | None:
         """The LM head's exact shortcut for argmax-only rows (:mod:`kernels.greedy_head`): for fp32
         weights on the CPU packed in panels, a whole (unsharded) model and no logit soft-capping
-        (its tanh can tie logits that differ). It holds a bf16 copy of the head (half the fp32
+        (its tanh can tie logits that differ; so can a logit divisor's rounding). It holds a bf16 copy of the head (half the fp32
         head's bytes) and pays where the CPU has bf16 dot products (AVX512_BF16 or AMX), so it is
         built there; ``QWORKER_CPU_GREEDY_HEAD=1`` builds it wherever the kernels do (its bf16
         GEMM then runs in fp32 arithmetic: as exact, no faster), ``0`` never."""
@@ -225,7 +232,7 @@ class DecoderModel:
         if choice not in ("0", "1", "auto"):
             raise ValueError(f"QWORKER_CPU_GREEDY_HEAD must be 0, 1 or auto, got {choice!r}")
         if (choice == "0" or self.device.type != "cpu" or shard is not None or self.dtype != torch.float32
-                or self.linear_backend != "panels" or self.final_softcap is not None):
+                or self.linear_backend != "panels" or self.final_softcap is not None or self.logit_divisor is not None):
             return None
         supported, _ = bounded_head_supported()
         if not supported and not (choice == "1" and gemm_cpu.gemm_isa(torch.float32) is not None):
@@ -252,6 +259,8 @@ class DecoderModel:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(x)
+        if self.logit_divisor is not None:  # before the soft-cap (no family has both)
+            logits = logits / self.logit_divisor
         if self.final_softcap is not None:
             c = self.final_softcap
             logits = torch.tanh(logits / c) * c
@@ -408,14 +417,14 @@ class DecoderModel:
     ) -> torch.Tensor:
         """:meth:`forward` with every family hook (see :class:`DecoderSpec`)."""
         norm, eps = self.norm_fn, self.eps
-        qk_norm, clip = self.spec.qk_norm, self.spec.clip_qkv
+        qk_norm, clip, scale = self.spec.qk_norm, self.spec.clip_qkv, self.residual_scale
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         T = h.shape[0]
-        residual = None
+        residual = None  # the running sum of the residual stream; h is the latest branch output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = norm(h, layer.input_norm, eps, residual)
+            x, residual = self._add_norm(h, layer.input_norm, residual)
             qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if qk_norm == "full":  # over q's and k's whole width, before the head split
@@ -434,12 +443,25 @@ class DecoderModel:
             h = layer.o(attn.reshape(T, self.q_size))
             if layer.attn_out_norm is not None:
                 h = norm(h, layer.attn_out_norm, eps)[0]
-            x, residual = norm(h, layer.post_norm, eps, residual)
+            if scale is not None:
+                h = h * scale
+            x, residual = self._add_norm(h, layer.post_norm, residual)
             h = layer.mlp(x)
             if layer.mlp_out_norm is not None:
                 h = norm(h, layer.mlp_out_norm, eps)[0]
+            if scale is not None:
+                h = h * scale
         x, _ = norm(h[logits_indices], self.norm, eps, residual[logits_indices])
         return self._head(x, argmax_rows)
+
+
+    def _add_norm(self, h: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + h), residual + h)``, the fused kernel's pair; without a norm weight
+        (OLMo 2) the branch reads the sum itself: ``(residual + h, residual + h)``."""
+        if weight is not None:
+            return self.norm_fn(h, weight, self.eps, residual)
+        total = h if residual is None else residual + h
+        return total, total
 
 
 # the name the runner and benches knew it by

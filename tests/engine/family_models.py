@@ -32,6 +32,15 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "mixtral": dict(MOE, num_local_experts=4, sliding_window=24),  # every layer
     "olmoe": dict(MOE, num_experts=4, norm_topk_prob=True, clip_qkv=2.5),  # no window in transformers' OLMoE
     "phi3": dict(sliding_window=32, partial_rotary_factor=0.5, original_max_position_embeddings=1024),  # every layer
+    "gemma": dict(tie_word_embeddings=True),  # no window in transformers' Gemma
+    "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
+    "ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "olmo2": dict(),  # no window
+    "olmo3": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 256}}),
+    "smollm3": dict(no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=24),  # layer 1: NoPE, sliding
     "gemma2": dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                    tie_word_embeddings=True),  # layers 0 and 2 (transformers' alternating default)
     "gemma3_text": dict(sliding_window=24, query_pre_attn_scalar=16, tie_word_embeddings=True,

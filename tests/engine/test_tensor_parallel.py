@@ -122,12 +122,13 @@ def test_config_validation():
         EngineConfig(model="-", tensor_parallel_size=2, enable_lora=True)
 
 
-def test_olmoe_full_width_qk_norm_is_refused():
+@pytest.mark.parametrize("family", ["olmoe", "olmo2", "olmo3"])
+def test_a_full_width_qk_norm_is_refused(family):
     from qworker.model.parallel.build import check_supported
     from tests.engine.family_models import family_config
 
-    with pytest.raises(ValueError, match="not supported for olmoe"):
-        check_supported(family_config("olmoe"), 2)
+    with pytest.raises(ValueError, match=f"not supported for {family}"):
+        check_supported(family_config(family), 2)
     check_supported(family_config("qwen3"), 2)  # a per-head q/k norm splits with its heads
 
 

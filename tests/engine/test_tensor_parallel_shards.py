@@ -3,7 +3,8 @@ of a group run as threads of this process, each its own shard (``ModelRunner(tp=
 pool, joined by an all-reduce over shared buffers (summed in rank order, as gloo does for two).
 Rank 0's logits must equal one unsharded model's, for a prefill and then a decode step over the
 written KV: q/k/v biases (Qwen2), q/k norms per head (Qwen3, Gemma 3), the norms Gemma puts after
-o and down, soft-caps, fused checkpoints (Phi-3), MoE experts (Mixtral, Qwen3-MoE), and a KV head
+o and down, soft-caps, fused checkpoints (Phi-3), MoE experts (Mixtral, Qwen3-MoE), Granite's
+residual and logit scales, SmolLM3's NoPE layers, and a KV head
 replicated on two ranks (four ranks over two KV heads). The real process group is tested in
 test_tensor_parallel.py; this covers the families cheaply (no process is started)."""
 
@@ -15,11 +16,14 @@ import pytest
 import torch
 
 from qworker.model.batch import Batch, SeqChunk
+from qworker.model.families import spec_for
+from qworker.model.parallel import shard
 from qworker.model.parallel.build import TPRank
 from qworker.model.runner import ModelRunner
-from tests.engine.family_models import FAMILIES
+from tests.engine.family_models import FAMILIES, family_config
 
-CASES = [(f, 2) for f in FAMILIES if f != "olmoe"] + [("llama", 4)]
+# every family the sharder takes (the full-width q/k norm of OLMoE and OLMo 2/3 is refused)
+CASES = [(f, 2) for f in FAMILIES if shard.unsupported(spec_for(family_config(f))) is None] + [("llama", 4)]
 
 
 class ThreadGroup:

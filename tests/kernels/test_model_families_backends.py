@@ -16,8 +16,9 @@ from tests.engine.family_models import build_family_model
 VOCAB = 512
 # one family per hook on the Triton path (the plain Llama loop is tests/kernels/test_model_backends.py):
 # soft-caps + windows, q/k head norms + two rope tables, MoE (fp32 and act-dtype routing weights),
-# full-width q/k norms + clip, partial rotary + a global window
-CASES = ["gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "phi3"]
+# full-width q/k norms + clip, partial rotary + a global window, no pre-norms + per-type rope with
+# yarn (OLMo 3), NoPE layers (SmolLM3), residual and logit scales (Granite)
+CASES = ["gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "phi3", "olmo3", "smollm3", "granite"]
 
 
 @pytest.fixture(scope="module")

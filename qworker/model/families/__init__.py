@@ -8,18 +8,24 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import gemma, llama, mixtral, olmoe, phi3, qwen3, qwen3_moe
+from qworker.model.families import gemma, granite, llama, mixtral, olmo2, olmoe, phi3, qwen3, qwen3_moe, smollm3
 from qworker.model.families.spec import DecoderSpec
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "llama": llama.build,
     "mistral": llama.build,
+    "ministral": llama.build,
+    "granite": granite.build,
+    "smollm3": smollm3.build,
     "qwen2": llama.build,
     "qwen3": qwen3.build,
     "qwen3_moe": qwen3_moe.build,
     "mixtral": mixtral.build,
     "olmoe": olmoe.build,
+    "olmo2": olmo2.build,
+    "olmo3": olmo2.build,
     "phi3": phi3.build,
+    "gemma": gemma.build,
     "gemma2": gemma.build,
     "gemma3_text": gemma.build,
 }

@@ -1,6 +1,6 @@
-"""Llama, Mistral and Qwen2: the plain decoder. Mistral's ``sliding_window`` applies to every layer;
-Qwen2's only where ``config.layer_types`` says "sliding_attention" (transformers sets that from
-``use_sliding_window`` and ``max_window_layers``)."""
+"""Llama, Mistral, Ministral and Qwen2: the plain decoder. Mistral's ``sliding_window`` applies to
+every layer; Ministral's and Qwen2's only where ``config.layer_types`` says "sliding_attention"
+(transformers sets Qwen2's from ``use_sliding_window`` and ``max_window_layers``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from qworker.model.families.spec import DecoderSpec, dims, llama_layer, typed_la
 
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
-    if config.model_type == "qwen2":
+    if config.model_type in ("qwen2", "ministral"):
         layers = typed_layers(config)
     elif config.model_type == "mistral":  # one window for every layer (None when the config has none)
         layers = uniform_layers(config, getattr(config, "sliding_window", None))

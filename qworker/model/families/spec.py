@@ -70,26 +70,28 @@ class MoEWeights:
 class RawLayer:
     """One layer's tensors as the checkpoint has them (``[out, in]``), projections fused."""
 
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: the branch reads the residual stream as it is (OLMo 2)
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    mlp_norm: torch.Tensor  # the norm before the MLP (Llama's post_attention_layernorm)
+    mlp_norm: torch.Tensor | None  # the norm before the MLP (Llama's post_attention_layernorm); None as input_norm
     mlp: DenseMLP | MoEWeights
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    attn_out_norm: torch.Tensor | None = None  # Gemma: on the attention output, before the residual add
-    mlp_out_norm: torch.Tensor | None = None  # Gemma: on the MLP output, before the residual add
+    attn_out_norm: torch.Tensor | None = None  # Gemma, OLMo 2: on the attention output, before the residual add
+    mlp_out_norm: torch.Tensor | None = None  # Gemma, OLMo 2: on the MLP output, before the residual add
 
 
 @dataclass(slots=True)
 class LayerAttention:
     """A layer's attention options (``sliding_window``: the query at ``p`` sees ``p - W < j <= p``)
-    and which rope table it uses (a key into :attr:`DecoderSpec.rope_tables`)."""
+    and which rope table it uses (a key into :attr:`DecoderSpec.rope_tables`; ``rotary=False``:
+    none, the layer's q and k are not rotated: SmolLM3's NoPE layers)."""
 
     sliding_window: int | None = None
     rope: str | None = None
+    rotary: bool = True
 
 
 @dataclass
@@ -102,10 +104,12 @@ class DecoderSpec:
     qk_norm: str | None = None  # "head": RMSNorm over head_dim per head (Qwen3, Gemma 3); "full": over q/k's width (OLMoE)
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-c, c]
     activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
-    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype; Granite's multiplier
     attn_scale: float | None = None  # default head_dim ** -0.5
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    residual_scale: float | None = None  # Granite: each branch's output times this before the residual add
+    logit_divisor: float | None = None  # Granite: logits divided by this (``logits_scaling``)
     # rope table key -> the layer type to read from config.rope_parameters (None: the flat dict)
     rope_tables: dict[str | None, str | None] = field(default_factory=lambda: {None: None})
     # rotate only config.partial_rotary_factor of each head (Phi-3); transformers' other families
@@ -117,7 +121,7 @@ class DecoderSpec:
         first = self.layers[0]
         return (not self.norm_plus_one and self.qk_norm is None and self.clip_qkv is None and self.activation == "silu"
                 and self.embed_scale is None and self.attn_softcap is None and self.final_softcap is None
-                and all(a == first for a in self.layers))
+                and self.residual_scale is None and first.rotary and all(a == first for a in self.layers))
 
 
 def take(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -207,5 +211,19 @@ def typed_layers(config: PretrainedConfig) -> list[LayerAttention]:
     """Per-layer windows from ``config.layer_types``: ``config.sliding_window`` where a layer is
     "sliding_attention" (and the config has a window), full attention elsewhere."""
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    return [LayerAttention(sliding_window=window if t == "sliding_attention" else None) for t in types]
+    return [LayerAttention(sliding_window=window if t == "sliding_attention" else None) for t in layer_types(config)]
+
+
+def layer_types(config: PretrainedConfig) -> list[str]:
+    return getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+
+
+def ropes_by_layer_type(config: PretrainedConfig, layers: list[LayerAttention]) -> tuple[dict, list[LayerAttention]]:
+    """``(rope_tables, layers)`` for a config whose ``rope_parameters`` hold one dict per layer type
+    (Gemma 3, OLMo 3): one table per type, each layer naming its own; else the one flat table."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params.get("full_attention"), dict):
+        return {None: None}, layers
+    types = layer_types(config)
+    tables = {t: t for t in sorted(set(types))}
+    return tables, [LayerAttention(sliding_window=a.sliding_window, rope=t, rotary=a.rotary) for a, t in zip(layers, types)]

@@ -160,8 +160,8 @@ class FollowerHead:
 
 def unsupported(spec) -> str | None:
     """A family feature that needs the whole query width on one rank, or None."""
-    if spec.qk_norm == "full":  # OLMoE: RMSNorm over all of q's and k's heads at once
-        return "a q/k norm over the full projection width (OLMoE)"
+    if spec.qk_norm == "full":  # OLMoE, OLMo 2/3: RMSNorm over all of q's and k's heads at once
+        return "a q/k norm over the full projection width (OLMoE, OLMo 2/3)"
     return None
 
 
