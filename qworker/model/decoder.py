@@ -40,7 +40,7 @@ from qworker.model.attention import AttentionMetadata, PagedAttention
 from qworker.model.families import spec_for
 from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLayer, dims, take
 from qworker.model.linear import Linear, cpu_linear_backend
-from qworker.model.moe import MoE
+from qworker.model.moe import MoE, SharedExpertMoE
 from qworker.model.rope import RotaryEmbedding, rotary_embedding
 
 log = logging.getLogger(__name__)
@@ -187,6 +187,10 @@ class DecoderModel:
                 m: MoEWeights = layer.mlp
                 mlp = MoE(m.router, m.gate_up, m.down, m.top_k, m.renormalize, self.linear_backend, act, backend,
                           weights_in_act_dtype=m.weights_in_act_dtype)
+                if m.shared is not None:
+                    shared = GatedMLP(Linear(m.shared.gate_up, None, self.linear_backend, act),
+                                      Linear(m.shared.down, None, self.linear_backend, act), activation)
+                    mlp = SharedExpertMoE(mlp, shared, m.shared_gate.to(act))
             opt = self._norm_weight
             self.layers.append(LayerWeights(
                 input_norm=opt(layer.input_norm),

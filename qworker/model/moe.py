@@ -1,5 +1,6 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): a router picks ``top_k`` of ``E``
-SwiGLU experts per token and the layer returns their outputs summed with the router's weights.
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks ``top_k``
+of ``E`` SwiGLU experts per token and the layer returns their outputs summed with the router's
+weights (Qwen2-MoE adds a shared expert: :class:`SharedExpertMoE`).
 
 Routing is in fp32 whatever the model dtype: ``softmax(x @ router.T)`` over the experts, the
 ``top_k`` largest probabilities (``torch.topk``: ties go to the lower expert id, as in
@@ -124,3 +125,20 @@ class MoE:
 
 
 __all__ = ["MoE"]
+
+
+class SharedExpertMoE:
+    """``routed(x) + sigmoid(x @ gate.T) * shared(x)`` (Qwen2-MoE): the routed experts plus one
+    dense expert every token takes, scaled per token by its own sigmoid gate (``gate`` ``[1, H]``,
+    through ``F.linear`` as transformers computes it). Under tensor parallelism ``routed`` and
+    ``shared`` give this rank's partial sums and the gate is whole on every rank, so the sum the
+    ranks all-reduce is the whole block's."""
+
+    __slots__ = ("routed", "shared", "gate")
+
+    def __init__(self, routed, shared, gate: torch.Tensor):
+        self.routed, self.shared, self.gate = routed, shared, gate
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(F.linear(x, self.gate)) * self.shared(x)
+        return self.routed(x) + shared

@@ -27,6 +27,9 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "mistral": dict(sliding_window=24),  # every layer
     "qwen2": dict(use_sliding_window=True, sliding_window=24, max_window_layers=1, tie_word_embeddings=True),  # layers >= 1
     "qwen3": dict(use_sliding_window=True, sliding_window=32, max_window_layers=1),  # layers >= 1
+    "qwen2_moe": dict(MOE, num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=80, decoder_sparse_step=1,
+                      mlp_only_layers=[2], norm_topk_prob=True, use_sliding_window=True, sliding_window=24,
+                      max_window_layers=1),  # the layers transformers marks sliding from these (layer 0 here)
     "qwen3_moe": dict(MOE, num_experts=4, moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
                       norm_topk_prob=False, use_sliding_window=True, sliding_window=40),  # every layer
     "mixtral": dict(MOE, num_local_experts=4, sliding_window=24),  # every layer

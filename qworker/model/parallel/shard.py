@@ -104,16 +104,16 @@ class Sharder:
 
         mlp = raw.mlp
         if isinstance(mlp, DenseMLP):
-            inter = mlp.down.shape[1]
-            r = split_even(inter, self.world, self.rank)
-            gate_up = torch.cat([_rows(mlp.gate_up, r), _rows(mlp.gate_up, range(inter + r.start, inter + r.stop))])
-            mlp = DenseMLP(self._move(gate_up), self._move(_rows(mlp.down, r, 1)))
+            mlp = self._dense(mlp)
         else:
             inter = mlp.down.shape[2]
             r = split_even(inter, self.world, self.rank)
             gate_up = torch.cat([_rows(mlp.gate_up, r, 1), _rows(mlp.gate_up, range(inter + r.start, inter + r.stop), 1)], dim=1)
             mlp = MoEWeights(self._move(mlp.router), self._move(gate_up), self._move(_rows(mlp.down, r, 2)), mlp.top_k,
-                             mlp.renormalize, mlp.weights_in_act_dtype)
+                             mlp.renormalize, mlp.weights_in_act_dtype,
+                             # the shared expert splits as a dense MLP; its gate stays whole (a scalar per token)
+                             shared=self._dense(mlp.shared) if mlp.shared is not None else None,
+                             shared_gate=self._move(mlp.shared_gate))
         m = self._move
         return RawLayer(
             input_norm=m(raw.input_norm),
@@ -128,6 +128,14 @@ class Sharder:
             attn_out_norm=m(raw.attn_out_norm),
             mlp_out_norm=m(raw.mlp_out_norm),
         )
+
+
+    def _dense(self, mlp: DenseMLP) -> DenseMLP:
+        """This rank's slice of the intermediate: gate and up rows, down columns."""
+        inter = mlp.down.shape[1]
+        r = split_even(inter, self.world, self.rank)
+        gate_up = torch.cat([_rows(mlp.gate_up, r), _rows(mlp.gate_up, range(inter + r.start, inter + r.stop))])
+        return DenseMLP(self._move(gate_up), self._move(_rows(mlp.down, r, 1)))
 
 
 class RowParallel:
