@@ -1,7 +1,7 @@
 """The CPU bf16 mode on the panels GEMM (bf16 weights packed in bf16), engine-free, across the
 family shapes that take different model loops: Llama (the bf16 loop, ``lowp`` GEMM outputs into
 the C kernels), Qwen3-MoE (per-expert ``Linear`` s, the general loop), Gemma 2 (tied head,
-soft-caps). Against the same model with ``QWORKER_CPU_LINEAR=matmul`` (torch's bf16 ``x @ w``) and
+soft-caps), Qwen2-MoE (a shared expert), OLMo 2 (no pre-norms), Granite (residual and logit scales). Against the same model with ``QWORKER_CPU_LINEAR=matmul`` (torch's bf16 ``x @ w``) and
 with fp32 weights: logits within bf16 rounding of both, the same greedy token, every projection a
 bf16 panels ``Linear`` with no fp32 copy of its weight. Held under attack; kept as a guard."""
 
@@ -26,7 +26,7 @@ def _logits(path, monkeypatch, backend: str, dtype: str):
     return runner, [runner.execute(step) for step in steps]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma2", "qwen2_moe", "olmo2", "granite"])
 def test_bf16_panels_logits_follow_matmul_and_fp32(family, family_models, monkeypatch):
     path = family_models.get(family)
     bf, panels = _logits(path, monkeypatch, "panels", "bfloat16")
@@ -35,8 +35,11 @@ def test_bf16_panels_logits_follow_matmul_and_fp32(family, family_models, monkey
     model = bf.model
     assert model.linear_backend == "panels" and model.act_dtype == torch.float32
     projections = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down) if p is not None]
-    if family == "qwen3_moe":
-        projections += [e for layer in model.layers if layer.gate_up is None for e in layer.mlp.gate_up + layer.mlp.down]
+    if family.endswith("_moe"):
+        routed = [layer.mlp.routed if family == "qwen2_moe" else layer.mlp for layer in model.layers if layer.gate_up is None]
+        projections += [e for mlp in routed for e in mlp.gate_up + mlp.down]
+        if family == "qwen2_moe":
+            projections += [p for layer in model.layers if layer.gate_up is None for p in (layer.mlp.shared.gate_up, layer.mlp.shared.down)]
         assert len(projections) > 1 + 4 * len(model.layers)
     assert all(type(p) is Linear and p.weight.dtype == torch.bfloat16 and p.weight.dim() == 3 for p in projections)
     for step, (p, m, f) in enumerate(zip(panels, matmul, f32)):
