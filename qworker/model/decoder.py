@@ -145,7 +145,9 @@ class DecoderModel:
         unused = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))
         if unused:  # e.g. biases the family has no place for: serving without them would be wrong
             more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-            raise ValueError(f"{config.model_type} checkpoint has tensors this family does not use: {', '.join(unused[:3])}{more}")
+            hint = (" (attention biases its config does not give: see attention_bias)"
+                    if any(".self_attn." in n and n.endswith("_proj.bias") for n in unused) else "")
+            raise ValueError(f"{config.model_type} checkpoint has tensors this family does not use: {', '.join(unused[:3])}{more}{hint}")
         if device.type == "cuda":
             self.linear_backend = "transposed"
         else:

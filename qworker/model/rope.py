@@ -30,6 +30,12 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None, par
 def inverse_frequencies(config: PretrainedConfig, head_dim: int, layer_type: str | None = None,
                         partial: bool = True) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config, layer_type, partial)
+    if params["rope_type"] != "default" and not partial and rope_parameters(config, layer_type)["partial_rotary_factor"] not in (None, 1, 1.0):
+        # transformers' rope functions would build a table for part of each head, which these
+        # families' attention then fails to apply (transformers cannot run such a config): no
+        # reference to serve, so refuse rather than rotate part of each head
+        raise ValueError(f"{config.model_type}: partial_rotary_factor with rope_type {params['rope_type']!r} is not supported "
+                         "(this family rotates whole heads; transformers cannot run this config either)")
     if params["rope_type"] == "default":
         dim = int(head_dim * (params["partial_rotary_factor"] or 1.0))
         # float32 like the reference implementation, so greedy outputs match it bit for bit

@@ -223,3 +223,49 @@ def test_quantized_checkpoint_is_refused_by_name(models, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quantized checkpoints are not supported \\(quantization_config: fp8\\)"):
         ModelRunner(str(path), dtype="float32")
+
+
+def _rewrite_config(path: Path, **changes) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "olmo2"])
+def test_attention_biases_the_config_does_not_give_are_refused(model_type, model_dir, tmp_path):
+    """A checkpoint with q/k/v/o biases under a config saying ``attention_bias: false`` (a Qwen2
+    export relabelled "llama"): transformers builds bias-free projections and drops the tensors;
+    qworker took them "where present" and served a third model. Now they are refused by name, and
+    a bias the config gives but the checkpoint lacks is a missing tensor."""
+    path = build_family_model(model_type, tmp_path / "biased", model_dir, seed=7, attention_bias=True)
+    _rewrite_config(path, attention_bias=False)
+    with pytest.raises(ValueError, match=r"does not use: model\.layers\.0\.self_attn\.[kqvo]_proj\.bias.*attention_bias"):
+        ModelRunner(str(path), dtype="float32")
+    plain = build_family_model(model_type, tmp_path / "plain", model_dir, seed=7, attention_bias=False)
+    _rewrite_config(plain, attention_bias=True)
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+        ModelRunner(str(plain), dtype="float32")
+
+
+def test_an_o_bias_qwen2_does_not_have_is_refused(model_dir, tmp_path):
+    """transformers' Qwen2 gives q/k/v biases and never an o bias: a stored ``o_proj.bias`` was served."""
+    path = build_family_model("qwen2", tmp_path / "qwen2", model_dir, seed=7)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["model.layers.0.self_attn.o_proj.bias"] = torch.randn(BASE["hidden_size"])
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"does not use: model\.layers\.0\.self_attn\.o_proj\.bias"):
+        ModelRunner(str(path), dtype="float32")
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+                                  {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_partial_rotary_with_a_scaled_rope_is_refused_where_whole_heads_rotate(rope, model_dir, tmp_path):
+    """Llama rotates whole heads (it ignores ``partial_rotary_factor`` with the default rope); with a
+    scaled rope transformers' rope functions build a half-width table its attention cannot apply,
+    and qworker rotated half of each head: a model nobody defines. Now refused in one line."""
+    path = build_family_model("llama", tmp_path / rope["rope_type"], model_dir, seed=7, partial_rotary_factor=0.5, rope_parameters=rope)
+    with pytest.raises(ValueError, match=f"partial_rotary_factor with rope_type '{rope['rope_type']}' is not supported"):
+        ModelRunner(str(path), dtype="float32")
+    default = build_family_model("llama", tmp_path / "default", model_dir, seed=7, partial_rotary_factor=0.5,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert ModelRunner(str(default), dtype="float32").model.rope.rotary_dim == BASE["head_dim"]

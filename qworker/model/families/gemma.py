@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, RawLayer, dims, ropes_by_layer_type, take, take_attention, take_dense_mlp, typed_layers, uniform_layers
+from qworker.model.families.spec import DecoderSpec, RawLayer, attention_biases, dims, ropes_by_layer_type, take, take_attention, take_dense_mlp, typed_layers, uniform_layers
 
 # transformers' names for GELU's tanh approximation (each computes 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))))
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
@@ -38,7 +38,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
 
     def take_layer(w, i):
         p = f"model.layers.{i}."
-        attn = take_attention(w, p, d, bias=None)
+        attn = take_attention(w, p, d, attention_biases(config))
         layer_norm = lambda name: take(w, f"{p}{name}.weight", (d.hidden,))  # noqa: E731
         if gemma1:
             return RawLayer(input_norm=layer_norm("input_layernorm"), mlp_norm=layer_norm("post_attention_layernorm"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, dims, llama_layer, uniform_layers
+from qworker.model.families.spec import DecoderSpec, attention_biases, dims, llama_layer, uniform_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -17,7 +17,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     if scalars["logits_scaling"] <= 0:  # dividing by it would flip (or blow up) every logit's order
         raise ValueError(f"granite: logits_scaling must be positive, got {scalars['logits_scaling']}")
     return DecoderSpec(
-        take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size),
+        take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=attention_biases(config)),
         layers=uniform_layers(config, None),
         embed_scale=scalars["embedding_multiplier"],
         attn_scale=scalars["attention_multiplier"],

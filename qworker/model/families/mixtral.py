@@ -20,5 +20,5 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         return MoEWeights(take(w, f"{p}gate.weight", (E, d.hidden)), gate_up, down, config.num_experts_per_tok,
                           renormalize=True, weights_in_act_dtype=False)
 
-    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, mlp),
+    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, mlp, biases=(False, False)),
                        layers=uniform_layers(config, getattr(config, "sliding_window", None)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, RawLayer, dims, ropes_by_layer_type, take, take_attention, take_dense_mlp,
+from qworker.model.families.spec import (DecoderSpec, RawLayer, attention_biases, dims, ropes_by_layer_type, take, take_attention, take_dense_mlp,
                                          typed_layers, uniform_layers)
 
 
@@ -25,7 +25,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
             q_norm=take(w, f"{p}self_attn.q_norm.weight", (d.q_size,)),
             k_norm=take(w, f"{p}self_attn.k_norm.weight", (d.kv_size,)),
             mlp=take_dense_mlp(w, f"{p}mlp.", d.hidden, config.intermediate_size),
-            **take_attention(w, p, d),
+            **take_attention(w, p, d, attention_biases(config)),
         )
 
     if config.model_type == "olmo3":

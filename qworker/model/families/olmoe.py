@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, MoEWeights, dims, llama_layer, take, take_experts, uniform_layers
+from qworker.model.families.spec import DecoderSpec, MoEWeights, attention_biases, dims, llama_layer, take, take_experts, uniform_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -19,7 +19,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
                           renormalize=bool(config.norm_topk_prob), weights_in_act_dtype=True)
 
     def take_layer(w, i):
-        layer = llama_layer(w, i, d, config.intermediate_size, mlp)
+        layer = llama_layer(w, i, d, config.intermediate_size, mlp, biases=attention_biases(config))
         p = f"model.layers.{i}.self_attn."
         layer.q_norm = take(w, f"{p}q_norm.weight", (d.q_size,))
         layer.k_norm = take(w, f"{p}k_norm.weight", (d.kv_size,))

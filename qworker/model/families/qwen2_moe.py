@@ -30,6 +30,6 @@ def build(config: PretrainedConfig) -> DecoderSpec:
                               shared=take_dense_mlp(w, f"{p}mlp.shared_expert.", d.hidden, config.shared_expert_intermediate_size),
                               shared_gate=take(w, f"{p}mlp.shared_expert_gate.weight", (1, d.hidden)))
 
-        return llama_layer(w, i, d, config.intermediate_size, mlp)
+        return llama_layer(w, i, d, config.intermediate_size, mlp, biases=(bool(getattr(config, "qkv_bias", True)), False))
 
     return DecoderSpec(take_layer=take_layer, layers=typed_layers(config))

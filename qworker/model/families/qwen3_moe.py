@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, MoEWeights, dims, llama_layer, take, take_dense_mlp, take_experts, uniform_layers
+from qworker.model.families.spec import DecoderSpec, MoEWeights, attention_biases, dims, llama_layer, take, take_dense_mlp, take_experts, uniform_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -26,7 +26,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
             return MoEWeights(take(w, f"{p}mlp.gate.weight", (E, d.hidden)), gate_up, down, config.num_experts_per_tok,
                               renormalize=bool(config.norm_topk_prob), weights_in_act_dtype=True)
 
-        layer = llama_layer(w, i, d, config.intermediate_size, mlp)
+        layer = llama_layer(w, i, d, config.intermediate_size, mlp, biases=attention_biases(config))
         p = f"model.layers.{i}.self_attn."
         layer.q_norm = take(w, f"{p}q_norm.weight", (d.head_dim,))
         layer.k_norm = take(w, f"{p}k_norm.weight", (d.head_dim,))

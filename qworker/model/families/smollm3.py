@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, LayerAttention, dims, layer_types, llama_layer
+from qworker.model.families.spec import DecoderSpec, LayerAttention, attention_biases, dims, layer_types, llama_layer
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -19,4 +19,4 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
     layers = [LayerAttention(sliding_window=window if t == "sliding_attention" else None, rotary=bool(r))
               for t, r in zip(types, rotary)]
-    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size), layers=layers)
+    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=attention_biases(config)), layers=layers)

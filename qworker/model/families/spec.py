@@ -149,25 +149,27 @@ def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
-def take_optional(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-    return take(w, name, shape) if name in w else None
+def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
+    """``(q/k/v biases, o bias)`` by Llama's rule, which most families share (Qwen3, OLMo, Gemma,
+    Granite, SmolLM3): ``attention_bias`` for all four projections."""
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias, bias
 
 
-def take_attention(w: Weights, p: str, d: Dims, bias: bool | None = None) -> dict:
-    """q/k/v/o as separate projections (``self_attn.{q,k,v,o}_proj``), q/k/v fused. ``bias``:
-    required (True), absent (False) or taken where present (None)."""
+def take_attention(w: Weights, p: str, d: Dims, biases: tuple[bool, bool]) -> dict:
+    """q/k/v/o as separate projections (``self_attn.{q,k,v,o}_proj``), q/k/v fused. ``biases``:
+    whether the family's config gives q/k/v and o biases, as transformers builds the projections
+    (:func:`attention_biases`). A bias the config gives must be in the checkpoint; one it does not
+    give is left in the checkpoint, which the decoder then refuses as a tensor it does not use
+    (transformers would drop it and serve another model than the checkpoint's author trained)."""
+    qkv_bias, o_bias = biases
     sizes = (d.q_size, d.kv_size, d.kv_size)
     mats = [take(w, f"{p}self_attn.{n}_proj.weight", (s, d.hidden)) for n, s in zip("qkv", sizes)]
-    getter = take if bias else take_optional
-    biases = [None if bias is False else getter(w, f"{p}self_attn.{n}_proj.bias", (s,)) for n, s in zip("qkv", sizes)]
-    if any(b is None for b in biases) and any(b is not None for b in biases):
-        raise ValueError(f"{p}self_attn: q/k/v biases must be all present or all absent")
-    o_bias = None if bias is False else take_optional(w, f"{p}self_attn.o_proj.bias", (d.hidden,))
     return {
         "qkv": torch.cat(mats),
-        "qkv_bias": torch.cat(biases) if biases[0] is not None else None,
+        "qkv_bias": torch.cat([take(w, f"{p}self_attn.{n}_proj.bias", (s,)) for n, s in zip("qkv", sizes)]) if qkv_bias else None,
         "o": take(w, f"{p}self_attn.o_proj.weight", (d.hidden, d.q_size)),
-        "o_bias": o_bias,
+        "o_bias": take(w, f"{p}self_attn.o_proj.bias", (d.hidden,)) if o_bias else None,
     }
 
 
@@ -193,10 +195,11 @@ def take_experts(w: Weights, p: str, num_experts: int, hidden: int, intermediate
     return gate_up, down
 
 
-def llama_layer(w: Weights, i: int, d: Dims, intermediate: int, mlp: Callable[[Weights, str], DenseMLP | MoEWeights] | None = None) -> RawLayer:
+def llama_layer(w: Weights, i: int, d: Dims, intermediate: int, mlp: Callable[[Weights, str], DenseMLP | MoEWeights] | None = None,
+                *, biases: tuple[bool, bool]) -> RawLayer:
     """The Llama layout: ``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``, ``mlp.*``."""
     p = f"model.layers.{i}."
-    attn = take_attention(w, p, d)
+    attn = take_attention(w, p, d, biases)
     return RawLayer(
         input_norm=take(w, f"{p}input_layernorm.weight", (d.hidden,)),
         mlp_norm=take(w, f"{p}post_attention_layernorm.weight", (d.hidden,)),
