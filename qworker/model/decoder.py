@@ -2,9 +2,10 @@
 
 A family (:mod:`qworker.model.families`) says what differs as a :class:`DecoderSpec`: weight
 names, q/k norms, MLP kind, the norms' form, extra or missing norms, attention options per layer
-(window, rope table or none), embedding, residual and logit scales, logit soft-capping. Two forwards: :meth:`DecoderModel.forward` is the Llama loop, used
-whenever the spec adds nothing but one window for all layers (Llama, Mistral, Qwen2 without
-per-layer windows, Phi-3), so that path does no per-layer work beyond what it always did;
+(window, rope table or none), embedding, residual and logit scales, logit soft-capping. Two
+forwards: :meth:`DecoderModel.forward` is the Llama loop, used whenever the spec adds nothing but
+one window for all layers (Llama, Mistral, Qwen2 and Ministral without per-layer windows, Phi-3),
+so that path does no per-layer work beyond what it always did;
 :meth:`DecoderModel._forward_general` carries every hook. On CPU in bf16 mode the Llama loop
 is :meth:`DecoderModel._forward_cpu_bf16`: the same values, without the fp32 copies of the bf16
 GEMMs' inputs and outputs.
@@ -229,9 +230,10 @@ class DecoderModel:
 
     def _bounded_greedy_head(self, shard) -> BoundedGreedyHead | None:
         """The LM head's exact shortcut for argmax-only rows (:mod:`kernels.greedy_head`): for fp32
-        weights on the CPU packed in panels, a whole (unsharded) model and no logit soft-capping
-        (its tanh can tie logits that differ; so can a logit divisor's rounding). It holds a bf16 copy of the head (half the fp32
-        head's bytes) and pays where the CPU has bf16 dot products (AVX512_BF16 or AMX), so it is
+        weights on the CPU packed in panels, a whole (unsharded) model and no logit soft-capping or
+        divisor (the tanh, or the division's rounding, can tie logits that differ). It holds a bf16
+        copy of the head (half the fp32 head's bytes) and pays where the CPU has bf16 dot products
+        (AVX512_BF16 or AMX), so it is
         built there; ``QWORKER_CPU_GREEDY_HEAD=1`` builds it wherever the kernels do (its bf16
         GEMM then runs in fp32 arithmetic: as exact, no faster), ``0`` never."""
         choice = os.environ.get("QWORKER_CPU_GREEDY_HEAD", "auto").strip().lower() or "auto"

@@ -124,9 +124,6 @@ class MoE:
         return out
 
 
-__all__ = ["MoE"]
-
-
 class SharedExpertMoE:
     """``routed(x) + sigmoid(x @ gate.T) * shared(x)`` (Qwen2-MoE): the routed experts plus one
     dense expert every token takes, scaled per token by its own sigmoid gate (``gate`` ``[1, H]``,
@@ -142,3 +139,6 @@ class SharedExpertMoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(F.linear(x, self.gate)) * self.shared(x)
         return self.routed(x) + shared
+
+
+__all__ = ["MoE", "SharedExpertMoE"]

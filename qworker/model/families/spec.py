@@ -64,8 +64,9 @@ class MoEWeights:
     top_k: int
     renormalize: bool
     weights_in_act_dtype: bool
-    shared: DenseMLP | None = None  # Qwen2-MoE: an expert every token takes, weighted by
-    shared_gate: torch.Tensor | None = None  # sigmoid(x @ shared_gate.T), shared_gate [1, H]
+    # Qwen2-MoE: an expert every token takes, weighted by sigmoid(x @ shared_gate.T) (shared_gate [1, H])
+    shared: DenseMLP | None = None
+    shared_gate: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
