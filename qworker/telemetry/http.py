@@ -5,8 +5,9 @@ Raw asyncio streams, one request per connection. It must never stall the worker'
 nor take what the worker needs: a request's head is read under one deadline and a size bound;
 beyond ``MAX_CONNECTIONS`` open connections a new one closes the oldest that has been open for
 ``MIN_AGE_S`` (so slow clients cannot hold the file descriptors the Kafka client needs, while a
-probe, which is answered within milliseconds, is never the one closed, even amid a burst of
-connections); probe checks are plain callables that must be cheap (they run on the loop), and
+probe, which is answered within milliseconds, is not the one closed amid a modest burst); a
+burst that keeps ``HARD_CAP`` connections younger than that open has each newer one closed at
+once, so the server never holds more descriptors than that; probe checks are plain callables that must be cheap (they run on the loop), and
 the metrics exposition (which calls the engine's ``stats()`` and formats every series) runs in a
 worker thread.
 """
@@ -29,7 +30,9 @@ _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Re
 _MAX_HEADER_LINES = 100
 _READ_TIMEOUT_S = 5.0  # for a whole request head, and for writing the answer
 MAX_CONNECTIONS = 128
-MIN_AGE_S = 1.0  # a connection younger than this is never closed for a newer one
+MIN_AGE_S = 1.0  # a connection younger than this is not closed for a newer one, below HARD_CAP
+HARD_CAP = 2 * MAX_CONNECTIONS  # open connections, whatever their age: a newer one is closed at once
+_STOP_WAIT_S = 1.0  # for the connections' handlers to end once stop() closed their connections
 
 
 class EngineLiveness:
@@ -97,6 +100,7 @@ class TelemetryServer:
         self.startup = {**self.liveness, **(startup or {})}
         self._server: asyncio.base_events.Server | None = None
         self._open: dict[asyncio.StreamWriter, float] = {}  # open connections -> when, oldest first
+        self._handlers: set[asyncio.Task] = set()  # one per open connection (see stop)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=16 * 1024)
@@ -104,10 +108,17 @@ class TelemetryServer:
         log.info("telemetry http on %s:%d", self.host, self.port)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        """Stops listening and closes the open connections, letting their handlers end (the
+        loop's shutdown would otherwise cancel each and asyncio log a traceback per connection)."""
+        if self._server is None:
+            return
+        self._server.close()
+        for writer in list(self._open):
+            writer.transport.abort()  # its handler reads the end of the stream and returns
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=_STOP_WAIT_S)
+        await self._server.wait_closed()
+        self._server = None
 
     @staticmethod
     async def _read_head(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
@@ -147,12 +158,18 @@ class TelemetryServer:
         return (200 if ok else 503), "application/json", body
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._open) >= HARD_CAP:  # a burst faster than MIN_AGE_S lets us close older ones
+            writer.transport.abort()
+            return
         now = time.monotonic()
         self._open[writer] = now
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         while len(self._open) > MAX_CONNECTIONS:
             oldest, since = next(iter(self._open.items()))
             if now - since < MIN_AGE_S:
-                break  # a burst: those younger are bounded by the accept rate
+                break  # a burst: those younger are bounded by HARD_CAP
             del self._open[oldest]
             oldest.transport.abort()  # its reader sees the connection lost and ends
         try:
@@ -171,4 +188,5 @@ class TelemetryServer:
             pass  # slow, broken or oversized client: drop it
         finally:
             self._open.pop(writer, None)
+            self._handlers.discard(task)
             writer.close()

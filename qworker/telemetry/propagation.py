@@ -51,9 +51,37 @@ def extract(headers: Iterable[tuple[str, bytes | None]] | None, context: Context
     return _PROPAGATOR.extract(list(headers or ()), context=context, getter=_GETTER)
 
 
+# What we pass on of a producer's tracestate: the 512 characters W3C asks every vendor to
+# propagate. The answer's size check leaves HEADER_ROOM (1 KiB) for the trace headers; an 8 KiB
+# tracestate (the SDK keeps that much) would push an answer sized under the limit past it.
+MAX_TRACESTATE = 512
+_LONG_ENTRY = 128
+
+
+def bounded_tracestate(value: str) -> str:
+    """``value`` cut to ``MAX_TRACESTATE`` characters as W3C says to truncate: entries longer than
+    128 characters go first, then entries from the end (the newest are at the front)."""
+    if len(value) <= MAX_TRACESTATE:
+        return value
+    entries = [e.strip() for e in value.split(",") if e.strip()]
+    entries = [e for e in entries if len(e) <= _LONG_ENTRY]
+    while entries and len(",".join(entries)) > MAX_TRACESTATE:
+        entries.pop()
+    return ",".join(entries)
+
+
 def inject(headers: list[tuple[str, bytes]] | None = None, context: Context | None = None) -> list[tuple[str, bytes]]:
     """Writes the current (or given) span context into ``headers`` (a new list when None) and
-    returns it. Nothing is written when there is no valid span context."""
+    returns it, its tracestate bounded (:func:`bounded_tracestate`; dropped when nothing is left).
+    Nothing is written when there is no valid span context."""
     headers = [] if headers is None else headers
     _PROPAGATOR.inject(headers, context=context, setter=_SETTER)
+    for i, (k, v) in enumerate(headers):
+        if k.lower() == "tracestate":
+            bounded = bounded_tracestate(v.decode("latin-1"))
+            if bounded:
+                headers[i] = (k, bounded.encode("latin-1"))
+            else:
+                del headers[i]
+            break
     return headers

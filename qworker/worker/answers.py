@@ -49,6 +49,11 @@ def replace(msg: BaseModel, code: str, message: str) -> JobError:
     return JobError.model_validate({"job_id": getattr(msg, "job_id", ""), "attempt": getattr(msg, "attempt", 0), "run_id": getattr(msg, "run_id", ""), "error": info, "metadata": getattr(msg, "metadata", None)})
 
 
+def refused_as_too_large(msg: BaseModel, e: DeliveryRefused) -> JobError:
+    """The small error that answers in place of ``msg`` when the broker refused it as too large."""
+    return replace(msg, "result_too_large", f"the broker refused the result: {e}"[:2000]).model_copy(update={"metadata": None})
+
+
 class Answers:
     def __init__(self, worker: Worker):
         self.w = worker  # settings, publisher, stats, token text, offset tracker
@@ -94,8 +99,7 @@ class Answers:
         except DeliveryRefused as e:  # e.g. a broker limit below ours: answer with a small error
             if not e.too_large:
                 raise
-            small = replace(msg, "result_too_large", f"the broker refused the result: {e}"[:2000])
-            small = small.model_copy(update={"metadata": None})
+            small = refused_as_too_large(msg, e)
             await publisher.deliver(topic, key, shape(small), headers)
             return small
         return msg
@@ -113,9 +117,11 @@ class Answers:
     def finish_now(self, st: JobState, msg: BaseModel) -> None:
         """Publish an immediate answer (error or early cancel) for a job that never runs."""
         headers = answer_headers(msg, st.wire)
-        msg, data = self.encoded(msg, headers, answer_shape(st.wire, self.w.token_text))
+        shape = answer_shape(st.wire, self.w.token_text)
+        msg, data = self.encoded(msg, headers, shape)
         self.count(msg)
-        self.publish_side(self.w.settings.completions_topic, st.job.id, data, headers or None, st.offsets(), st.tele, outcome_of(msg))
+        self.publish_side(self.w.settings.completions_topic, st.job.id, data, headers or None, st.offsets(), st.tele, outcome_of(msg),
+                          answer=(msg, shape))
 
     def publish_side(
         self,
@@ -126,20 +132,34 @@ class Answers:
         offsets: list[tuple[TopicPartition, int]],
         tele: JobTelemetry | None = None,
         outcome: tuple[str, str | None] | None = None,
+        answer: tuple[BaseModel, Shape] | None = None,
     ) -> None:
         """Publish in the background; once acknowledged, mark ``offsets`` done and record the
         job's ``outcome`` (outcome, error code) on ``tele``. ``key`` and ``value`` go out as
-        given (a DLQ copy keeps the original bytes, None included)."""
+        given (a DLQ copy keeps the original bytes, None included). ``answer``: the job's answer
+        that ``value`` encodes and its shape; a broker that refuses it as too large (its limit
+        below ours) gets the small ``result_too_large`` error instead, as :meth:`deliver` does."""
         w = self.w
 
+        async def send(data: bytes | None) -> None:
+            if tele is None or topic == w.settings.dlq_topic:
+                # a DLQ copy keeps the original headers as they were (no traceparent swap)
+                await w.publisher.deliver(topic, key, data, headers)
+            else:
+                with tele.publish(topic, headers) as h:
+                    await w.publisher.deliver(topic, key, data, h or None)
+
         async def go() -> None:
+            nonlocal outcome
             try:
-                if tele is None or topic == w.settings.dlq_topic:
-                    # a DLQ copy keeps the original headers as they were (no traceparent swap)
-                    await w.publisher.deliver(topic, key, value, headers)
-                else:
-                    with tele.publish(topic, headers) as h:
-                        await w.publisher.deliver(topic, key, value, h or None)
+                try:
+                    await send(value)
+                except DeliveryRefused as e:
+                    if not (e.too_large and answer is not None):
+                        raise
+                    small = refused_as_too_large(answer[0], e)
+                    await send(answer[1](small))
+                    outcome = outcome_of(small)
             except DeliveryAborted:
                 if tele is not None:
                     tele.outcome("abandoned")
@@ -150,7 +170,7 @@ class Answers:
                     if tele is not None:
                         tele.outcome("error", "undeliverable")
                     return
-                # only a DLQ copy can be too large (answers are bounded): retrying would pin the
+                # a DLQ copy (an answer got its small error above): retrying would pin the
                 # partition, and the record cannot be answered anyway; log loudly and move on
                 log.error("%s refused the record for %s: %s; committing past it", topic, offsets, e, extra=tele.log_fields() if tele is not None else None)
             for tp, off in offsets:

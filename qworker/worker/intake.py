@@ -203,11 +203,13 @@ class Intake:
             msg = error_message(d.job_id, d.code, d.message, retryable=False, metadata=d.metadata, attempt=reg.attempts.next(d.job_id, w.generation))
             tele = self.job_telemetry(d.job_id, tp, rec, now)
             headers = answer_headers(msg, d.wire)
-            data = answers.encode(msg, headers, answer_shape(d.wire, w.token_text, d.param))
+            shape = answer_shape(d.wire, w.token_text, d.param)
+            msg, data = answers.encoded(msg, headers, shape)
             if d.dead_letter:  # answered, and also kept byte for byte for an operator (best effort: the answer moves the offset)
                 copy = with_original(rec.headers, dlq_headers(d.dead_letter, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp))
                 answers.publish_side(w.settings.dlq_topic, rec.key, rec.value, copy, [])
-            answers.publish_side(w.settings.completions_topic, d.job_id, data, headers or None, [(tp, rec.offset)], tele, ("error", d.code))
+            answers.publish_side(w.settings.completions_topic, d.job_id, data, headers or None, [(tp, rec.offset)], tele, ("error", d.code),
+                                 answer=(msg, shape))
             return None
         assert isinstance(d, Valid)
         job = d.job

@@ -199,6 +199,41 @@ async def test_a_flood_of_idle_connections_is_bounded_and_probes_are_still_answe
         await server.stop()
 
 
+async def test_a_burst_faster_than_min_age_is_held_to_the_hard_cap_and_stop_ends_every_handler(monkeypatch):
+    """helper-82: connections younger than MIN_AGE_S were never closed, so a burst (200 every
+    50 ms) held ~1,000 descriptors and asyncio's accept hit EMFILE; and stop() left the handlers
+    of open connections for the loop's shutdown to cancel, one logged traceback each. Now beyond
+    HARD_CAP open connections a newer one is closed at once, and stop() closes every connection and
+    lets its handler end."""
+    from qworker.telemetry import http
+
+    monkeypatch.setattr(http, "MAX_CONNECTIONS", 8)
+    monkeypatch.setattr(http, "HARD_CAP", 12)
+    monkeypatch.setattr(http, "MIN_AGE_S", 30.0)  # none ages out during the test
+    server = TelemetryServer("127.0.0.1", 0, liveness={"ok": lambda: True})
+    await server.start()
+    clients = []
+    try:
+        for _ in range(30):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+            clients.append((reader, writer))
+            await asyncio.sleep(0.005)
+            assert len(server._open) <= 12
+        await asyncio.sleep(0.1)
+        assert len(server._open) == 12 and len(server._handlers) == 12
+        closed = [await _eof_within(r, 0.5) for r, _ in clients[12:]]
+        assert all(closed), f"{closed.count(False)} connections past the hard cap still open"
+        handlers = set(server._handlers)
+        await server.stop()
+        assert not server._handlers and all(t.done() and not t.cancelled() for t in handlers)
+        assert all([await _eof_within(r, 0.5) for r, _ in clients[:12]])
+    finally:
+        for _, w in clients:
+            w.close()
+        await server.stop()
+
+
 async def test_startupz_passes_only_once_the_model_is_loaded():
     """The chart's startup probe hit /healthz, which passes while the model loads (liveness holds
     then), so its load budget bounded nothing: a load that hung was never restarted. /startupz

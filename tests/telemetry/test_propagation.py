@@ -48,3 +48,25 @@ def test_noop_tracer_passes_producer_context_through():
     span = tracer.start_span("process jobs", context=extract([("traceparent", TP.encode())]))
     assert not span.is_recording()
     assert dict(inject(context=trace.set_span_in_context(span)))["traceparent"].decode() == TP
+
+
+def test_a_long_tracestate_is_cut_as_w3c_says(tracing):
+    """helper-82: an 8 KiB producer tracestate rode along on every answer, past the 1 KiB the
+    answer's size check leaves for headers. What is passed on is now at most 512 characters:
+    entries over 128 characters dropped first, then entries from the end (the oldest)."""
+    from qworker.telemetry.propagation import MAX_TRACESTATE, bounded_tracestate
+
+    short = "a=1,b=2"
+    assert bounded_tracestate(short) == short
+    entries = [f"k{i:03d}=" + "v" * 20 for i in range(30)]  # 26 characters each (the SDK keeps at most 32 entries)
+    long_entry = "big=" + "x" * 200
+    cut = bounded_tracestate(",".join([entries[0], long_entry, *entries[1:]]))
+    kept = cut.split(",")
+    assert len(cut) <= MAX_TRACESTATE and long_entry not in kept
+    assert kept == entries[:len(kept)] and len(kept) == (MAX_TRACESTATE + 1) // 27  # the front kept, in order
+    assert bounded_tracestate(",".join([long_entry] * 10)) == ""
+
+    parent = extract([("traceparent", TP.encode()), ("tracestate", ",".join(entries).encode())])
+    with tracing.tracer.start_as_current_span("child", context=parent):
+        headers = dict(inject([]))
+    assert len(headers["tracestate"]) <= MAX_TRACESTATE and headers["tracestate"].startswith(entries[0].encode())

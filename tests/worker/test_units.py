@@ -755,3 +755,49 @@ def test_the_worker_lifts_its_open_file_limit_to_the_hard_limit():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split(None, 1) == ["4096", "(4096, 4096)\n"], out.stdout
+
+
+async def test_an_immediate_answer_refused_as_too_large_is_replaced_by_the_small_error() -> None:
+    """An immediate answer (an error for a job that never runs) that the broker refused as too
+    large was committed past with no answer: ``publish_side`` took every too-large refusal for a
+    DLQ copy. Now it sends the small ``result_too_large`` error, as a run's answer does. The
+    publisher is a stand-in: the broker the tests start cannot be given a record limit below the
+    worker's own, which is when a real broker refuses an answer the worker sized to fit."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiokafka import TopicPartition
+
+    from qworker.messages import dumps
+    from qworker.worker.answers import Answers
+    from qworker.worker.jobs import error_message
+    from qworker.worker.publisher import DeliveryRefused
+
+    class RefusesBigRecords:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, bytes]] = []
+
+        async def deliver(self, topic, key, value, headers=None) -> None:
+            if len(value) > 400:
+                raise DeliveryRefused(f"{topic}: MessageSizeTooLargeError", too_large=True)
+            self.sent.append((topic, value))
+
+    tp = TopicPartition("jobs", 0)
+    tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+    tracker.add(tp, 0)
+    settings = SimpleNamespace(completions_topic="completions", dlq_topic="dlq", max_message_bytes=1 << 20)
+    publisher = RefusesBigRecords()
+    answers = Answers(SimpleNamespace(settings=settings, publisher=publisher, tracker=tracker))  # type: ignore[arg-type]
+    msg = error_message("j1", "wrong_model", "this worker serves another model", retryable=False, metadata={"blob": "x" * 500})
+    answers.publish_side("completions", "j1", dumps(msg), None, [(tp, 0)], answer=(msg, dumps))
+    await asyncio.gather(*answers.side)
+    [(topic, value)] = publisher.sent
+    sent = orjson.loads(value)
+    assert topic == "completions" and sent["job_id"] == "j1" and sent["error"]["code"] == "result_too_large"
+    assert tracker.committable(tp) == 1  # answered, so committed past
+
+    dlq_copy = b"y" * 500  # a DLQ copy the broker refuses: nothing to answer with, committed past as before
+    tracker.add(tp, 1)
+    answers.publish_side("dlq", None, dlq_copy, None, [(tp, 1)])
+    await asyncio.gather(*answers.side)
+    assert len(publisher.sent) == 1 and tracker.committable(tp) == 2

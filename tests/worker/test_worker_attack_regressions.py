@@ -155,3 +155,32 @@ async def test_stop_is_bounded_while_the_broker_is_frozen(broker, topics, result
         await results.wait(lambda: all(i in results.completions for i in ids), 120, "every job answered")
     finally:
         await w2.stop()
+
+
+# helper-82 (2026-12-07): an immediate error (wrong model, deadline passed) whose size check left
+# 1 KiB for headers was refused by the producer once an 8 KiB producer tracestate rode along on its
+# headers, and its offset was committed with no answer. The tracestate passed on is now bounded to
+# W3C's 512 characters, so answers sized under the limit stay under it.
+TRACEPARENT = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+LONG_TRACESTATE = b",".join(b"k%03d=%s" % (i, b"v" * 255) for i in range(31))  # 8,090 bytes, kept by the SDK
+
+
+async def test_immediate_errors_with_a_long_tracestate_are_answered(topics, results: Results, engines) -> None:
+    limit = 32_768
+    s = topics.model_copy(update={"max_message_bytes": limit})
+    w = await started(s, await engines())
+    try:
+        headers = [("traceparent", TRACEPARENT), ("tracestate", LONG_TRACESTATE)]
+        meta = {"blob": "x" * (limit - 4000)}  # each error with it fits the limit less the header room
+        jobs = [Job(id="wrong-model", prompt="hi", sampling=Sampling(max_tokens=2), model="no-such-model", metadata=meta),
+                Job(id="late", prompt="hi", sampling=Sampling(max_tokens=2), deadline=1.0, metadata=meta),
+                Job(id="runs", prompt="hi", sampling=Sampling(max_tokens=2, temperature=0.0), metadata=meta)]
+        for j in jobs:
+            await produce_raw(s, s.jobs_topic, j.id.encode(), j.model_dump_json(exclude_none=True).encode(), headers, partition=0)
+        await results.wait(lambda: {"wrong-model", "late", "runs"} <= set(results.completions), 60, "every job answered")
+        assert results.completions["wrong-model"][0]["error"]["code"] == "wrong_model"
+        assert results.completions["late"][0]["error"]["code"] == "deadline_exceeded"
+        assert results.completions["runs"][0]["status"] == "ok"  # its body fits: the tracestate no longer crowds it out
+        assert all(len(results.completions[j.id]) == 1 for j in jobs)
+    finally:
+        await w.stop()
