@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -269,3 +270,30 @@ def test_partial_rotary_with_a_scaled_rope_is_refused_where_whole_heads_rotate(r
     default = build_family_model("llama", tmp_path / "default", model_dir, seed=7, partial_rotary_factor=0.5,
                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     assert ModelRunner(str(default), dtype="float32").model.rope.rotary_dim == BASE["head_dim"]
+
+
+def test_smollm3_slides_where_layer_types_say_even_without_use_sliding_window(model_dir, tmp_path):
+    """helper-83: transformers' eager attention masks by ``layer_types`` alone; qworker applied
+    SmolLM3's window only where ``use_sliding_window`` was set too, and answered other tokens."""
+    path = build_family_model("smollm3", tmp_path / "m", model_dir, seed=7, use_sliding_window=False, sliding_window=24,
+                              layer_types=["sliding_attention"] * 3, no_rope_layers=[1, 0, 1])
+    ps = prompts("smollm3-window", [47, 70])
+    check(path, ps, LLM(str(path), dtype="float32", kv_cache_memory=8 << 20).generate(ps, greedy()), "smollm3 window by layer_types")
+
+
+@pytest.mark.parametrize("model_type,change,message", [
+    ("smollm3", dict(no_rope_layers=[]), "no_rope_layers has 0 entries for 3 layers"),
+    ("smollm3", dict(sliding_window=None, layer_types=["full_attention", "sliding_attention", "full_attention"]),
+     "marks layer 1 sliding, but sliding_window is None"),
+    ("olmo3", dict(sliding_window=None), "marks layer 0 sliding, but sliding_window is None"),
+    ("olmo3", dict(layer_types=["full_attention", "chunked_attention", "sliding_attention"]), "unsupported layer type 'chunked_attention'"),
+    ("granite", dict(logits_scaling=float("inf")), "logits_scaling must be a finite number"),
+    ("granite", dict(attention_multiplier=float("nan")), "attention_multiplier must be a finite number"),
+])
+def test_configs_transformers_cannot_run_are_refused_in_one_line(model_type, change, message, model_dir, tmp_path):
+    """helper-83: these loaded and served (full attention, rope on every layer, token 0 for every
+    job) where transformers raises or answers garbage; now one line naming the field."""
+    path = build_family_model(model_type, tmp_path / "m", model_dir, seed=7)
+    _rewrite_config(path, **change)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelRunner(str(path), dtype="float32")

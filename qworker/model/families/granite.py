@@ -5,6 +5,8 @@ and logits divided by ``logits_scaling``. Causal attention only, as transformers
 
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 
 from qworker.model.families.spec import DecoderSpec, attention_biases, dims, llama_layer, uniform_layers
@@ -14,6 +16,9 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
     scalars = {name: float(getattr(config, name, 1.0)) for name in
                ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
+    for name, value in scalars.items():  # a NaN or infinity would answer every job with token 0
+        if not math.isfinite(value):
+            raise ValueError(f"granite: {name} must be a finite number, got {value}")
     if scalars["logits_scaling"] <= 0:  # dividing by it would flip (or blow up) every logit's order
         raise ValueError(f"granite: logits_scaling must be positive, got {scalars['logits_scaling']}")
     return DecoderSpec(

@@ -1,22 +1,21 @@
 """SmolLM3: Llama whose layers ``no_rope_layers`` marks 0 attend without rotary embeddings (NoPE:
-q and k are not rotated; the others use the rope table), and whose window applies only where
-``use_sliding_window`` is set, on the layers ``layer_types`` marks "sliding_attention"."""
+q and k are not rotated; the others use the rope table); windows on the layers ``layer_types``
+marks "sliding_attention" (transformers marks them only where ``use_sliding_window`` is set, and
+its eager attention masks by ``layer_types`` alone)."""
 
 from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, LayerAttention, attention_biases, dims, layer_types, llama_layer
+from qworker.model.families.spec import DecoderSpec, LayerAttention, attention_biases, dims, llama_layer, typed_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
     n = config.num_hidden_layers
-    rotary = list(getattr(config, "no_rope_layers", None) or [1] * n)
-    types = layer_types(config)
+    rotary = getattr(config, "no_rope_layers", None)
+    rotary = [1] * n if rotary is None else list(rotary)
     if len(rotary) != n:
         raise ValueError(f"smollm3: config.no_rope_layers has {len(rotary)} entries for {n} layers")
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
-    layers = [LayerAttention(sliding_window=window if t == "sliding_attention" else None, rotary=bool(r))
-              for t, r in zip(types, rotary)]
+    layers = [LayerAttention(sliding_window=a.sliding_window, rotary=bool(r)) for a, r in zip(typed_layers(config), rotary)]
     return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=attention_biases(config)), layers=layers)

@@ -215,13 +215,31 @@ def uniform_layers(config: PretrainedConfig, window: int | None) -> list[LayerAt
 
 def typed_layers(config: PretrainedConfig) -> list[LayerAttention]:
     """Per-layer windows from ``config.layer_types``: ``config.sliding_window`` where a layer is
-    "sliding_attention" (and the config has a window), full attention elsewhere."""
+    "sliding_attention", full attention elsewhere (transformers' eager attention masks by
+    ``layer_types`` alone). A layer marked sliding in a config without a window is refused
+    (transformers fails on it too)."""
+    types = layer_types(config)
     window = getattr(config, "sliding_window", None)
-    return [LayerAttention(sliding_window=window if t == "sliding_attention" else None) for t in layer_types(config)]
+    if "sliding_attention" in types and not window:
+        raise ValueError(f"{config.model_type}: config.layer_types marks layer {types.index('sliding_attention')} sliding, "
+                         f"but sliding_window is {window!r}")
+    return [LayerAttention(sliding_window=window if t == "sliding_attention" else None) for t in types]
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def layer_types(config: PretrainedConfig) -> list[str]:
-    return getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    """``config.layer_types`` (every layer full where it has none), checked: one entry per layer,
+    each a type this engine serves."""
+    n = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    if len(types) != n:
+        raise ValueError(f"{config.model_type}: config.layer_types has {len(types)} entries for {n} layers")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"{config.model_type}: unsupported layer type {unknown[0]!r} in config.layer_types; supported: {', '.join(LAYER_TYPES)}")
+    return types
 
 
 def ropes_by_layer_type(config: PretrainedConfig, layers: list[LayerAttention]) -> tuple[dict, list[LayerAttention]]:
@@ -231,5 +249,8 @@ def ropes_by_layer_type(config: PretrainedConfig, layers: list[LayerAttention]) 
     if not isinstance(params.get("full_attention"), dict):
         return {None: None}, layers
     types = layer_types(config)
+    missing = sorted(t for t in set(types) if not isinstance(params.get(t), dict))
+    if missing:
+        raise ValueError(f"{config.model_type}: config.rope_parameters has no entry for layer type {missing[0]!r}")
     tables = {t: t for t in sorted(set(types))}
     return tables, [LayerAttention(sliding_window=a.sliding_window, rope=t, rotary=a.rotary) for a, t in zip(layers, types)]
