@@ -347,3 +347,12 @@ def test_an_adapter_is_read_as_one_snapshot_of_its_file(adapter, config, monkeyp
     monkeypatch.setattr(mod, "_expected_shapes", cut_short)
     got = load_lora_adapter(adapter, config, max_rank=8).weights
     assert got.keys() == want.keys() and all(torch.equal(got[k][0], want[k][0]) and torch.equal(got[k][1], want[k][1]) for k in want)
+
+
+def test_a_shared_expert_tensor_is_named_as_an_expert():
+    """helper-83: PEFT's ``down_proj`` target also adapts Qwen2-MoE's ``mlp.shared_expert.down_proj``,
+    which was refused as "not a LoRA A/B weight of ..., down_proj": confusing, down_proj is allowed."""
+    from qworker.model.lora.adapter import _unsupported_name
+
+    why = _unsupported_name("base_model.model.model.layers.0.mlp.shared_expert.down_proj.lora_A.weight")
+    assert "targets a MoE expert" in why and "not a LoRA A/B weight" not in why

@@ -406,7 +406,7 @@ def _unsupported_name(name: str) -> str:
         return f"tensor {name!r} targets {module}; LoRA applies to {', '.join(MODULES)} only"
     if name.endswith(".bias"):
         return f"tensor {name!r} is a LoRA bias (lora_bias is not supported)"
-    if ".experts." in name:
+    if ".experts." in name or ".shared_expert." in name:
         return f"tensor {name!r} targets a MoE expert; LoRA on experts is not supported"
     return f"tensor {name!r} is not a LoRA A/B weight of {', '.join(MODULES)} in model.layers.N"
 
