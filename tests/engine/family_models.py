@@ -35,6 +35,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "mixtral": dict(MOE, num_local_experts=4, sliding_window=24),  # every layer
     "olmoe": dict(MOE, num_experts=4, norm_topk_prob=True, clip_qkv=2.5),  # no window in transformers' OLMoE
     "phi3": dict(sliding_window=32, partial_rotary_factor=0.5, original_max_position_embeddings=1024),  # every layer
+    "exaone4": dict(sliding_window=24, sliding_window_pattern=3),  # layers 0, 1 slide; layer 2 full and NoPE
     "gemma": dict(tie_word_embeddings=True),  # no window in transformers' Gemma
     "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
     "ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),

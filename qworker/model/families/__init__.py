@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import gemma, granite, llama, mixtral, olmo2, olmoe, phi3, qwen2_moe, qwen3, qwen3_moe, smollm3
+from qworker.model.families import exaone4, gemma, granite, llama, mixtral, olmo2, olmoe, phi3, qwen2_moe, qwen3, qwen3_moe, smollm3
 from qworker.model.families.spec import DecoderSpec
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
@@ -25,6 +25,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "olmoe": olmoe.build,
     "olmo2": olmo2.build,
     "olmo3": olmo2.build,
+    "exaone4": exaone4.build,
     "phi3": phi3.build,
     "gemma": gemma.build,
     "gemma2": gemma.build,
