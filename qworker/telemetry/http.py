@@ -7,8 +7,8 @@ beyond ``MAX_CONNECTIONS`` open connections a new one closes the oldest that has
 ``MIN_AGE_S`` (so slow clients cannot hold the file descriptors the Kafka client needs, while a
 probe, which is answered within milliseconds, is not the one closed amid a modest burst); a
 burst that keeps ``HARD_CAP`` connections younger than that open has each newer one closed at
-once, so the server never holds more descriptors than that; probe checks are plain callables that must be cheap (they run on the loop), and
-the metrics exposition (which calls the engine's ``stats()`` and formats every series) runs in a
+once, so the server never holds more descriptors than that; probe checks are plain callables
+that must be cheap (they run on the loop), and the metrics exposition (which calls the engine's ``stats()`` and formats every series) runs in a
 worker thread.
 """
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, RawLayer, attention_biases, dims, ropes_by_layer_type, take, take_attention, take_dense_mlp, typed_layers, uniform_layers
+from qworker.model.families.spec import (DecoderSpec, RawLayer, attention_biases, dims, ropes_by_layer_type, take, take_attention,
+                                         take_dense_mlp, typed_layers, uniform_layers)
 
 # transformers' names for GELU's tanh approximation (each computes 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))))
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
