@@ -8,8 +8,8 @@ beyond ``MAX_CONNECTIONS`` open connections a new one closes the oldest that has
 probe, which is answered within milliseconds, is not the one closed amid a modest burst); a
 burst that keeps ``HARD_CAP`` connections younger than that open has each newer one closed at
 once, so the server never holds more descriptors than that; probe checks are plain callables
-that must be cheap (they run on the loop), and the metrics exposition (which calls the engine's ``stats()`` and formats every series) runs in a
-worker thread.
+that must be cheap (they run on the loop), and the metrics exposition (which calls the engine's
+``stats()`` and formats every series) runs in a worker thread.
 """
 
 from __future__ import annotations
