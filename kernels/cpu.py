@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from .env import switch
 from .reference import paged_decode_attention_ref, paged_prefill_attention_ref, rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref, store_kv_ref
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ _SIGNATURES = {
 
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels of the active ISA's build, or None when they cannot be built."""
-    if os.environ.get("QWORKER_CPU_KERNELS", "1") == "0":
+    if not switch("QWORKER_CPU_KERNELS"):
         return None
     return _library_for(cpu_isa())
 
@@ -190,7 +191,7 @@ def _amx_emulation_flags(isa: str) -> list[str]:
     """``QWORKER_CPU_AMX_EMULATE=1``, for tests only: the avx512 build compiles its AMX kernels on
     software tiles (``csrc/amx_emulate.h``, which aborts where the hardware would fault), so the AMX
     code runs, and is checked, on an AVX512_BF16 CPU without AMX. Orders of magnitude slower."""
-    if os.environ.get("QWORKER_CPU_AMX_EMULATE", "0") != "1" or isa != "avx512":
+    if not switch("QWORKER_CPU_AMX_EMULATE") or isa != "avx512":
         return []
     if "avx512_bf16" not in _cpu_features().split():
         raise ValueError("QWORKER_CPU_AMX_EMULATE=1 needs a CPU with AVX512_BF16 (the AMX kernels' other half)")
@@ -297,7 +298,7 @@ def paged_decode_attention_cpu(
 
 # False: paged_prefill_attention_cpu runs the torch reference (benchmarks compare the two); the
 # environment's QWORKER_CPU_EXTEND=0 sets it at import
-EXTEND_KERNEL = os.environ.get("QWORKER_CPU_EXTEND", "1") != "0"
+EXTEND_KERNEL = switch("QWORKER_CPU_EXTEND")
 
 
 def paged_prefill_attention_cpu(

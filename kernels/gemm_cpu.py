@@ -44,6 +44,7 @@ from functools import cache
 import torch
 
 from . import cpu as _cpu
+from .env import switch
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def amx_layout_ready() -> bool:
 def amx_layout_usable(lib) -> bool:
     """:func:`amx_layout_ready` for a bf16 GEMM library the caller already holds (the per-call
     paths: no second lookup of the build)."""
-    return lib is not None and os.environ.get("QWORKER_CPU_AMX", "1") != "0" and _amx_kernel(lib) > 0
+    return lib is not None and switch("QWORKER_CPU_AMX") and _amx_kernel(lib) > 0
 
 
 def amx_kernel() -> str | None:

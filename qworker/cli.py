@@ -38,6 +38,24 @@ topics_app = typer.Typer(no_args_is_help=True, help="Manage qworker's topics.")
 app.add_typer(topics_app, name="topics")
 
 
+def _seconds(value: float | None) -> float | None:
+    """A duration flag: a finite number of seconds above 0 (a NaN deadline never passed, a negative
+    one had passed before the wait began)."""
+    import math
+
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"must be a finite number of seconds above 0, got {value}")
+    return value
+
+
+def _unix_time(value: float) -> float:
+    import math
+
+    if not (math.isfinite(value) and value >= 0):
+        raise typer.BadParameter(f"must be a Unix time (a finite number >= 0), got {value}")
+    return value
+
+
 def _parse_options(options: list[str]) -> dict[str, str]:
     out = {}
     for o in options:
@@ -49,7 +67,15 @@ def _parse_options(options: list[str]) -> dict[str, str]:
 
 
 def _settings(bootstrap_servers: str | None = None, **kw: object) -> WorkerSettings:
-    return WorkerSettings.from_env(bootstrap_servers=bootstrap_servers, **kw)
+    """The settings from the environment and flags; a misconfiguration is one line naming the
+    variable and exit status 2 (for every command, not only ``run``)."""
+    from pydantic import ValidationError
+
+    try:
+        return WorkerSettings.from_env(bootstrap_servers=bootstrap_servers, **kw)
+    except ValidationError as e:
+        typer.echo(f"qworker: {WorkerSettings.explain(e)}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -68,18 +94,21 @@ def run(
     option: list[str] = typer.Option([], "--option", "-o", help="Any other setting as KEY=VALUE (e.g. -o session_timeout_ms=6000)"),
 ) -> None:
     """Run the worker until SIGTERM (which drains, commits and exits 0)."""
-    from pydantic import ValidationError
-
     flags = dict(bootstrap_servers=bootstrap_servers, model=model, group_id=group_id, http_port=http_port, drain_timeout_s=drain_timeout_s,
                  max_waiting_jobs=max_waiting_jobs, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
                  lora_modules=" ".join(lora_modules) or None)
     # a setting given both as its own flag and as -o KEY=VALUE: the flag wins (it was a
     # TypeError traceback: the same keyword twice)
     settings_kw = {**_parse_options(option), **{k: v for k, v in flags.items() if v is not None}}
-    try:
-        settings = _settings(**settings_kw)
-    except ValidationError as e:  # a misconfiguration: one line naming the variable, no traceback
-        typer.echo(f"qworker: {WorkerSettings.explain(e)}", err=True)
+    settings = _settings(**settings_kw)
+    try:  # the environment's other switches, before a model loads (they are read deep inside it)
+        from kernels.env import check_switches
+        from qworker.model.parallel.comm import timeout_s as tp_timeout_s
+
+        check_switches()
+        tp_timeout_s()
+    except ValueError as e:
+        typer.echo(f"qworker: {e}", err=True)
         raise typer.Exit(2) from None
     from qworker.telemetry.logging import configure_logging
 
@@ -109,7 +138,7 @@ def submit(
     lora: Optional[str] = typer.Option(None, help="Run under this LoRA adapter (a name the worker's QWORKER_LORA_MODULES gives)"),
     stream: bool = typer.Option(True, help="Stream tokens to the tokens topic"),
     follow: bool = typer.Option(False, "--follow", help="Print the streamed result until every job finished"),
-    timeout_s: float = typer.Option(300.0, help="--follow gives up after this long"),
+    timeout_s: float = typer.Option(300.0, help="--follow gives up after this long", callback=_seconds),
     bootstrap_servers: Optional[str] = typer.Option(None, help="[QWORKER_BOOTSTRAP_SERVERS]"),
 ) -> None:
     """Produce jobs from flags or a JSONL file (native jobs and OpenAI batch lines may mix).
@@ -120,11 +149,13 @@ def submit(
     from pydantic import ValidationError
 
     s = _settings(bootstrap_servers)
+    if job_id is not None and not job_id.strip():
+        raise typer.BadParameter("must not be empty (leave --id out for a random one)", param_hint="--id")
     flag_jobs: list[object] = []
     if prompt is not None or chat is not None:
         try:
             sampling = Sampling(max_tokens=max_tokens, temperature=temperature)
-            jid = job_id or uuid.uuid4().hex[:12]
+            jid = job_id if job_id is not None else uuid.uuid4().hex[:12]
             if chat is not None:
                 msgs = ([ChatMessage(role="system", content=system)] if system else []) + [ChatMessage(role="user", content=chat)]
                 flag_jobs.append(Job(id=jid, messages=msgs, sampling=sampling, stream=stream, priority=priority, lora=lora))
@@ -138,6 +169,9 @@ def submit(
     if file is None and not flag_jobs:
         raise typer.BadParameter("give --prompt, --chat or --file")
     lines = _read_batch(file) if file is not None else []
+    if file is not None and not lines and not flag_jobs:
+        typer.echo(f"qworker: {file} holds no lines; nothing submitted", err=True)
+        raise typer.Exit(0)
     code = _kafka(s, _submit(s, flag_jobs, lines, follow, timeout_s))
     raise typer.Exit(code)
 
@@ -276,8 +310,9 @@ async def _follow(reader, ids: list[str], timeout_s: float) -> set[str]:
 def collect(
     ids_from: Path = typer.Option(..., "--ids-from", help="The JSONL file that was submitted: one output line per input line"),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the OpenAI batch output lines (JSONL)"),
-    timeout_s: float = typer.Option(600.0, "--timeout-s", "--timeout", help="Give up waiting after this many seconds; unanswered lines get status 504"),
-    since: float = typer.Option(0.0, help="Ignore results produced before this Unix time (a file submitted again reuses its ids)"),
+    timeout_s: float = typer.Option(600.0, "--timeout-s", "--timeout", help="Give up waiting after this many seconds; unanswered lines get status 504",
+                                    callback=_seconds),
+    since: float = typer.Option(0.0, help="Ignore results produced before this Unix time (a file submitted again reuses its ids)", callback=_unix_time),
     bootstrap_servers: Optional[str] = typer.Option(None, help="[QWORKER_BOOTSTRAP_SERVERS]"),
 ) -> None:
     """Write the answers to a submitted file as OpenAI batch output lines.
@@ -312,7 +347,7 @@ def collect(
 @app.command()
 def broker(
     port: int = typer.Option(9092, min=1, max=65535, help="Port on 127.0.0.1"),
-    partitions: int = typer.Option(8, help="Partitions of the jobs, tokens and completions topics it creates"),
+    partitions: int = typer.Option(8, min=1, help="Partitions of the jobs, tokens and completions topics it creates"),
     topics: bool = typer.Option(True, help="Create qworker's topics once it is up"),
 ) -> None:
     """Run the bundled broker (Tansu) in the foreground on loopback, to try qworker out.
@@ -386,10 +421,10 @@ def broker_env(bootstrap: str) -> str:
 def tail(
     from_beginning: bool = typer.Option(False, "--from-beginning", help="Start at the oldest records"),
     topic: list[str] = typer.Option([], help="Topics (default: tokens, completions, dlq)"),
-    idle_timeout_s: Optional[float] = typer.Option(None, help="Exit after this long without records"),
+    idle_timeout_s: Optional[float] = typer.Option(None, help="Exit after this long without records", callback=_seconds),
     bootstrap_servers: Optional[str] = typer.Option(None, help="[QWORKER_BOOTSTRAP_SERVERS]"),
 ) -> None:
-    """Print result topics as JSON lines (DLQ records with their headers, as [key, value] pairs)."""
+    """Print result topics as JSON lines (DLQ records with their headers, as \\[key, value] pairs)."""
     s = _settings(bootstrap_servers)
 
     async def go() -> None:
@@ -418,8 +453,8 @@ def tail(
 
 @topics_app.command("create")
 def topics_create(
-    partitions: int = typer.Option(8, help="Partitions of the jobs, tokens and completions topics (>= max pods)"),
-    replication: int = typer.Option(1, help="Replication factor"),
+    partitions: int = typer.Option(8, min=1, help="Partitions of the jobs, tokens and completions topics (>= max pods)"),
+    replication: int = typer.Option(1, min=1, help="Replication factor"),
     bootstrap_servers: Optional[str] = typer.Option(None, help="[QWORKER_BOOTSTRAP_SERVERS]"),
 ) -> None:
     """Create the jobs, tokens, completions, DLQ and cancel topics (existing ones are kept)."""

@@ -35,6 +35,7 @@ def parse_size(value: str | int | None) -> int | None:
 # Below this a byte count is a mistake (a fraction written without its decimal point, a unit
 # left out), never a KV cache that holds a useful number of tokens.
 MIN_KV_BYTES = 1 << 20
+INT32_MAX = 2**31 - 1  # Kafka's protocol carries the client's timings as int32 milliseconds
 _FRACTION = re.compile(r"^\s*\d*\.\d*\s*$")
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # what Kafka accepts as a topic name
 
@@ -86,18 +87,19 @@ class WorkerSettings(BaseModel):
     # Idempotence needs InitProducerId v1+; real Kafka has it, Tansu does not (tests set false).
     enable_idempotence: bool = True
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = "zstd"
-    # Kafka client timings: 0 or a negative value hangs or spins the client instead of failing
-    linger_ms: int = Field(5, ge=0)
-    session_timeout_ms: int = Field(45_000, ge=1)
-    heartbeat_interval_ms: int = Field(3_000, ge=1)  # below session_timeout_ms
+    # Kafka client timings: 0 or a negative value hangs or spins the client instead of failing;
+    # the protocol carries them as int32 (a larger one failed inside aiokafka after the model loaded)
+    linger_ms: int = Field(5, ge=0, le=INT32_MAX)
+    session_timeout_ms: int = Field(45_000, ge=1, le=INT32_MAX)
+    heartbeat_interval_ms: int = Field(3_000, ge=1, le=INT32_MAX)  # below session_timeout_ms
     # Only a safety net: the poll loop never blocks on generation, so this is never reached
     # by long jobs (aiokafka issue 848).
-    max_poll_interval_ms: int = Field(300_000, ge=1)
-    fetch_max_wait_ms: int = Field(100, ge=0)
-    request_timeout_ms: int = Field(30_000, ge=1)
+    max_poll_interval_ms: int = Field(300_000, ge=1, le=INT32_MAX)
+    fetch_max_wait_ms: int = Field(100, ge=0, le=INT32_MAX)
+    request_timeout_ms: int = Field(30_000, ge=1, le=INT32_MAX)
     # at least 1 ms: 0 would turn the commit loop and a streaming job's ticker into busy loops
-    commit_interval_ms: int = Field(500, ge=1)
-    stream_interval_ms: int = Field(50, ge=1)
+    commit_interval_ms: int = Field(500, ge=1, le=INT32_MAX)
+    stream_interval_ms: int = Field(50, ge=1, le=INT32_MAX)
     cancel_ttl_s: float = Field(600.0, ge=0)
     # The largest record the worker produces (uncompressed key + value + headers). Match the
     # broker's message.max.bytes (Kafka's default is about 1 MB): a completion over it is
@@ -276,6 +278,27 @@ class WorkerSettings(BaseModel):
         if v is not None and not os.path.isfile(v):
             raise ValueError("no such file")
         return v
+
+    @model_validator(mode="after")
+    def _tls_files_load(self) -> WorkerSettings:
+        """The TLS files parse (a CA file that is not a certificate failed inside aiokafka, as a
+        traceback, once the model had loaded)."""
+        if self.kafka_security_protocol not in ("SSL", "SASL_SSL"):
+            return self
+        import ssl
+
+        from aiokafka.helpers import create_ssl_context
+
+        try:
+            create_ssl_context(cafile=self.kafka_ssl_cafile)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"QWORKER_KAFKA_SSL_CAFILE: not a CA certificate file ({e})") from None
+        if self.kafka_ssl_certfile is not None:
+            try:
+                create_ssl_context(certfile=self.kafka_ssl_certfile, keyfile=self.kafka_ssl_keyfile)
+            except (ssl.SSLError, OSError) as e:
+                raise ValueError(f"QWORKER_KAFKA_SSL_CERTFILE / QWORKER_KAFKA_SSL_KEYFILE: not a certificate and its key ({e})") from None
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_within_session(self) -> WorkerSettings:

@@ -13,7 +13,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -30,7 +30,16 @@ MAX_METADATA_DEPTH = 32  # nested objects/arrays, the metadata object itself inc
 MAX_METADATA_BYTES = 64 * 1024  # as compact JSON
 
 JobId = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN, description="Job id: the idempotency key and the Kafka key of every message about the job.")]
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+def _integral(v: Any) -> Any:
+    """JSON has one kind of number: 4.0 is the integer 4 (JSON Schema's "integer" accepts it too),
+    so a job's integer fields take it; "4", 4.5 and true stay refused (the models are strict)."""
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[JsonInt, Field(ge=0, le=2**31 - 1)]
 MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
 # JSON object keys are strings: a token id in decimal, as OpenAI's logit_bias spells it
 LogitBiasToken = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
@@ -82,21 +91,21 @@ class _Strict(BaseModel):
 class Sampling(_Strict):
     """Sampling parameters; names and meanings follow the engine's (vLLM's) ``SamplingParams``."""
 
-    max_tokens: StrictInt = Field(16, ge=1, le=1_000_000)
+    max_tokens: JsonInt = Field(16, ge=1, le=1_000_000)
     temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: StrictInt = Field(0, ge=-1, le=1_000_000, description="0 or -1: off.")
+    top_k: JsonInt = Field(0, ge=-1, le=1_000_000, description="0 or -1: off.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    seed: StrictInt | None = Field(None, ge=0, le=INT64_MAX)
+    seed: JsonInt | None = Field(None, ge=0, le=INT64_MAX)
     stop: list[Annotated[str, Field(min_length=1, max_length=1000)]] = Field(default_factory=list, max_length=MAX_STOP)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1000)
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = Field(0, ge=0, le=1_000_000)
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top-N logprobs per generated token.")
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    min_tokens: JsonInt = Field(0, ge=0, le=1_000_000)
+    logprobs: JsonInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top-N logprobs per generated token.")
+    n: JsonInt = Field(1, ge=1, le=MAX_N)
     include_stop_str_in_output: StrictBool = Field(False, description="Keep a matched stop string, or the text of a stop token / EOS, in the text.")
     logit_bias: dict[LogitBiasToken, LogitBias] | None = Field(
         None, max_length=MAX_LOGIT_BIAS,
@@ -155,7 +164,7 @@ class Job(_Strict):
                                         {"type": "choice", "choice": ["positive", "negative"]}]},
     )
     stream: StrictBool = Field(False, description="Publish token deltas to the tokens topic.")
-    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1, description="Lower runs first.")
+    priority: JsonInt = Field(0, ge=-(2**31), le=2**31 - 1, description="Lower runs first.")
     deadline: float | None = Field(
         None,
         ge=0,

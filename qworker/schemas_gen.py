@@ -33,9 +33,29 @@ DEFAULT_DIR = Path(__file__).resolve().parent.parent / "schemas"
 ID_BASE = "https://qworker.dev/schemas"
 
 
+# a job gives exactly one of these, as a value that is not null (Job._one_prompt)
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+
+
+def _close_pattern_objects(node: Any) -> None:
+    """An object schema whose keys must match ``patternProperties`` (logit_bias's token ids) takes
+    no other key, as the model refuses one: JSON Schema's default would accept ``{"abc": 1}``."""
+    if isinstance(node, dict):
+        if "patternProperties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for value in node.values():
+            _close_pattern_objects(value)
+    elif isinstance(node, list):
+        for value in node:
+            _close_pattern_objects(value)
+
+
 def schema_for(name: str) -> dict[str, Any]:
     model = MESSAGE_TYPES[name]
     schema = model.model_json_schema(mode="validation" if name in ("job", "cancel") else "serialization")
+    _close_pattern_objects(schema)
+    if name == "job":  # what the model's validator says, in the schema's terms
+        schema["oneOf"] = [{"required": [f], "properties": {f: {"not": {"type": "null"}}}} for f in PROMPT_FIELDS]
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": f"{ID_BASE}/{name}.v{SCHEMA_VERSION}.json",

@@ -26,7 +26,9 @@ import time
 import torch
 from transformers import AutoTokenizer
 
+from kernels.env import switch
 from qworker.engine.config import EngineConfig
+from qworker.host_memory import available_memory
 from qworker.engine.introspection import Capacity, engine_capacity, engine_stats
 from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.lora_manager import LoRAManager
@@ -57,7 +59,7 @@ def _freeze_start_up_heap() -> None:
     a frozen object is never collected if it ends up in a reference cycle, so a process that
     builds and drops engines (tests) keeps at most the first; a worker runs one for its life."""
     global _start_up_heap_frozen
-    if _start_up_heap_frozen or os.environ.get("QWORKER_GC_FREEZE", "1") == "0":
+    if _start_up_heap_frozen or not switch("QWORKER_GC_FREEZE"):
         return
     _start_up_heap_frozen = True
     gc.collect()
@@ -74,6 +76,15 @@ def load_tokenizer(path: str):
         raise ValueError(f"{path}: no tokenizer that transformers can load (tokenizer.json, tokenizer.model or "
                          f"vocabulary files; tokenizer=DIR names another folder): {why}") from None
 
+
+def _check_host_memory(needed: int) -> None:
+    """The KV pages the engine puts in host memory (the pool on a CPU, swap space anywhere) must
+    fit what this process can still allocate: a budget past it ("1T") had the machine's OOM
+    killer end the worker, or a neighbour, while the pool was being filled."""
+    available = available_memory()
+    if available and needed > available:
+        raise ValueError(f"the KV cache needs {needed / 2**30:.1f} GiB of host memory (kv_cache_memory on a CPU, plus swap_space), "
+                         f"but this process can allocate {available / 2**30:.1f} GiB: lower QWORKER_KV_CACHE_MEMORY / swap_space")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -117,6 +128,7 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"KV budget of {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
         num_cpu_blocks = config.swap_space // block_bytes
+        _check_host_memory(block_bytes * (num_cpu_blocks + (num_blocks if self.runner.device.type == "cpu" else 0)))
         self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)

@@ -35,6 +35,7 @@ from transformers import PretrainedConfig
 
 import kernels
 from kernels.decoder_cpu import DecoderLayers
+from kernels.env import switch
 from kernels import gemm_cpu
 from kernels.greedy_head import BoundedGreedyHead, bounded_head_supported
 from qworker.model.attention import AttentionMetadata, PagedAttention
@@ -91,7 +92,7 @@ class DecoderModel:
 
     # the plain fp32 CPU loop as one C call where it applies (QWORKER_CPU_FUSED_FORWARD=0: never;
     # benchmarks and tests flip it per model for A/B runs)
-    fused_cpu_forward = os.environ.get("QWORKER_CPU_FUSED_FORWARD", "1") != "0"
+    fused_cpu_forward = switch("QWORKER_CPU_FUSED_FORWARD")
 
     def __init__(self, config: PretrainedConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, max_positions: int,
                  kernel_backend: str | None = None, spec: DecoderSpec | None = None, shard=None):

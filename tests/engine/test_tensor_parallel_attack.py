@@ -271,14 +271,14 @@ def test_tp_settings_are_checked_before_anything_starts(tiny_model_dir, monkeypa
     follower is spawned (it failed later inside torch.distributed, or overflowed)."""
     import multiprocessing as mp
 
-    from qworker.model.parallel import comm as cm
+    from kernels.env import switch
 
     for value, want in (("", False), ("0", False), ("false", False), ("no", False), ("1", True), ("true", True)):
         monkeypatch.setenv("QWORKER_TP_EXTERNAL_FOLLOWERS", value)
-        assert cm.env_flag("QWORKER_TP_EXTERNAL_FOLLOWERS") is want
+        assert switch("QWORKER_TP_EXTERNAL_FOLLOWERS") is want
     monkeypatch.setenv("QWORKER_TP_EXTERNAL_FOLLOWERS", "maybe")
     with pytest.raises(ValueError, match="QWORKER_TP_EXTERNAL_FOLLOWERS"):
-        cm.env_flag("QWORKER_TP_EXTERNAL_FOLLOWERS")
+        switch("QWORKER_TP_EXTERNAL_FOLLOWERS")
     monkeypatch.setenv("QWORKER_TP_EXTERNAL_FOLLOWERS", "0")
     before = set(mp.active_children())
     for bad in ("0", "-1", "abc", "inf", "nan"):

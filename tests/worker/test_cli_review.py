@@ -182,3 +182,51 @@ def test_tail_keeps_every_value_of_a_repeated_header_key(broker) -> None:
     assert res.exit_code == 0, (res.output, res.exception)
     [line] = [orjson.loads(x) for x in res.output.splitlines() if x.startswith("{")]
     assert line["headers"] == [["trace", "a"], ["trace", "b"], ["other", "c"]]
+
+
+# helper-85 (2026-12-07): flags and settings that got past their checks
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["topics", "create", "--partitions", "0"], "--partitions"),
+    (["topics", "create", "--replication", "0"], "--replication"),
+    (["broker", "--partitions", "0"], "--partitions"),
+    (["collect", "--ids-from", "/dev/null", "--out", "/dev/null", "--timeout-s", "nan"], "--timeout-s"),
+    (["collect", "--ids-from", "/dev/null", "--out", "/dev/null", "--since", "nan"], "--since"),
+    (["submit", "-p", "x", "--follow", "--timeout-s", "-1"], "--timeout-s"),
+    (["tail", "--idle-timeout-s", "-1"], "--idle-timeout-s"),
+    (["submit", "-p", "x", "--id", ""], "--id"),
+])
+def test_flags_out_of_range_are_refused_before_any_broker_is_asked(args, needle) -> None:
+    """A topic of 0 partitions was created (and `submit` then died in a modulo by zero), a NaN
+    timeout made `collect` wait forever, a negative one gave up at once, an empty --id became a
+    random one. Now usage errors naming the flag (no broker runs here: none is reached first)."""
+    one_line_error(invoke(args, f"127.0.0.1:{free_port()}"), 2, needle)
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"QWORKER_SESSION_TIMEOUT_MS": "99999999999"}, "QWORKER_SESSION_TIMEOUT_MS"),
+    ({"QWORKER_KAFKA_SECURITY_PROTOCOL": "SSL", "QWORKER_KAFKA_SSL_CAFILE": "{junk}"}, "QWORKER_KAFKA_SSL_CAFILE"),
+])
+@pytest.mark.parametrize("command", [["submit", "-p", "x"], ["tail", "--idle-timeout-s", "1"]])
+def test_settings_that_fail_inside_the_kafka_client_are_one_line_for_every_command(env, needle, command, tmp_path) -> None:
+    """A session timeout past int32 and a CA file that is not a certificate passed the settings'
+    checks and failed inside aiokafka as tracebacks (`run` after loading the model); and every
+    command but `run` printed a settings error as a traceback."""
+    junk = tmp_path / "junk.pem"
+    junk.write_text("junk\n")
+    env = {k: v.format(junk=junk) for k, v in env.items()}
+    one_line_error(invoke(command, f"127.0.0.1:{free_port()}", **env), 2, needle)
+
+
+def test_an_empty_file_says_nothing_was_submitted(tmp_path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    res = invoke(["submit", "-f", str(empty)], f"127.0.0.1:{free_port()}")
+    assert res.exit_code == 0 and "holds no lines; nothing submitted" in res.output, res.output
+
+
+def test_tail_help_keeps_its_brackets() -> None:
+    """Typer's markup swallowed "[key, value]" in `tail --help`."""
+    res = CliRunner().invoke(app, ["tail", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "[key, value] pairs" in res.output, res.output

@@ -91,3 +91,38 @@ def test_qworker_run_with_a_bad_setting_is_one_line_and_exit_2(tmp_path) -> None
     err = r.stderr.decode().strip()
     assert r.returncode == 2, err
     assert len(err.splitlines()) == 1 and "QWORKER_KV_CACHE_MEMORY" in err and "Traceback" not in err, err
+
+
+def test_a_kv_cache_past_the_hosts_memory_is_refused_before_it_is_filled(tiny_model_dir) -> None:
+    """helper-85: QWORKER_KV_CACHE_MEMORY=1T on a CPU had the machine's OOM killer end the worker
+    (11 GB resident when it struck); now the engine refuses a host-memory KV cache (the pool on a
+    CPU, swap space anywhere) larger than what the process can allocate, naming the settings."""
+    from qworker.engine import EngineConfig, LLMEngine
+
+    too_big = 4 * available_memory() + 64 * GiB  # far past it, however much frees up meanwhile
+    with pytest.raises(ValueError, match="QWORKER_KV_CACHE_MEMORY / swap_space"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=too_big, swap_space=0))
+    with pytest.raises(ValueError, match="host memory"):
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=8 << 20, swap_space=too_big))
+
+
+@pytest.mark.parametrize("var,value", [("QWORKER_CPU_FUSED_FORWARD", "maybe"), ("QWORKER_GC_FREEZE", "off-ish"),
+                                       ("QWORKER_CPU_AMX", "2"), ("QWORKER_TP_TIMEOUT_S", "-5")])
+def test_qworker_run_refuses_a_switch_that_is_neither_yes_nor_no(var: str, value: str, model_dir) -> None:
+    """helper-85: the QWORKER_CPU_* / GC switches were off only for exactly "0" (so "false" left them
+    on) and anything else was silently "on"; QWORKER_TP_TIMEOUT_S was checked only with tensor
+    parallelism. Now `run` checks them all before loading a model: one line, exit 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWORKER_")}
+    env.update({var: value, "QWORKER_MODEL": str(model_dir), "QWORKER_HTTP_PORT": "-1", "QWORKER_BOOTSTRAP_SERVERS": "127.0.0.1:1"})
+    r = subprocess.run([sys.executable, "-m", "qworker.cli", "run"], cwd=REPO, env=env, capture_output=True, timeout=120)
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2, err
+    assert len(err.splitlines()) == 1 and var in err and "Traceback" not in err, err
+
+
+def test_switches_read_yes_and_no_words(monkeypatch) -> None:
+    from kernels.env import switch
+
+    for raw, want in (("", True), ("1", True), ("on", True), ("YES", True), ("0", False), ("false", False), (" off ", False)):
+        monkeypatch.setenv("QWORKER_CPU_FUSED_FORWARD", raw)
+        assert switch("QWORKER_CPU_FUSED_FORWARD") is want, raw

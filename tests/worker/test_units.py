@@ -156,6 +156,33 @@ def test_examples_validate() -> None:
     assert Job.model_validate_json(orjson.dumps(schemas_gen.examples()["job.chat"])).messages
 
 
+@pytest.mark.parametrize("job,schema_ok,worker_ok", [
+    ({"id": "a", "prompt": "x", "sampling": {"logit_bias": {"abc": 1}}}, False, False),
+    ({"id": "a", "prompt": "x", "sampling": {"logit_bias": {"0123": 1}}}, False, False),
+    ({"id": "a", "prompt": "x", "sampling": {"logit_bias": {"123": 1}}}, True, True),
+    ({"id": "a", "prompt": "x", "sampling": {"max_tokens": 4.0, "n": 2.0}, "prompt_token_ids": None}, True, True),
+    ({"id": "a", "prompt_token_ids": [1.0, 2]}, True, True),
+    ({"id": "a", "prompt": "x", "sampling": {"max_tokens": 4.5}}, False, False),
+    ({"id": "a", "prompt": "x", "prompt_token_ids": [1]}, False, False),
+    ({"id": "a", "prompt": None, "messages": None}, False, False),
+    ({"id": "a", "messages": [{"role": "user", "content": "hi"}], "prompt": None}, True, True),
+])
+def test_the_job_schema_and_the_worker_agree(job, schema_ok, worker_ok) -> None:
+    """helper-85: the published schema accepted jobs the worker refused (logit_bias keys that are
+    not token ids, max_tokens 4.0, a prompt and prompt_token_ids together)."""
+    import jsonschema
+    from pydantic import ValidationError
+
+    validator = jsonschema.Draft202012Validator(schemas_gen.schema_for("job"))
+    assert validator.is_valid(job) is schema_ok
+    try:
+        Job.model_validate(orjson.loads(orjson.dumps(job)))  # as the worker's decode does
+        accepted = True
+    except ValidationError:
+        accepted = False
+    assert accepted is worker_ok
+
+
 def test_coalescer_restart_replays_everything_taken() -> None:
     c = StreamCoalescer("j", 0, "r1", interval_s=0.0)
     c.add(0, "he", [1, 2])

@@ -58,17 +58,6 @@ def timeout_s() -> float:
     return value
 
 
-def env_flag(name: str) -> bool:
-    """A yes/no environment variable: unset, empty, 0, false, no or off is no; 1, true, yes or on is
-    yes; anything else is refused naming it."""
-    raw = os.environ.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {os.environ[name]!r}")
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

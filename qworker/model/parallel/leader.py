@@ -25,6 +25,7 @@ import weakref
 
 import torch
 
+from kernels.env import switch
 from qworker.model.batch import Batch
 from qworker.model.loader import load_config, resolve_device
 from qworker.model.parallel import comm as cm
@@ -73,7 +74,7 @@ class ParallelRunner:
                  timeout_s: float | None = None):
         if world < 2:
             raise ValueError(f"ParallelRunner needs tensor_parallel_size >= 2, got {world}")
-        external = cm.env_flag("QWORKER_TP_EXTERNAL_FOLLOWERS") if external is None else external
+        external = switch("QWORKER_TP_EXTERNAL_FOLLOWERS") if external is None else external
         timeout_s = timeout_s or cm.timeout_s()  # checked before anything starts
         check_supported(load_config(model_dir), world)  # before anything starts
         dev = resolve_device(device)
