@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import exaone4, gemma, granite, llama, mixtral, olmo2, olmoe, phi3, qwen2_moe, qwen3, qwen3_moe, smollm3
+from qworker.model.families import exaone4, gemma, granite, llama, mixtral, olmo2, olmoe, phi3, qwen3, qwen3_moe, smollm3
 from qworker.model.families.spec import DecoderSpec
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
@@ -18,7 +18,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "granite": granite.build,
     "smollm3": smollm3.build,
     "qwen2": llama.build,
-    "qwen2_moe": qwen2_moe.build,
+    "qwen2_moe": qwen3_moe.build,
     "qwen3": qwen3.build,
     "qwen3_moe": qwen3_moe.build,
     "mixtral": mixtral.build,

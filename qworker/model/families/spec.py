@@ -209,6 +209,24 @@ def llama_layer(w: Weights, i: int, d: Dims, intermediate: int, mlp: Callable[[W
     )
 
 
+def post_norm_layer(w: Weights, i: int, d: Dims, intermediate: int, qk_norm: str, biases: tuple[bool, bool]) -> RawLayer:
+    """OLMo 2's layout (EXAONE 4's too): no norm before attention or the MLP; each branch's output
+    normed (``post_attention_layernorm``, ``post_feedforward_layernorm``) before its residual add;
+    q and k normed over their full width (``qk_norm`` "full") or over each head ("head")."""
+    p = f"model.layers.{i}."
+    q_width, k_width = (d.q_size, d.kv_size) if qk_norm == "full" else (d.head_dim, d.head_dim)
+    return RawLayer(
+        input_norm=None,
+        mlp_norm=None,
+        attn_out_norm=take(w, f"{p}post_attention_layernorm.weight", (d.hidden,)),
+        mlp_out_norm=take(w, f"{p}post_feedforward_layernorm.weight", (d.hidden,)),
+        q_norm=take(w, f"{p}self_attn.q_norm.weight", (q_width,)),
+        k_norm=take(w, f"{p}self_attn.k_norm.weight", (k_width,)),
+        mlp=take_dense_mlp(w, f"{p}mlp.", d.hidden, intermediate),
+        **take_attention(w, p, d, biases),
+    )
+
+
 def uniform_layers(config: PretrainedConfig, window: int | None) -> list[LayerAttention]:
     return [LayerAttention(sliding_window=window) for _ in range(config.num_hidden_layers)]
 
