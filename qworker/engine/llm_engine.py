@@ -78,12 +78,12 @@ def load_tokenizer(path: str):
 
 
 def _check_host_memory(needed: int) -> None:
-    """The KV pages the engine puts in host memory (the pool on a CPU, swap space anywhere) must
-    fit what this process can still allocate: a budget past it ("1T") had the machine's OOM
-    killer end the worker, or a neighbour, while the pool was being filled."""
+    """The KV pages the engine commits in host memory when it starts must fit what this process
+    can still allocate: a budget past it ("1T") had the machine's OOM killer end the worker, or a
+    neighbour, while the pool was being filled."""
     available = available_memory()
     if available and needed > available:
-        raise ValueError(f"the KV cache needs {needed / 2**30:.1f} GiB of host memory (kv_cache_memory on a CPU, plus swap_space), "
+        raise ValueError(f"the KV cache needs {needed / 2**30:.1f} GiB of host memory (kv_cache_memory on a CPU, swap_space beside a GPU), "
                          f"but this process can allocate {available / 2**30:.1f} GiB: lower QWORKER_KV_CACHE_MEMORY / swap_space")
 
 class LLMEngine:
@@ -128,7 +128,10 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"KV budget of {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
         num_cpu_blocks = config.swap_space // block_bytes
-        _check_host_memory(block_bytes * (num_cpu_blocks + (num_blocks if self.runner.device.type == "cpu" else 0)))
+        on_cpu = self.runner.device.type == "cpu"
+        # committed at once: the pool on a CPU (zeroed), the swap space beside a GPU (pinned); a CPU
+        # worker's swap space is left unwritten until a swap-out, and costs nothing until then
+        _check_host_memory(block_bytes * (num_blocks if on_cpu else num_cpu_blocks))
         self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)

@@ -95,15 +95,14 @@ def test_qworker_run_with_a_bad_setting_is_one_line_and_exit_2(tmp_path) -> None
 
 def test_a_kv_cache_past_the_hosts_memory_is_refused_before_it_is_filled(tiny_model_dir) -> None:
     """helper-85: QWORKER_KV_CACHE_MEMORY=1T on a CPU had the machine's OOM killer end the worker
-    (11 GB resident when it struck); now the engine refuses a host-memory KV cache (the pool on a
-    CPU, swap space anywhere) larger than what the process can allocate, naming the settings."""
+    (11 GB resident when it struck); now the engine refuses a KV pool its host memory cannot hold,
+    naming the settings (a CPU worker's swap space is not counted: its pages are never written
+    until a swap-out, and cost nothing until then)."""
     from qworker.engine import EngineConfig, LLMEngine
 
     too_big = 4 * available_memory() + 64 * GiB  # far past it, however much frees up meanwhile
     with pytest.raises(ValueError, match="QWORKER_KV_CACHE_MEMORY / swap_space"):
         LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=too_big, swap_space=0))
-    with pytest.raises(ValueError, match="host memory"):
-        LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=8 << 20, swap_space=too_big))
 
 
 @pytest.mark.parametrize("var,value", [("QWORKER_CPU_FUSED_FORWARD", "maybe"), ("QWORKER_GC_FREEZE", "off-ish"),
