@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import time
 
 import torch
@@ -28,7 +27,6 @@ from transformers import AutoTokenizer
 
 from kernels.env import switch
 from qworker.engine.config import EngineConfig
-from qworker.host_memory import available_memory
 from qworker.engine.introspection import Capacity, engine_capacity, engine_stats
 from qworker.engine.kv_cache_manager import KVCacheManager
 from qworker.engine.lora_manager import LoRAManager
@@ -43,6 +41,7 @@ from qworker.engine.step_batch import prepare, sampling_rows
 from qworker.engine.step_recovery import clear_suspect, recover, withdraw
 from qworker.engine.structured.outputs import StepMasks, StructuredOutputs
 from qworker.engine.transient_thread import in_transient_thread
+from qworker.host_memory import available_memory
 from qworker.model.parallel.errors import ExecutorFailed
 from qworker.model.runner import ModelRunner
 
@@ -85,6 +84,7 @@ def _check_host_memory(needed: int) -> None:
     if available and needed > available:
         raise ValueError(f"the KV cache needs {needed / 2**30:.1f} GiB of host memory (kv_cache_memory on a CPU, swap_space beside a GPU), "
                          f"but this process can allocate {available / 2**30:.1f} GiB: lower QWORKER_KV_CACHE_MEMORY / swap_space")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
