@@ -128,15 +128,16 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"KV budget of {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; need at least 2")
         num_cpu_blocks = config.swap_space // block_bytes
-        on_cpu = self.runner.device.type == "cpu"
         # committed at once: the pool on a CPU (zeroed), the swap space beside a GPU (pinned); a CPU
         # worker's swap space is left unwritten until a swap-out, and costs nothing until then. A
         # CPU pool sized as a share of the memory measured before the load is not checked again
         # (what the load itself took would refuse a valid share such as 1.0): only a byte count
-        if on_cpu:
-            _check_host_memory(block_bytes * num_blocks if config.kv_cache_memory is not None else 0)
+        if self.runner.device.type == "cpu":
+            committed = num_blocks if config.kv_cache_memory is not None else 0
         else:
-            _check_host_memory(block_bytes * num_cpu_blocks)
+            committed = num_cpu_blocks
+        if committed:
+            _check_host_memory(block_bytes * committed)
         self.runner.allocate_kv_cache(num_blocks, num_cpu_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)

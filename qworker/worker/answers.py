@@ -59,9 +59,6 @@ class Answers:
         self.w = worker  # settings, publisher, stats, token text, offset tracker
         self.side: set[asyncio.Task] = set()  # DLQ/error/cancel publications in flight
 
-    def encode(self, msg: BaseModel, headers: list | None = None, shape: Shape = dumps) -> bytes:
-        return self.encoded(msg, headers, shape)[1]
-
     def encoded(self, msg: BaseModel, headers: list | None = None, shape: Shape = dumps) -> tuple[BaseModel, bytes]:
         """The answer's bytes in the job's format (``shape``), never unsendable: a result that
         cannot be serialised or exceeds ``max_message_bytes`` is replaced by a small error saying

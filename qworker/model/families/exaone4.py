@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, LayerAttention, dims, post_norm_layer, typed_layers
+from qworker.model.families.spec import DecoderSpec, LayerAttention, attention_biases, dims, post_norm_layer, typed_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
+    biases = attention_biases(config)
     # transformers rotates a layer's q and k unless the model has a window and the layer is not sliding
     hybrid = getattr(config, "sliding_window", None) is not None
     layers = [LayerAttention(sliding_window=a.sliding_window, rotary=not hybrid or a.sliding_window is not None) for a in typed_layers(config)]
-    return DecoderSpec(take_layer=lambda w, i: post_norm_layer(w, i, d, config.intermediate_size, "head", (False, False)),
+    return DecoderSpec(take_layer=lambda w, i: post_norm_layer(w, i, d, config.intermediate_size, "head", biases),
                        layers=layers, qk_norm="head")

@@ -14,6 +14,7 @@ from qworker.model.families.spec import DecoderSpec, attention_biases, dims, lla
 
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
+    biases = attention_biases(config)
     scalars = {name: float(getattr(config, name, 1.0)) for name in
                ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")}
     for name, value in scalars.items():  # a NaN or infinity would answer every job with token 0
@@ -22,7 +23,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     if scalars["logits_scaling"] <= 0:  # dividing by it would flip (or blow up) every logit's order
         raise ValueError(f"granite: logits_scaling must be positive, got {scalars['logits_scaling']}")
     return DecoderSpec(
-        take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=attention_biases(config)),
+        take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=biases),
         layers=uniform_layers(config, None),
         embed_scale=scalars["embedding_multiplier"],
         attn_scale=scalars["attention_multiplier"],

@@ -17,8 +17,5 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         layers = uniform_layers(config, getattr(config, "sliding_window", None))
     else:  # transformers' Llama masks causally only, whatever "sliding_window" a config.json carries
         layers = uniform_layers(config, None)
-    # as transformers builds the projections: Qwen2's q/k/v always carry biases and o never does,
-    # Mistral's and Ministral's none, Llama's as attention_bias says
-    biases = {"qwen2": (True, False), "mistral": (False, False), "ministral": (False, False)}.get(config.model_type)
-    biases = biases or attention_biases(config)
+    biases = attention_biases(config)
     return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=biases), layers=layers)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, MoEWeights, dims, llama_layer, take, take_experts, uniform_layers
+from qworker.model.families.spec import DecoderSpec, MoEWeights, attention_biases, dims, llama_layer, take, take_experts, uniform_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -20,5 +20,5 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         return MoEWeights(take(w, f"{p}gate.weight", (E, d.hidden)), gate_up, down, config.num_experts_per_tok,
                           renormalize=True, weights_in_act_dtype=False)
 
-    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, mlp, biases=(False, False)),
+    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, mlp, biases=attention_biases(config)),
                        layers=uniform_layers(config, getattr(config, "sliding_window", None)))

@@ -22,7 +22,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     E = config.num_experts
     step = getattr(config, "decoder_sparse_step", 1) or 1
     dense_only = set(getattr(config, "mlp_only_layers", None) or [])
-    biases = (bool(getattr(config, "qkv_bias", True)), False) if qwen2 else attention_biases(config)
+    biases = attention_biases(config)
 
     def take_layer(w, i):
         sparse = i not in dense_only and E > 0 and (i + 1) % step == 0

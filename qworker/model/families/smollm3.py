@@ -12,10 +12,11 @@ from qworker.model.families.spec import DecoderSpec, LayerAttention, attention_b
 
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
+    biases = attention_biases(config)
     n = config.num_hidden_layers
     rotary = getattr(config, "no_rope_layers", None)
     rotary = [1] * n if rotary is None else list(rotary)
     if len(rotary) != n:
         raise ValueError(f"smollm3: config.no_rope_layers has {len(rotary)} entries for {n} layers")
     layers = [LayerAttention(sliding_window=a.sliding_window, rotary=bool(r)) for a, r in zip(typed_layers(config), rotary)]
-    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=attention_biases(config)), layers=layers)
+    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=biases), layers=layers)

@@ -150,9 +150,20 @@ def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
+# (q/k/v biases, o bias) of the families whose transformers model fixes them
+_FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False), "ministral": (False, False), "mixtral": (False, False),
+                 "exaone4": (False, False)}
+
+
 def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
-    """``(q/k/v biases, o bias)`` by Llama's rule, which most families share (Qwen3, OLMo, Gemma,
-    Granite, SmolLM3): ``attention_bias`` for all four projections."""
+    """``(q/k/v biases, o bias)`` as transformers builds the family's projections: Qwen2's q/k/v
+    always and o never, Qwen2-MoE's q/k/v as ``qkv_bias`` says, none for Mistral, Ministral,
+    Mixtral and EXAONE 4; elsewhere (Llama, Qwen3, OLMo, Gemma, Granite, SmolLM3) Llama's rule,
+    ``attention_bias`` for all four."""
+    if config.model_type == "qwen2_moe":
+        return bool(getattr(config, "qkv_bias", True)), False
+    if config.model_type in _FIXED_BIASES:
+        return _FIXED_BIASES[config.model_type]
     bias = bool(getattr(config, "attention_bias", False))
     return bias, bias
 
