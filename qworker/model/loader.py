@@ -3,6 +3,7 @@ transformers' config."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from qworker.model.families import FAMILIES, SUPPORTED
+from qworker.model.wrappers import WRAPPERS, checkpoint_is_wrapper, is_wrapper, text_config, text_weight_name
 
 try:  # transformers 5.x validates configs strictly through huggingface_hub; older hubs lack the type
     from huggingface_hub.errors import StrictDataclassError
@@ -38,25 +40,36 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_config(model_dir: str | Path) -> PretrainedConfig:
-    """The model's transformers config; a ValueError of one line for a model type no family serves
+    """The model's transformers config (an image-text checkpoint's language-model config, see
+    :mod:`qworker.model.wrappers`); a ValueError of one line for a model type no family serves
     (including one transformers itself does not know)."""
     path = Path(model_dir)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no config.json in {model_dir}")
     try:
+        raw = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise ValueError(f"{model_dir}/config.json: not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{model_dir}/config.json: not a JSON object")
+    try:
         config = AutoConfig.from_pretrained(model_dir)
     except (ValueError, KeyError, TypeError, StrictDataclassError) as exc:
         # transformers validates configs as strict dataclasses: their error wraps the one that says why
-        import json
-
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-        if model_type not in FAMILIES:
+        model_type = raw.get("model_type")
+        if model_type not in FAMILIES and not is_wrapper(model_type):
             raise ValueError(f"unsupported model type {model_type!r}; supported: {', '.join(SUPPORTED)}") from None
         why = exc.__cause__ if isinstance(exc, StrictDataclassError) and exc.__cause__ is not None else exc
         raise ValueError(f"{model_dir}/config.json: {(str(why).strip().splitlines() or [type(why).__name__])[0]}") from None
-    if config.model_type not in FAMILIES:
-        raise ValueError(f"unsupported model type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
-    quant = getattr(config, "quantization_config", None)
+    if is_wrapper(config.model_type):
+        outer, config = config.model_type, text_config(config, raw)
+        if config.model_type not in FAMILIES:
+            raise ValueError(f"unsupported model type {config.model_type!r} (the language model of this {outer} checkpoint); "
+                             f"supported: {', '.join(SUPPORTED)}")
+    elif config.model_type not in FAMILIES:
+        raise ValueError(f"unsupported model type {config.model_type!r}; supported: {', '.join(SUPPORTED)} "
+                         f"(and the image-text {', '.join(WRAPPERS)}, served as their language model)")
+    quant = raw.get("quantization_config") or getattr(config, "quantization_config", None)
     if quant:  # packed or scaled weights would be read as plain ones (or fail deep in the loader)
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
         raise ValueError(f"{model_dir}: quantized checkpoints are not supported (quantization_config: {method}); "
@@ -70,8 +83,6 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     ``*.safetensors``.
     Hub folders often carry other formats' files beside the checkpoint (Mistral's
     ``consolidated.safetensors``, with its own tensor names); reading those would fail the load."""
-    import json
-
     path = Path(model_dir)
     if (path / "model.safetensors").exists():
         return [path / "model.safetensors"]
@@ -89,15 +100,23 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by its causal-LM name (an image-text checkpoint's language
+    model renamed, its image-only parts not read: :mod:`qworker.model.wrappers`)."""
     files = checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    rename = text_weight_name if checkpoint_is_wrapper(model_dir) else None
     weights: dict[str, torch.Tensor] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
-                for name in f.keys():
-                    t = f.get_tensor(name)
+                for stored in f.keys():
+                    name = rename(stored) if rename else stored
+                    if name is None:
+                        continue
+                    if name in weights:  # both of a wrapper's naming forms in one checkpoint
+                        raise ValueError(f"{path}: tensor {stored!r} is stored twice (as {name!r} too)")
+                    t = f.get_tensor(stored)
                     # only real numbers are cast; anything else (an integer or fp8 export without
                     # its quantization config) is refused by name when a family takes it
                     weights[name] = t.to(dtype) if t.dtype in FLOAT_DTYPES else t

@@ -59,12 +59,12 @@ def family_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **{**BASE, **FAMILY_CONFIGS[model_type], **overrides})
 
 
-def _randomize(model: torch.nn.Module, gemma: bool, gen: torch.Generator) -> None:
+def _randomize(model: torch.nn.Module, gemma: bool, gen: torch.Generator, hidden: int | None = None) -> None:
     """Weights under which attention decides the output: with transformers' init (or plain
     ``fan_in ** -0.5`` everywhere) the token's own embedding dominates the residual stream, so a
     wrong window, rope base or soft-cap would still give the same greedy tokens. Here q is scaled
     up (sharp attention, scores large enough for a soft-cap to bite), o up, embeddings down."""
-    hidden = model.config.hidden_size
+    hidden = hidden or model.config.hidden_size
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "embed" in name:  # Gemma multiplies embeddings by sqrt(hidden): start them that much smaller
@@ -89,6 +89,41 @@ def build_family_model(model_type: str, out: Path, tokenizer_dir: Path, seed: in
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, model_type.startswith("gemma"), torch.Generator().manual_seed(seed))
     model.eval().save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_dir) / name, out / name)
+    return out
+
+
+# image-text checkpoints (qworker.model.wrappers): model_type -> (its language model's family, the
+# wrapper's own config: a one- or two-layer vision tower, tie flags as the case wants them)
+IMAGE_TEXT_CONFIGS: dict[str, tuple[str, dict]] = {
+    "gemma3": ("gemma3_text", dict(mm_tokens_per_image=4, vision_config=dict(
+        model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8))),
+    # untied: the head is stored as language_model.lm_head
+    "mistral3": ("mistral", dict(tie_word_embeddings=False, vision_config=dict(
+        model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+        image_size=32, patch_size=8))),
+    # the text config says untied, the wrapper tied: transformers 5 ties by the wrapper's flag
+    "llava": ("llama", dict(tie_word_embeddings=True, vision_config=dict(
+        model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, patch_size=8, projection_dim=16))),
+}
+IMAGE_TEXT = sorted(IMAGE_TEXT_CONFIGS)
+
+
+def build_image_text_model(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0, save_original_format: bool = True) -> Path:
+    """Writes a tiny random image-text ``model_type`` checkpoint whose language model is the tiny
+    model of its family (:data:`FAMILY_CONFIGS`), as transformers saves it."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text_type, wrapper = IMAGE_TEXT_CONFIGS[model_type]
+    text = family_config(text_type).to_dict()
+    config = AutoConfig.for_model(model_type, text_config=text, **wrapper)
+    config._attn_implementation = "eager"
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _randomize(model, text_type.startswith("gemma"), torch.Generator().manual_seed(seed), hidden=BASE["hidden_size"])
+    model.eval().save_pretrained(out, safe_serialization=True, save_original_format=save_original_format)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tokenizer_dir) / name, out / name)
     return out

@@ -19,7 +19,10 @@ Checks, in the order they run (each before any later work, so a hostile folder c
    never applies them.
 3. The safetensors header, read alone (8-byte length + JSON): every name is
    ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`` with ``i`` a
-   layer of the base model and ``module`` allowed there (no MLP module on a MoE layer); dtypes
+   layer of the base model and ``module`` allowed there (no MLP module on a MoE layer); for an
+   image-text base (:mod:`qworker.model.wrappers`) the layers sit under ``model.language_model.``
+   (or transformers 4's ``language_model.model.``), and tensors of its vision tower or projector
+   are skipped (a text-only prompt never runs them); dtypes
    are floats; shapes are ``A [r, in]`` and ``B [out, r]`` with the base model's features and the
    rank the config gives that module; data offsets fit the file. Huge declared shapes are thus
    refused before a byte of tensor data is read.
@@ -27,8 +30,8 @@ Checks, in the order they run (each before any later work, so a hostile folder c
 
 Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``, where
 ``r`` and ``lora_alpha`` are the module's (``rank_pattern`` / ``alpha_pattern`` matched against
-``model.layers.{i}.{self_attn|mlp}.{module}`` as PEFT matches them: the pattern equals the key or
-a dot-separated suffix of it).
+``model.layers.{i}.{self_attn|mlp}.{module}``, ``model.language_model.layers...`` for an
+image-text base, as PEFT matches them: the pattern equals the key or a dot-separated suffix of it).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from safetensors.torch import load as safetensors_load
 from transformers import PretrainedConfig
 
 from qworker.model.families.spec import dims
+from qworker.model.wrappers import LORA_IMAGE_PARTS, LORA_LAYER_PREFIXES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -61,7 +65,9 @@ _MAX_FOLDER_ENTRIES = 10_000
 _DEFAULT_R = 8
 _DEFAULT_ALPHA = 8
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_TENSOR_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d{1,6})\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# the decoder layers' prefix, the layer, self_attn|mlp, the module, A|B
+_TENSOR_NAME = re.compile(r"base_model\.model\.((?:model\.|model\.language_model\.|language_model\.model\.)?)layers\.(\d{1,6})\."
+                          r"(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 _PATTERN_KEY = re.compile(r"[A-Za-z0-9_.]{1,200}")
 # config fields whose truthy value means a forward other than plain LoRA's
 _UNSUPPORTED_FLAGS = {
@@ -411,9 +417,10 @@ def _unsupported_name(name: str) -> str:
     return f"tensor {name!r} is not a LoRA A/B weight of {', '.join(MODULES)} in model.layers.N"
 
 
-def _module_key(layer: int, module: str) -> str:
-    """A module's name in the base model, as PEFT's patterns and targets are matched against it."""
-    return f"model.layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}"
+def _module_key(layers: str, layer: int, module: str) -> str:
+    """A module's name in the base model (``layers``: its decoder layers' prefix), as PEFT's
+    patterns and targets are matched against it."""
+    return f"{layers}layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}"
 
 
 def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, max_rank: int, path: Path) -> dict:
@@ -421,24 +428,31 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, max_r
     feats = _module_features(config)
     moe = moe_layers(config)
     n_layers = config.num_hidden_layers
+    wrapped = getattr(config, "wrapped_by", None) is not None
+    layers = LORA_LAYER_PREFIXES[0] if wrapped else "model."  # where PEFT names the layers of this base
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in header:
+        if wrapped and name.startswith(LORA_IMAGE_PARTS):
+            continue  # the vision tower's or projector's: never run for a text-only prompt
         m = _TENSOR_NAME.fullmatch(name)
-        if m is None:
+        if m is None or m[1] != "model." and not (wrapped and m[1] in LORA_LAYER_PREFIXES):
             raise LoRAAdapterError(f"{path}: {_unsupported_name(name)}")
-        layer, group, module, ab = int(m[1]), m[2], m[3], m[4]
+        layer, group, module, ab = int(m[2]), m[3], m[4], m[5]
         if module not in MODULES:
             raise LoRAAdapterError(f"{path}: {_unsupported_name(name)}")
         if (group == "self_attn") != (module in ATTENTION_MODULES):
             raise LoRAAdapterError(f"{path}: tensor {name!r}: {module} does not sit under {group}")
         if layer >= n_layers:
             raise LoRAAdapterError(f"{path}: tensor {name!r} is for layer {layer}; the base model has {n_layers} layers")
-        if not cfg.targets.adapts(_module_key(layer, module), layer):
+        if not cfg.targets.adapts(_module_key(layers, layer, module), layer):
             continue  # PEFT never applies it (see _Targets)
         if module in MLP_MODULES and (layer in moe or module not in feats):
             raise LoRAAdapterError(f"{path}: tensor {name!r} targets {module} of layer {layer}, a mixture-of-experts layer "
                                    "(LoRA on MoE MLPs is not supported)")
-        pairs.setdefault((layer, module), {})[ab] = name
+        found = pairs.setdefault((layer, module), {})
+        if ab in found:  # the same weight under both of a wrapper's prefixes
+            raise LoRAAdapterError(f"{path}: tensors {found[ab]!r} and {name!r} are the same LoRA weight")
+        found[ab] = name
     if not pairs:
         raise LoRAAdapterError(f"{path}: holds no LoRA tensors" + (" for the modules its adapter_config.json targets" if header else ""))
     out = {}
@@ -448,7 +462,7 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, max_r
                 other = next(iter(names.values()))
                 raise LoRAAdapterError(f"{path}: tensor {other!r} has no lora_{ab} partner")
         a_name, b_name = names["A"], names["B"]
-        r, alpha = cfg.module_rank_alpha(_module_key(layer, module))
+        r, alpha = cfg.module_rank_alpha(_module_key(layers, layer, module))
         fin, fout = feats[module]
         a_shape, b_shape = header[a_name]["shape"], header[b_name]["shape"]
         if len(a_shape) == 2 and a_shape[0] > max_rank:
