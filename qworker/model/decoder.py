@@ -218,8 +218,7 @@ class DecoderModel:
         self.attn = self.layers[0].attn
         self.fused_layers: DecoderLayers | None = None  # the plain CPU loop in one C call (see _fused)
         fusable = backend == "cpu" and self.linear_backend == "panels" and type(self.rope) is RotaryEmbedding
-        if (not spec.is_plain() or len(self.ropes) != 1
-                or any(layer.gate_up is None or layer.input_norm is None or layer.post_norm is None for layer in self.layers)):
+        if not spec.is_plain() or len(self.ropes) != 1 or not all(map(_plain_layer, self.layers)):
             self.forward = self._forward_general
         elif backend == "cpu" and self.act_dtype != dtype:
             self.norm_bf16 = kernels.rms_norm_bf16_out_cpu
@@ -471,6 +470,12 @@ class DecoderModel:
             return self.norm_fn(h, weight, self.eps, residual)
         total = h if residual is None else residual + h
         return total, total
+
+
+def _plain_layer(layer: LayerWeights) -> bool:
+    """The Llama loop runs the layer as it is: Llama's two norms, a dense MLP, nothing more."""
+    return (layer.gate_up is not None and layer.input_norm is not None and layer.post_norm is not None
+            and layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None and layer.mlp_out_norm is None)
 
 
 # the name the runner and benches knew it by

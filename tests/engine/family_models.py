@@ -37,6 +37,8 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "phi3": dict(sliding_window=32, partial_rotary_factor=0.5, original_max_position_embeddings=1024),  # every layer
     "exaone4": dict(sliding_window=24, sliding_window_pattern=3),  # layers 0, 1 slide; layer 2 full and NoPE
     "gemma": dict(tie_word_embeddings=True),  # no window in transformers' Gemma
+    "glm": dict(),  # attention_bias and partial_rotary_factor 0.5 by default; no window
+    "glm4": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),  # no window
     "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
     "ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "olmo2": dict(),  # no window

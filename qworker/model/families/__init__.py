@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import exaone4, gemma, granite, llama, mixtral, olmo2, olmoe, phi3, qwen3, qwen3_moe, smollm3
+from qworker.model.families import exaone4, gemma, glm, granite, llama, mixtral, olmo2, olmoe, phi3, qwen3, qwen3_moe, smollm3
 from qworker.model.families.spec import DecoderSpec
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
@@ -30,6 +30,8 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "gemma": gemma.build,
     "gemma2": gemma.build,
     "gemma3_text": gemma.build,
+    "glm": glm.build,
+    "glm4": glm.build,
 }
 SUPPORTED = sorted(FAMILIES)
 SILU_NAMES = ("silu", "swish")  # transformers' names for x * sigmoid(x)

@@ -118,6 +118,9 @@ class DecoderSpec:
     # rotate only config.partial_rotary_factor of each head (Phi-3); transformers' other families
     # rotate the whole head whatever that key says, and so does this decoder for them
     partial_rotary: bool = False
+    # GLM: each head's q and k output rows reordered at load (take_layer applies it, and the LoRA
+    # reader to q_proj's and k_proj's B): see rotate_halves_not_pairs
+    qk_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def is_plain(self) -> bool:
         """The Llama forward suffices: nothing beyond one window for every layer."""
@@ -153,15 +156,17 @@ def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
 # (q/k/v biases, o bias) of the families whose transformers model fixes them
 _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False), "ministral": (False, False), "mixtral": (False, False),
                  "exaone4": (False, False)}
+_NO_O_BIAS = ("qwen2_moe", "glm", "glm4")  # q/k/v biases as the config says, o never
 
 
 def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
     """``(q/k/v biases, o bias)`` as transformers builds the family's projections: Qwen2's q/k/v
-    always and o never, Qwen2-MoE's q/k/v as ``qkv_bias`` says, none for Mistral, Ministral,
+    always and o never, Qwen2-MoE's q/k/v as ``qkv_bias`` says and GLM's as ``attention_bias``
+    says (o never), none for Mistral, Ministral,
     Mixtral and EXAONE 4; elsewhere (Llama, Qwen3, OLMo, Gemma, Granite, SmolLM3) Llama's rule,
     ``attention_bias`` for all four."""
-    if config.model_type == "qwen2_moe":
-        return bool(getattr(config, "qkv_bias", True)), False
+    if config.model_type in _NO_O_BIAS:
+        return bool(getattr(config, "qkv_bias" if config.model_type == "qwen2_moe" else "attention_bias", True)), False
     if config.model_type in _FIXED_BIASES:
         return _FIXED_BIASES[config.model_type]
     bias = bool(getattr(config, "attention_bias", False))
@@ -283,3 +288,13 @@ def ropes_by_layer_type(config: PretrainedConfig, layers: list[LayerAttention]) 
         raise ValueError(f"{config.model_type}: config.rope_parameters has no entry for layer type {missing[0]!r}")
     tables = {t: t for t in sorted(set(types))}
     return tables, [LayerAttention(sliding_window=a.sliding_window, rope=t, rotary=a.rotary) for a, t in zip(layers, types)]
+
+
+def rotate_halves_not_pairs(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """``t``'s rows (q or k weight rows, their biases, a LoRA B: ``[heads * head_dim, ...]``) with
+    each head's first ``rotary_dim`` channels reordered evens first, then odds. Rotary on
+    interleaved pairs (channels 2j and 2j+1 by frequency j: GLM) is then rotary on halves (j and
+    j + rotary_dim / 2: the kernels' form); q.k is unchanged, as q and k get the same order."""
+    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim, head_dim)])
+    heads = t.shape[0] // head_dim
+    return t.reshape(heads, head_dim, *t.shape[1:])[:, order].reshape(t.shape)

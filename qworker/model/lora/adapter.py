@@ -49,6 +49,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from transformers import PretrainedConfig
 
+from qworker.model.families import spec_for
 from qworker.model.families.spec import dims
 from qworker.model.wrappers import LORA_IMAGE_PARTS, LORA_LAYER_PREFIXES
 
@@ -122,6 +123,9 @@ def load_lora_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
         weights = _read_tensors(weights_path, data, expected)
     except SafetensorError as exc:  # what the header check leaves to safetensors: overlapping or uncovered data
         raise LoRAAdapterError(f"{weights_path}: not a valid safetensors file ({exc})") from None
+    reorder = spec_for(config).qk_rows  # q/k rows in the order the family's layers hold them (GLM)
+    if reorder is not None:
+        weights = {(layer, m): (a, reorder(b) if m in ("q_proj", "k_proj") else b) for (layer, m), (a, b) in weights.items()}
     rank = max(a.shape[0] for a, _ in weights.values())
     return LoRAAdapter(rank=rank, weights=weights, path=str(folder), target_modules=frozenset(m for _, m in weights))
 
