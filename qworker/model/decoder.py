@@ -40,7 +40,7 @@ from kernels import gemm_cpu
 from kernels.greedy_head import BoundedGreedyHead, bounded_head_supported
 from qworker.model.attention import AttentionMetadata, PagedAttention
 from qworker.model.families import spec_for
-from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLayer, dims, take
+from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLayer, dims, take, take_layer_norm
 from qworker.model.linear import Linear, cpu_linear_backend
 from qworker.model.moe import MoE, SharedExpertMoE
 from qworker.model.rope import RotaryEmbedding, rotary_embedding
@@ -63,6 +63,24 @@ class GatedMLP:
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
+# a non-gated MLP's activation by DecoderSpec.activation
+PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
+def layer_norm(x: torch.Tensor, weight_bias: torch.Tensor, eps: float,
+               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm with the RMSNorm kernels' contract: ``(norm(x + residual), x + residual)``;
+    ``weight_bias`` ``[2, H]`` (see :class:`~qworker.model.families.spec.RawLayer`)."""
+    total = x if residual is None else x + residual
+    return F.layer_norm(total, total.shape[-1:], weight_bias[0], weight_bias[1], eps), total
 
 
 def no_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -114,7 +132,7 @@ class DecoderModel:
         self.num_kv_heads = d.num_kv_heads
         self.head_dim = d.head_dim
         self.num_layers = config.num_hidden_layers
-        self.eps = config.rms_norm_eps
+        self.eps = spec.norm_eps if spec.norm_eps is not None else config.rms_norm_eps
         self.vocab_size = config.vocab_size
         self.q_size = d.q_size
         self.kv_size = d.kv_size
@@ -125,7 +143,8 @@ class DecoderModel:
         act = self.act_dtype
         embed = take(weights, "model.embed_tokens.weight", (d.vocab, d.hidden))
         self.embed = embed.to(act)  # the lookup table
-        self.norm = self._norm_weight(take(weights, "model.norm.weight", (d.hidden,)))
+        self.norm = self._norm_weight(take_layer_norm(weights, spec.final_norm, (d.hidden,), spec.final_norm_bias)
+                                      if spec.norm == "layer" else take(weights, f"{spec.final_norm}.weight", (d.hidden,)))
         tied = getattr(config, "tie_word_embeddings", False)
         stored = weights.get("lm_head.weight")
         if tied and stored is not None and not torch.equal(stored, embed):
@@ -138,6 +157,7 @@ class DecoderModel:
             lm_head = embed
         else:  # an untied head that is absent would be random in transformers: never the embedding here
             lm_head = take(weights, "lm_head.weight", (d.vocab, d.hidden))
+        head_bias = take(weights, "lm_head.bias", (d.vocab,)).to(act) if spec.head_bias else None
         # every layer's tensors are taken (and checked) before any is converted
         raw = [spec.take_layer(weights, i) for i in range(self.num_layers)]
         if shard is not None:  # this rank's heads and MLP slice; the forward reads the sizes below
@@ -157,12 +177,13 @@ class DecoderModel:
             sample = [w for layer in raw[:2] for w in self._dense_weights(layer)]
             self.linear_backend = cpu_linear_backend(dtype, sample)
         # a tied head gets its own copy in the GEMM layout; the embedding keeps its rows for lookups
-        self.lm_head = Linear(lm_head, None, self.linear_backend, act)
+        self.lm_head = Linear(lm_head, head_bias, self.linear_backend, act)
         del embed, lm_head
         # the embedding scale is rounded to the model dtype first, as transformers does
         self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale, dtype=dtype).to(device=device, dtype=act)
         self.final_softcap = spec.final_softcap
         self.logit_divisor = spec.logit_divisor
+        self.logit_scale = spec.logit_scale
         self.residual_scale = spec.residual_scale
         self.greedy_head = self._bounded_greedy_head(shard)
 
@@ -175,17 +196,21 @@ class DecoderModel:
                 attns[a.sliding_window] = self._attention(backend, scale, a.sliding_window, spec.attn_softcap,
                                                           bf16_products=self.act_dtype != dtype)
         triton = backend == "triton"
-        # fused residual-add + RMSNorm: the Triton kernel, or the C kernel on CPU
-        self.norm_fn = kernels.rms_norm if triton else kernels.rms_norm_cpu
+        # fused residual-add + RMSNorm: the Triton kernel, or the C kernel on CPU; LayerNorm in torch
+        self.norm_fn = layer_norm if spec.norm == "layer" else kernels.rms_norm if triton else kernels.rms_norm_cpu
         self.swiglu = kernels.silu_and_mul if triton else kernels.silu_and_mul_cpu
-        activation = self.swiglu if spec.activation == "silu" else gelu_tanh_and_mul
+        activation = {"silu": self.swiglu, "gelu_tanh": gelu_tanh_and_mul, "gelu": gelu_and_mul}[spec.activation]
 
         self.layers = []
         for layer, a in zip(raw, spec.layers):
             gate_up = down = None
-            if isinstance(layer.mlp, DenseMLP):
-                gate_up = Linear(layer.mlp.gate_up, None, self.linear_backend, act)
-                down = Linear(layer.mlp.down, None, self.linear_backend, act)
+            if isinstance(layer.mlp, DenseMLP) and not layer.mlp.gated:  # its own object: no fused loop, no LoRA MLP slots
+                m = layer.mlp
+                mlp = GatedMLP(Linear(m.gate_up, _cast(m.up_bias, act), self.linear_backend, act),
+                               Linear(m.down, _cast(m.down_bias, act), self.linear_backend, act), PLAIN_ACTIVATIONS[spec.activation])
+            elif isinstance(layer.mlp, DenseMLP):
+                gate_up = Linear(layer.mlp.gate_up, _cast(layer.mlp.up_bias, act), self.linear_backend, act)
+                down = Linear(layer.mlp.down, _cast(layer.mlp.down_bias, act), self.linear_backend, act)
                 mlp = GatedMLP(gate_up, down, activation)
             else:
                 m: MoEWeights = layer.mlp
@@ -240,7 +265,8 @@ class DecoderModel:
         if choice not in ("0", "1", "auto"):
             raise ValueError(f"QWORKER_CPU_GREEDY_HEAD must be 0, 1 or auto, got {choice!r}")
         if (choice == "0" or self.device.type != "cpu" or shard is not None or self.dtype != torch.float32
-                or self.linear_backend != "panels" or self.final_softcap is not None or self.logit_divisor is not None):
+                or self.linear_backend != "panels" or self.final_softcap is not None or self.logit_divisor is not None
+                or self.logit_scale is not None or self.lm_head.bias is not None):
             return None
         supported, _ = bounded_head_supported()
         if not supported and not (choice == "1" and gemm_cpu.gemm_isa(torch.float32) is not None):
@@ -269,6 +295,8 @@ class DecoderModel:
         logits = self.lm_head(x)
         if self.logit_divisor is not None:  # before the soft-cap (no family has both)
             logits = logits / self.logit_divisor
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
         if self.final_softcap is not None:
             c = self.final_softcap
             logits = torch.tanh(logits / c) * c
@@ -425,7 +453,7 @@ class DecoderModel:
     ) -> torch.Tensor:
         """:meth:`forward` with every family hook (see :class:`DecoderSpec`)."""
         norm, eps = self.norm_fn, self.eps
-        qk_norm, clip, scale = self.spec.qk_norm, self.spec.clip_qkv, self.residual_scale
+        qk_norm, clip, scale, parallel = self.spec.qk_norm, self.spec.clip_qkv, self.residual_scale, self.spec.parallel_block
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -446,6 +474,9 @@ class DecoderModel:
             if qk_norm == "head":  # written back into the qkv buffer, where the rope kernel wants them
                 q.copy_(norm(q, layer.q_norm, eps)[0])
                 k.copy_(norm(k, layer.k_norm, eps)[0])
+            elif qk_norm == "head_layer":  # each head its own weight and bias
+                q.copy_(F.layer_norm(q, q.shape[-1:], eps=eps) * layer.q_norm[0] + layer.q_norm[1])
+                k.copy_(F.layer_norm(k, k.shape[-1:], eps=eps) * layer.k_norm[0] + layer.k_norm[1])
             layer.rope(positions, q, k)
             attn = layer.attn(q, k, v, k_cache, v_cache, meta)
             h = layer.o(attn.reshape(T, self.q_size))
@@ -453,6 +484,9 @@ class DecoderModel:
                 h = norm(h, layer.attn_out_norm, eps)[0]
             if scale is not None:
                 h = h * scale
+            if parallel:  # the MLP reads the layer's input: normed as attention read it, or by its own norm
+                h = h + layer.mlp(x if layer.post_norm is None else norm(residual, layer.post_norm, eps)[0])
+                continue
             x, residual = self._add_norm(h, layer.post_norm, residual)
             h = layer.mlp(x)
             if layer.mlp_out_norm is not None:
@@ -472,10 +506,14 @@ class DecoderModel:
         return total, total
 
 
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
 def _plain_layer(layer: LayerWeights) -> bool:
     """The Llama loop runs the layer as it is: Llama's two norms, a dense MLP, nothing more."""
     return (layer.gate_up is not None and layer.input_norm is not None and layer.post_norm is not None
-            and layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None and layer.mlp_out_norm is None)
+            and layer.gate_up.bias is None and layer.down.bias is None and layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None and layer.mlp_out_norm is None)
 
 
 # the name the runner and benches knew it by

@@ -39,6 +39,15 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "gemma": dict(tie_word_embeddings=True),  # no window in transformers' Gemma
     "glm": dict(),  # attention_bias and partial_rotary_factor 0.5 by default; no window
     "glm4": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),  # no window
+    "starcoder2": dict(sliding_window=24, norm_epsilon=1e-5),  # every layer; LayerNorm, non-gated GELU MLP, biases
+    "phi": dict(hidden_act="gelu_new", rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                bos_token_id=1, eos_token_id=2),  # parallel block, biases everywhere, a head bias; no window
+    "stablelm": dict(use_qkv_bias=True, qk_layernorm=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),  # no window
+    "stablelm_parallel": dict(use_parallel_residual=True),  # the parallel block (built as "stablelm")
+    "cohere": dict(use_qk_norm=True, logit_scale=0.5, tie_word_embeddings=True),  # parallel block, interleaved rope; no window
+    "cohere2": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    logit_scale=0.25, attention_bias=True),  # layer 1 full and NoPE
     "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
     "ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "olmo2": dict(),  # no window
@@ -55,10 +64,14 @@ FAMILY_CONFIGS: dict[str, dict] = {
 FAMILIES = sorted(FAMILY_CONFIGS)
 
 
+# test variants of a family: key in FAMILY_CONFIGS -> the model_type it is
+VARIANTS = {"stablelm_parallel": "stablelm"}
+
+
 def family_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **{**BASE, **FAMILY_CONFIGS[model_type], **overrides})
+    return AutoConfig.for_model(VARIANTS.get(model_type, model_type), **{**BASE, **FAMILY_CONFIGS[model_type], **overrides})
 
 
 def _randomize(model: torch.nn.Module, gemma: bool, gen: torch.Generator, hidden: int | None = None) -> None:

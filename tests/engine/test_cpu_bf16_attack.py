@@ -26,7 +26,7 @@ def _logits(path, monkeypatch, backend: str, dtype: str):
     return runner, [runner.execute(step) for step in steps]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma2", "qwen2_moe", "olmo2", "granite"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma2", "qwen2_moe", "olmo2", "granite", "phi", "cohere2"])
 def test_bf16_panels_logits_follow_matmul_and_fp32(family, family_models, monkeypatch):
     path = family_models.get(family)
     bf, panels = _logits(path, monkeypatch, "panels", "bfloat16")
@@ -35,6 +35,8 @@ def test_bf16_panels_logits_follow_matmul_and_fp32(family, family_models, monkey
     model = bf.model
     assert model.linear_backend == "panels" and model.act_dtype == torch.float32
     projections = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down) if p is not None]
+    if family == "phi":  # its non-gated MLPs hold their own projections
+        projections += [p for layer in model.layers for p in (layer.mlp.gate_up, layer.mlp.down)]
     if family.endswith("_moe"):
         routed = [layer.mlp.routed if family == "qwen2_moe" else layer.mlp for layer in model.layers if layer.gate_up is None]
         projections += [e for mlp in routed for e in mlp.gate_up + mlp.down]

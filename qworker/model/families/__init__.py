@@ -8,7 +8,8 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import exaone4, gemma, glm, granite, llama, mixtral, olmo2, olmoe, phi3, qwen3, qwen3_moe, smollm3
+from qworker.model.families import (cohere, exaone4, gemma, glm, granite, llama, mixtral, olmo2, olmoe, phi, phi3, qwen3, qwen3_moe,
+                                    smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
@@ -26,7 +27,12 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "olmo2": olmo2.build,
     "olmo3": olmo2.build,
     "exaone4": exaone4.build,
+    "phi": phi.build,
     "phi3": phi3.build,
+    "stablelm": stablelm.build,
+    "starcoder2": starcoder2.build,
+    "cohere": cohere.build,
+    "cohere2": cohere.build,
     "gemma": gemma.build,
     "gemma2": gemma.build,
     "gemma3_text": gemma.build,

@@ -47,10 +47,15 @@ def dims(config: PretrainedConfig) -> Dims:
 
 @dataclass(slots=True)
 class DenseMLP:
-    """A gated MLP's fused ``[gate; up]`` and ``down`` weights, ``[out, in]``."""
+    """A dense MLP's weights, ``[out, in]``. Gated (the default): ``gate_up`` holds the gate rows,
+    then the up rows, and the MLP is ``down(act(gate x) * up x)``. Not gated (StarCoder 2, Phi):
+    ``gate_up`` is the up projection alone and the MLP is ``down(act(up x))``. Biases optional."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
+    gated: bool = True
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -71,14 +76,18 @@ class MoEWeights:
 
 @dataclass(slots=True)
 class RawLayer:
-    """One layer's tensors as the checkpoint has them (``[out, in]``), projections fused."""
+    """One layer's tensors as the checkpoint has them (``[out, in]``), projections fused. Under
+    LayerNorm (``DecoderSpec.norm == "layer"``) each norm is ``[2, H]``: its weight, then its bias
+    (zeros where the checkpoint has none; :func:`take_layer_norm`)."""
 
     input_norm: torch.Tensor | None  # None: the branch reads the residual stream as it is (OLMo 2)
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    mlp_norm: torch.Tensor | None  # the norm before the MLP (Llama's post_attention_layernorm); None as input_norm
+    # the norm before the MLP (Llama's post_attention_layernorm); None as input_norm, or in a
+    # parallel block (DecoderSpec.parallel_block) the MLP reads the attention's normed input
+    mlp_norm: torch.Tensor | None
     mlp: DenseMLP | MoEWeights
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -104,9 +113,20 @@ class DecoderSpec:
     take_layer: Callable[[Weights, int], RawLayer]
     layers: list[LayerAttention]
     norm_plus_one: bool = False  # Gemma's RMSNorm multiplies by (1 + w): folded into w at load
-    qk_norm: str | None = None  # "head": RMSNorm over head_dim per head (Qwen3, Gemma 3); "full": over q/k's width (OLMoE)
+    # "head": RMSNorm over head_dim per head (Qwen3, Gemma 3); "full": over q/k's width (OLMoE);
+    # "head_layer": LayerNorm over head_dim with a weight and bias per head ([2, heads, head_dim]: Cohere, StableLM)
+    qk_norm: str | None = None
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-c, c]
-    activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
+    activation: str = "silu"  # the MLP's activation: "silu", "gelu_tanh" or "gelu" (erf)
+    norm: str = "rms"  # "layer": LayerNorm (mean-centred; weights as RawLayer says)
+    norm_eps: float | None = None  # default config.rms_norm_eps
+    # attention and MLP both read the layer's input (normed) and add to the residual together
+    # (Phi, Cohere, StableLM with use_parallel_residual); RawLayer.mlp_norm None: the same normed input
+    parallel_block: bool = False
+    final_norm: str = "model.norm"  # the final norm's tensor prefix (Phi: model.final_layernorm)
+    final_norm_bias: bool = False  # under LayerNorm: whether the final norm has a bias
+    head_bias: bool = False  # Phi: lm_head.bias
+    logit_scale: float | None = None  # Cohere: logits times this
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype; Granite's multiplier
     attn_scale: float | None = None  # default head_dim ** -0.5
     attn_softcap: float | None = None
@@ -121,13 +141,15 @@ class DecoderSpec:
     # GLM: each head's q and k output rows reordered at load (take_layer applies it, and the LoRA
     # reader to q_proj's and k_proj's B): see rotate_halves_not_pairs
     qk_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gated_mlp: bool = True  # False: the MLP is not gate/up/down projections (StarCoder 2, Phi): no LoRA MLP modules
 
     def is_plain(self) -> bool:
         """The Llama forward suffices: nothing beyond one window for every layer."""
         first = self.layers[0]
         return (not self.norm_plus_one and self.qk_norm is None and self.clip_qkv is None and self.activation == "silu"
                 and self.embed_scale is None and self.attn_softcap is None and self.final_softcap is None
-                and self.residual_scale is None and first.rotary and all(a == first for a in self.layers))
+                and self.residual_scale is None and self.norm == "rms" and not self.parallel_block and not self.head_bias
+                and self.logit_scale is None and first.rotary and all(a == first for a in self.layers))
 
 
 def take(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -213,13 +235,14 @@ def take_experts(w: Weights, p: str, num_experts: int, hidden: int, intermediate
 
 
 def llama_layer(w: Weights, i: int, d: Dims, intermediate: int, mlp: Callable[[Weights, str], DenseMLP | MoEWeights] | None = None,
-                *, biases: tuple[bool, bool]) -> RawLayer:
-    """The Llama layout: ``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``, ``mlp.*``."""
+                *, biases: tuple[bool, bool], norms: bool = True) -> RawLayer:
+    """The Llama layout: ``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``, ``mlp.*``
+    (``norms=False``: the norms left to the caller, which takes them another way)."""
     p = f"model.layers.{i}."
     attn = take_attention(w, p, d, biases)
     return RawLayer(
-        input_norm=take(w, f"{p}input_layernorm.weight", (d.hidden,)),
-        mlp_norm=take(w, f"{p}post_attention_layernorm.weight", (d.hidden,)),
+        input_norm=take(w, f"{p}input_layernorm.weight", (d.hidden,)) if norms else None,
+        mlp_norm=take(w, f"{p}post_attention_layernorm.weight", (d.hidden,)) if norms else None,
         mlp=mlp(w, p) if mlp else take_dense_mlp(w, f"{p}mlp.", d.hidden, intermediate),
         **attn,
     )
@@ -241,6 +264,34 @@ def post_norm_layer(w: Weights, i: int, d: Dims, intermediate: int, qk_norm: str
         mlp=take_dense_mlp(w, f"{p}mlp.", d.hidden, intermediate),
         **take_attention(w, p, d, biases),
     )
+
+
+# transformers' activation names -> DecoderSpec.activation ("gelu_tanh": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))))
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+               "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+
+
+def activation(config: PretrainedConfig) -> str:
+    """``config.hidden_act`` as :attr:`DecoderSpec.activation`, or a one-line refusal."""
+    name = getattr(config, "hidden_act", None) or "silu"
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{config.model_type}: unsupported hidden_act {name!r}; supported: {', '.join(sorted(ACTIVATIONS))}")
+    return ACTIVATIONS[name]
+
+
+def take_layer_norm(w: Weights, prefix: str, shape: tuple[int, ...], bias: bool) -> torch.Tensor:
+    """A LayerNorm's ``{prefix}.weight`` (and ``{prefix}.bias`` where ``bias``) of ``shape``,
+    stacked ``[2, *shape]``: weight, then bias (zeros without one), as RawLayer holds norms under
+    LayerNorm."""
+    weight = take(w, f"{prefix}.weight", shape)
+    return torch.stack([weight, take(w, f"{prefix}.bias", shape) if bias else torch.zeros_like(weight)])
+
+
+def per_head_layer_norms(w: Weights, prefix: str, heads: int, head_dim: int) -> torch.Tensor:
+    """StableLM's per-head q/k LayerNorms (``{prefix}.norms.{h}.weight``, no bias) as one
+    ``[2, heads, head_dim]`` (see DecoderSpec.qk_norm "head_layer")."""
+    weight = torch.stack([take(w, f"{prefix}.norms.{h}.weight", (head_dim,)) for h in range(heads)])
+    return torch.stack([weight, torch.zeros_like(weight)])
 
 
 def uniform_layers(config: PretrainedConfig, window: int | None) -> list[LayerAttention]:

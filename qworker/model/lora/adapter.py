@@ -50,7 +50,7 @@ from safetensors.torch import load as safetensors_load
 from transformers import PretrainedConfig
 
 from qworker.model.families import spec_for
-from qworker.model.families.spec import dims
+from qworker.model.families.spec import DecoderSpec, dims
 from qworker.model.wrappers import LORA_IMAGE_PARTS, LORA_LAYER_PREFIXES
 
 CONFIG_FILE = "adapter_config.json"
@@ -118,12 +118,13 @@ def load_lora_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
     except OSError as exc:
         raise LoRAAdapterError(f"{weights_path}: cannot read it ({exc.strerror or exc})") from None
     header = _read_header(weights_path, data)
-    expected = _expected_shapes(header, cfg, config, max_rank, weights_path)
+    spec = spec_for(config)
+    expected = _expected_shapes(header, cfg, config, spec, max_rank, weights_path)
     try:
         weights = _read_tensors(weights_path, data, expected)
     except SafetensorError as exc:  # what the header check leaves to safetensors: overlapping or uncovered data
         raise LoRAAdapterError(f"{weights_path}: not a valid safetensors file ({exc})") from None
-    reorder = spec_for(config).qk_rows  # q/k rows in the order the family's layers hold them (GLM)
+    reorder = spec.qk_rows  # q/k rows in the order the family's layers hold them (GLM, Cohere)
     if reorder is not None:
         weights = {(layer, m): (a, reorder(b) if m in ("q_proj", "k_proj") else b) for (layer, m), (a, b) in weights.items()}
     rank = max(a.shape[0] for a, _ in weights.values())
@@ -427,7 +428,7 @@ def _module_key(layers: str, layer: int, module: str) -> str:
     return f"{layers}layers.{layer}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}"
 
 
-def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, max_rank: int, path: Path) -> dict:
+def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, spec: DecoderSpec, max_rank: int, path: Path) -> dict:
     """``{(layer, module): (A name, B name, scaling)}`` after every name and shape check."""
     feats = _module_features(config)
     moe = moe_layers(config)
@@ -450,6 +451,9 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, max_r
             raise LoRAAdapterError(f"{path}: tensor {name!r} is for layer {layer}; the base model has {n_layers} layers")
         if not cfg.targets.adapts(_module_key(layers, layer, module), layer):
             continue  # PEFT never applies it (see _Targets)
+        if module in MLP_MODULES and not spec.gated_mlp:
+            raise LoRAAdapterError(f"{path}: tensor {name!r} targets {module}, which {config.model_type} models do not have "
+                                   "(their MLP is not gate/up/down projections; LoRA applies to q/k/v/o there)")
         if module in MLP_MODULES and (layer in moe or module not in feats):
             raise LoRAAdapterError(f"{path}: tensor {name!r} targets {module} of layer {layer}, a mixture-of-experts layer "
                                    "(LoRA on MoE MLPs is not supported)")

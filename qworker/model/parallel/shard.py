@@ -6,8 +6,9 @@
   with fewer KV heads than ranks each KV head is replicated on ``world / num_kv_heads`` ranks that
   split its query heads. q/k/v (and their biases) are column-parallel; ``o`` is row-parallel (its
   input columns follow the query heads) and its bias is added on rank 0 only.
-* Dense MLP: ``gate``/``up`` rows and ``down`` columns split over the intermediate dim; MoE: the same
-  inside every expert (the router is replicated, each rank routes identically).
+* Dense MLP: ``gate``/``up`` rows (and their biases) and ``down`` columns split over the
+  intermediate dim, ``down``'s bias on rank 0 only; MoE: the same inside every expert (the router
+  is replicated, each rank routes identically). Per-head q/k norms follow their heads.
 * Embedding and the final norm: replicated. LM head: on the leader (rank 0) only; followers never
   compute logits (see :class:`FollowerHead`).
 
@@ -123,19 +124,33 @@ class Sharder:
             o_bias=m(raw.o_bias) if raw.o_bias is not None and self.rank == 0 else None,
             mlp_norm=m(raw.mlp_norm),
             mlp=mlp,
-            q_norm=m(raw.q_norm),
-            k_norm=m(raw.k_norm),
+            q_norm=m(self._head_norm(raw.q_norm, p.q_heads)),
+            k_norm=m(self._head_norm(raw.k_norm, p.kv_heads)),
             attn_out_norm=m(raw.attn_out_norm),
             mlp_out_norm=m(raw.mlp_out_norm),
         )
 
 
     def _dense(self, mlp: DenseMLP) -> DenseMLP:
-        """This rank's slice of the intermediate: gate and up rows, down columns."""
+        """This rank's slice of the intermediate: gate and up rows (and biases), down columns; the
+        down bias on rank 0 only (it is added once to the all-reduced sum)."""
         inter = mlp.down.shape[1]
         r = split_even(inter, self.world, self.rank)
-        gate_up = torch.cat([_rows(mlp.gate_up, r), _rows(mlp.gate_up, range(inter + r.start, inter + r.stop))])
-        return DenseMLP(self._move(gate_up), self._move(_rows(mlp.down, r, 1)))
+        rows = [r, range(inter + r.start, inter + r.stop)] if mlp.gated else [r]
+
+        def up_part(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([_rows(t, part) for part in rows])
+
+        m = self._move
+        return DenseMLP(m(up_part(mlp.gate_up)), m(_rows(mlp.down, r, 1)), mlp.gated,
+                        up_bias=m(up_part(mlp.up_bias)) if mlp.up_bias is not None else None,
+                        down_bias=m(mlp.down_bias) if mlp.down_bias is not None and self.rank == 0 else None)
+
+    @staticmethod
+    def _head_norm(t: torch.Tensor | None, heads: range) -> torch.Tensor | None:
+        """A q/k norm: one for every head (``[head_dim]``) whole; per-head ones (``[2, heads,
+        head_dim]``, qk_norm "head_layer") sliced to this rank's heads."""
+        return _rows(t, heads, 1) if t is not None and t.dim() == 3 else t
 
 
 class RowParallel:
