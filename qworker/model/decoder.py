@@ -72,7 +72,7 @@ def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # a non-gated MLP's activation by DecoderSpec.activation
 PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+    "silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu2": lambda x: F.relu(x).square()}
 
 
 def layer_norm(x: torch.Tensor, weight_bias: torch.Tensor, eps: float,
@@ -199,7 +199,7 @@ class DecoderModel:
         # fused residual-add + RMSNorm: the Triton kernel, or the C kernel on CPU; LayerNorm in torch
         self.norm_fn = layer_norm if spec.norm == "layer" else kernels.rms_norm if triton else kernels.rms_norm_cpu
         self.swiglu = kernels.silu_and_mul if triton else kernels.silu_and_mul_cpu
-        activation = {"silu": self.swiglu, "gelu_tanh": gelu_tanh_and_mul, "gelu": gelu_and_mul}[spec.activation]
+        activation = {"silu": self.swiglu, "gelu_tanh": gelu_tanh_and_mul, "gelu": gelu_and_mul}.get(spec.activation)
 
         self.layers = []
         for layer, a in zip(raw, spec.layers):
@@ -209,6 +209,8 @@ class DecoderModel:
                 mlp = GatedMLP(Linear(m.gate_up, _cast(m.up_bias, act), self.linear_backend, act),
                                Linear(m.down, _cast(m.down_bias, act), self.linear_backend, act), PLAIN_ACTIVATIONS[spec.activation])
             elif isinstance(layer.mlp, DenseMLP):
+                if activation is None:
+                    raise ValueError(f"{config.model_type}: a gated MLP with activation {spec.activation!r} is not supported")
                 gate_up = Linear(layer.mlp.gate_up, _cast(layer.mlp.up_bias, act), self.linear_backend, act)
                 down = Linear(layer.mlp.down, _cast(layer.mlp.down_bias, act), self.linear_backend, act)
                 mlp = GatedMLP(gate_up, down, activation)
@@ -332,7 +334,9 @@ class DecoderModel:
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         if w is None:
             return None
-        if self.spec.norm_plus_one:  # Gemma's (1 + w), added in fp32 as its RMSNorm does
+        if self.spec.norm_plus_one and self.spec.norm == "layer":  # Nemotron: (1 + w), the bias as it is
+            w = torch.stack([w[0] + 1.0, w[1]])
+        elif self.spec.norm_plus_one:  # Gemma's (1 + w), added in fp32 as its RMSNorm does
             w = w.float() + 1.0
         return w.to(self.act_dtype)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from qworker.model.families import FAMILIES, SUPPORTED
-from qworker.model.wrappers import WRAPPERS, checkpoint_is_wrapper, is_wrapper, text_config, text_weight_name
+from qworker.model.families import CHECKPOINT_PREFIXES, FAMILIES, SUPPORTED
+from qworker.model.wrappers import WRAPPERS, is_wrapper, renamed, text_config, text_weight_name
 
 try:  # transformers 5.x validates configs strictly through huggingface_hub; older hubs lack the type
     from huggingface_hub.errors import StrictDataclassError
@@ -99,13 +100,26 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
+def _weight_names(model_dir: str | Path) -> Callable[[str], str | None] | None:
+    """How the folder's tensor names map to those the families read (None: as they are): an
+    image-text checkpoint's language model, or a family that names its tensors otherwise."""
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if is_wrapper(model_type):
+        return text_weight_name
+    prefixes = CHECKPOINT_PREFIXES.get(model_type)
+    return (lambda name: renamed(name, prefixes)) if prefixes else None
+
+
 def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint by its causal-LM name (an image-text checkpoint's language
-    model renamed, its image-only parts not read: :mod:`qworker.model.wrappers`)."""
+    """Every tensor of the checkpoint by the name its family reads (:func:`_weight_names`; an
+    image-text checkpoint's image-only parts are not read: :mod:`qworker.model.wrappers`)."""
     files = checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    rename = text_weight_name if checkpoint_is_wrapper(model_dir) else None
+    rename = _weight_names(model_dir)
     weights: dict[str, torch.Tensor] = {}
     for path in files:
         try:
@@ -114,7 +128,7 @@ def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dt
                     name = rename(stored) if rename else stored
                     if name is None:
                         continue
-                    if name in weights:  # both of a wrapper's naming forms in one checkpoint
+                    if name in weights:  # a checkpoint holding one tensor under both naming forms
                         raise ValueError(f"{path}: tensor {stored!r} is stored twice (as {name!r} too)")
                     t = f.get_tensor(stored)
                     # only real numbers are cast; anything else (an integer or fp8 export without

@@ -17,9 +17,6 @@ without one is refused.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from transformers import PretrainedConfig
 
 WRAPPERS = ("gemma3", "llava", "mistral3")
@@ -54,17 +51,12 @@ def text_config(config: PretrainedConfig, raw: dict) -> PretrainedConfig:
 def text_weight_name(name: str) -> str | None:
     """A wrapper checkpoint's tensor name as the text model's (None: an image-only part, not
     read). Other names are kept, so that the decoder refuses them by name as tensors it does not use."""
-    for old, new in _TEXT_PREFIXES:
+    return None if name.startswith(_IMAGE_PARTS) else renamed(name, _TEXT_PREFIXES)
+
+
+def renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    """``name`` with the first of ``prefixes``' ``(old, new)`` it starts with replaced."""
+    for old, new in prefixes:
         if name.startswith(old):
             return new + name[len(old):]
-    return None if name.startswith(_IMAGE_PARTS) else name
-
-
-def checkpoint_is_wrapper(model_dir: str | Path) -> bool:
-    """Whether the folder's ``config.json`` names a wrapper (read again by the weight loader, so
-    that it needs no config passed down)."""
-    try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and is_wrapper(raw.get("model_type"))
+    return name

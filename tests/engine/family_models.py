@@ -48,6 +48,10 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "cohere": dict(use_qk_norm=True, logit_scale=0.5, tie_word_embeddings=True),  # parallel block, interleaved rope; no window
     "cohere2": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                     logit_scale=0.25, attention_bias=True),  # layer 1 full and NoPE
+    "gpt_neox": dict(num_key_value_heads=4, layer_norm_eps=1e-5,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),  # parallel; no window
+    "gpt_neox_sequential": dict(num_key_value_heads=4, use_parallel_residual=False, tie_word_embeddings=True),
+    "nemotron": dict(mlp_bias=True, attention_bias=True, norm_eps=1e-5),  # LayerNorm1P, relu2 MLP, partial rotary 0.5; no window
     "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
     "ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "olmo2": dict(),  # no window
@@ -65,7 +69,7 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 
 
 # test variants of a family: key in FAMILY_CONFIGS -> the model_type it is
-VARIANTS = {"stablelm_parallel": "stablelm"}
+VARIANTS = {"stablelm_parallel": "stablelm", "gpt_neox_sequential": "gpt_neox"}
 
 
 def family_config(model_type: str, **overrides):

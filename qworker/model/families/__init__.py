@@ -8,8 +8,8 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (cohere, exaone4, gemma, glm, granite, llama, mixtral, olmo2, olmoe, phi, phi3, qwen3, qwen3_moe,
-                                    smollm3, stablelm, starcoder2)
+from qworker.model.families import (cohere, exaone4, gemma, glm, gpt_neox, granite, llama, mixtral, nemotron, olmo2, olmoe, phi,
+                                    phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
@@ -33,6 +33,8 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "starcoder2": starcoder2.build,
     "cohere": cohere.build,
     "cohere2": cohere.build,
+    "gpt_neox": gpt_neox.build,
+    "nemotron": nemotron.build,
     "gemma": gemma.build,
     "gemma2": gemma.build,
     "gemma3_text": gemma.build,
@@ -40,6 +42,8 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "glm4": glm.build,
 }
 SUPPORTED = sorted(FAMILIES)
+# model_type -> (checkpoint prefix, the name the family reads it by), for checkpoints named otherwise
+CHECKPOINT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {"gpt_neox": gpt_neox.CHECKPOINT_PREFIXES}
 SILU_NAMES = ("silu", "swish")  # transformers' names for x * sigmoid(x)
 
 

@@ -112,12 +112,12 @@ class DecoderSpec:
 
     take_layer: Callable[[Weights, int], RawLayer]
     layers: list[LayerAttention]
-    norm_plus_one: bool = False  # Gemma's RMSNorm multiplies by (1 + w): folded into w at load
+    norm_plus_one: bool = False  # Gemma's RMSNorm (Nemotron's LayerNorm) multiplies by (1 + w): folded into w at load
     # "head": RMSNorm over head_dim per head (Qwen3, Gemma 3); "full": over q/k's width (OLMoE);
     # "head_layer": LayerNorm over head_dim with a weight and bias per head ([2, heads, head_dim]: Cohere, StableLM)
     qk_norm: str | None = None
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-c, c]
-    activation: str = "silu"  # the MLP's activation: "silu", "gelu_tanh" or "gelu" (erf)
+    activation: str = "silu"  # the MLP's activation: "silu", "gelu_tanh", "gelu" (erf), "relu2" (relu(x) ** 2, non-gated only)
     norm: str = "rms"  # "layer": LayerNorm (mean-centred; weights as RawLayer says)
     norm_eps: float | None = None  # default config.rms_norm_eps
     # attention and MLP both read the layer's input (normed) and add to the residual together
@@ -268,7 +268,7 @@ def post_norm_layer(w: Weights, i: int, d: Dims, intermediate: int, qk_norm: str
 
 # transformers' activation names -> DecoderSpec.activation ("gelu_tanh": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))))
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-               "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+               "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 
 
 def activation(config: PretrainedConfig) -> str:
