@@ -153,7 +153,7 @@ static inline void qw_x_pv_tail(const float *restrict P, const float *restrict V
                                 float alpha, float *restrict O) {
     for (int d = d0; d < D; d++) {
         float a = O[d] * alpha;
-        for (int j = 0; j < n; j++) a += P[j] * V[(int64_t)j * D + d];
+        for (int j = 0; j < n; j++) a = fmaf(P[j], V[(int64_t)j * D + d], a);
         O[d] = a;
     }
 }

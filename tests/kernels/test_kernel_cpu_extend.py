@@ -163,3 +163,24 @@ def test_paged_attention_cpu_backend_mixed_step(seed, isa, no_fallback, window, 
     layer = PagedAttention("cpu", batch.scale, sliding_window=window, softcap=cap)
     out = layer(batch.q, torch.stack(keys), torch.stack(vals), batch.k_cache, batch.v_cache, meta)
     assert_close(out, want, torch.float32, f"PagedAttention cpu {isa} W={window} cap={cap}")
+
+
+@pytest.mark.parametrize("d", [16, 72, 96, 128])
+def test_a_rows_bits_do_not_depend_on_where_its_prompt_was_cut(isa, no_fallback, d):
+    """README's promise: a position's result follows from the position alone, however the
+    scheduler cut the prompt (helper-87: head dims not a multiple of 64 sent the columns past the
+    last 64 through a scalar tail whose rounding moved with the item's rows)."""
+    gen = torch.Generator().manual_seed(d)
+    bs, hkv, hq, L = 16, 2, 4, 150
+    nb = L // bs + 1
+    k, v = torch.randn(nb, bs, hkv, d, generator=gen), torch.randn(nb, bs, hkv, d, generator=gen)
+    q = torch.randn(L, hq, d, generator=gen)
+    table = torch.arange(nb, dtype=torch.int32).unsqueeze(0)
+
+    def rows_from(start: int) -> torch.Tensor:
+        return kcpu.paged_prefill_attention_cpu(q[start:].contiguous(), k, v, table, torch.tensor([0, L - start], dtype=torch.int32),
+                                                torch.tensor([L], dtype=torch.int32), d ** -0.5, L - start)
+
+    whole = rows_from(0)
+    for start in range(1, L - 1, 7):
+        assert torch.equal(rows_from(start), whole[start:]), f"{isa} D={d}: rows from {start} differ from the whole prompt's"
