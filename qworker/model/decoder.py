@@ -158,6 +158,10 @@ class DecoderModel:
         else:  # an untied head that is absent would be random in transformers: never the embedding here
             lm_head = take(weights, "lm_head.weight", (d.vocab, d.hidden))
         head_bias = take(weights, "lm_head.bias", (d.vocab,)).to(act) if spec.head_bias else None
+        # learned absolute positions (GPT-2): rows past max_position_embeddings are never asked (the
+        # runner caps max_model_len there)
+        self.position_embeddings = (take(weights, "model.embed_positions.weight", (config.max_position_embeddings, d.hidden)).to(act)
+                                    if spec.position_embeddings else None)
         # every layer's tensors are taken (and checked) before any is converted
         raw = [spec.take_layer(weights, i) for i in range(self.num_layers)]
         if shard is not None:  # this rank's heads and MLP slice; the forward reads the sizes below
@@ -461,6 +465,8 @@ class DecoderModel:
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if self.position_embeddings is not None:
+            h = h + F.embedding(positions, self.position_embeddings)
         T = h.shape[0]
         residual = None  # the running sum of the residual stream; h is the latest branch output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):

@@ -11,8 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from qworker.model.families import CHECKPOINT_PREFIXES, FAMILIES, SUPPORTED
-from qworker.model.wrappers import WRAPPERS, is_wrapper, renamed, text_config, text_weight_name
+from qworker.model.families import CHECKPOINT_NAMES, FAMILIES, SUPPORTED
+from qworker.model.wrappers import WRAPPERS, is_wrapper, text_config, text_weight_name
 
 try:  # transformers 5.x validates configs strictly through huggingface_hub; older hubs lack the type
     from huggingface_hub.errors import StrictDataclassError
@@ -107,10 +107,7 @@ def _weight_names(model_dir: str | Path) -> Callable[[str], str | None] | None:
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
-    if is_wrapper(model_type):
-        return text_weight_name
-    prefixes = CHECKPOINT_PREFIXES.get(model_type)
-    return (lambda name: renamed(name, prefixes)) if prefixes else None
+    return text_weight_name if is_wrapper(model_type) else CHECKPOINT_NAMES.get(model_type)
 
 
 def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:

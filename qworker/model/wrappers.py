@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from qworker.model.families.spec import renamed
+
 WRAPPERS = ("gemma3", "llava", "mistral3")
 # the language model's names in the checkpoint (transformers 4 saves the first form, transformers
 # 5 keeps the second in memory) -> the causal-LM names
@@ -52,11 +54,3 @@ def text_weight_name(name: str) -> str | None:
     """A wrapper checkpoint's tensor name as the text model's (None: an image-only part, not
     read). Other names are kept, so that the decoder refuses them by name as tensors it does not use."""
     return None if name.startswith(_IMAGE_PARTS) else renamed(name, _TEXT_PREFIXES)
-
-
-def renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
-    """``name`` with the first of ``prefixes``' ``(old, new)`` it starts with replaced."""
-    for old, new in prefixes:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name

@@ -48,10 +48,13 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "cohere": dict(use_qk_norm=True, logit_scale=0.5, tie_word_embeddings=True),  # parallel block, interleaved rope; no window
     "cohere2": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                     logit_scale=0.25, attention_bias=True),  # layer 1 full and NoPE
-    "gpt_neox": dict(num_key_value_heads=4, layer_norm_eps=1e-5,
+    "gpt_neox": dict(layer_norm_eps=1e-5,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),  # parallel; no window
-    "gpt_neox_sequential": dict(num_key_value_heads=4, use_parallel_residual=False, tie_word_embeddings=True),
+    "gpt_neox_sequential": dict(use_parallel_residual=False, tie_word_embeddings=True),
     "nemotron": dict(mlp_bias=True, attention_bias=True, norm_eps=1e-5),  # LayerNorm1P, relu2 MLP, partial rotary 0.5; no window
+    "gpt2": dict(n_inner=96, activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True),  # absolute positions
+    "gpt_bigcode": dict(n_inner=96, multi_query=True, tie_word_embeddings=True),  # one k/v head for all
+    "gpt_bigcode_mha": dict(n_inner=96, multi_query=False, tie_word_embeddings=True),  # per-head fused q/k/v
     "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
     "ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "olmo2": dict(),  # no window
@@ -69,7 +72,7 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 
 
 # test variants of a family: key in FAMILY_CONFIGS -> the model_type it is
-VARIANTS = {"stablelm_parallel": "stablelm", "gpt_neox_sequential": "gpt_neox"}
+VARIANTS = {"stablelm_parallel": "stablelm", "gpt_neox_sequential": "gpt_neox", "gpt_bigcode_mha": "gpt_bigcode"}
 
 
 def family_config(model_type: str, **overrides):

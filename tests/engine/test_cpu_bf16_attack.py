@@ -28,7 +28,7 @@ def _logits(path, monkeypatch, backend: str, dtype: str):
 
 # not Nemotron: its squared-ReLU MLP on this random model moves transformers' own bf16 logits 7% of
 # their scale from its fp32 ones, past this test's 6% bound
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma2", "qwen2_moe", "olmo2", "granite", "phi", "cohere2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma2", "qwen2_moe", "olmo2", "granite", "phi", "cohere2", "gpt_neox", "gpt_bigcode"])
 def test_bf16_panels_logits_follow_matmul_and_fp32(family, family_models, monkeypatch):
     path = family_models.get(family)
     bf, panels = _logits(path, monkeypatch, "panels", "bfloat16")
@@ -37,7 +37,7 @@ def test_bf16_panels_logits_follow_matmul_and_fp32(family, family_models, monkey
     model = bf.model
     assert model.linear_backend == "panels" and model.act_dtype == torch.float32
     projections = [model.lm_head] + [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down) if p is not None]
-    if family in ("phi", "gpt_neox"):  # their non-gated MLPs hold their own projections
+    if family in ("phi", "gpt_neox", "gpt_bigcode"):  # their non-gated MLPs hold their own projections
         projections += [p for layer in model.layers for p in (layer.mlp.gate_up, layer.mlp.down)]
     if family.endswith("_moe"):
         routed = [layer.mlp.routed if family == "qwen2_moe" else layer.mlp for layer in model.layers if layer.gate_up is None]

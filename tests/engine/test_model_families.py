@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from qworker import LLM, SamplingParams
 from qworker.model.batch import Batch, SeqChunk
+from qworker.model.families.spec import dims
 from qworker.model.runner import ModelRunner
 from tests.engine.family_models import FAMILIES, family_config
 from tests.engine.family_reference import eager_greedy, eager_last_logits
@@ -66,8 +67,9 @@ def test_greedy_matches_under_preemption_chunking_and_prefix_hits(family_models,
     half = len(shared) // 2 + 16
     prompts = base + [shared[:half] + [rng.randrange(3, 49000) for _ in range(len(shared) // 2)] for _ in range(2)]
     no_swap = FAMILIES.index(model_type) % 2 == 1
-    cfg = json.loads((path / "config.json").read_text())
-    layers, kv_heads, head_dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+    config = family_config(model_type)
+    d = dims(config)
+    layers, kv_heads, head_dim = config.num_hidden_layers, d.num_kv_heads, d.head_dim
     block_bytes = 2 * layers * 16 * kv_heads * head_dim * 4
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     blocks = -(-longest // 16) + 2  # room for the longest request alone, and a little more

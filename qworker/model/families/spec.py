@@ -34,12 +34,21 @@ class Dims:
         return self.num_kv_heads * self.head_dim
 
 
+# families whose attention has no num_key_value_heads: a k and v head per query head (GPT-BigCode:
+# one for all under multi_query), whatever stray key a config.json carries
+_ONE_KV_PER_HEAD = ("gpt2", "gpt_bigcode", "gpt_neox")
+
+
 def dims(config: PretrainedConfig) -> Dims:
     heads = config.num_attention_heads
+    if config.model_type in _ONE_KV_PER_HEAD:
+        kv_heads = 1 if getattr(config, "multi_query", False) else heads
+    else:
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return Dims(
         hidden=config.hidden_size,
         num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        num_kv_heads=kv_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         vocab=config.vocab_size,
     )
@@ -127,6 +136,9 @@ class DecoderSpec:
     final_norm_bias: bool = False  # under LayerNorm: whether the final norm has a bias
     head_bias: bool = False  # Phi: lm_head.bias
     logit_scale: float | None = None  # Cohere: logits times this
+    # GPT-2, GPT-BigCode: learned absolute positions (model.embed_positions.weight) added to the
+    # embeddings; their layers take no rotary embeddings (LayerAttention.rotary False)
+    position_embeddings: bool = False
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype; Granite's multiplier
     attn_scale: float | None = None  # default head_dim ** -0.5
     attn_softcap: float | None = None
@@ -149,7 +161,8 @@ class DecoderSpec:
         return (not self.norm_plus_one and self.qk_norm is None and self.clip_qkv is None and self.activation == "silu"
                 and self.embed_scale is None and self.attn_softcap is None and self.final_softcap is None
                 and self.residual_scale is None and self.norm == "rms" and not self.parallel_block and not self.head_bias
-                and self.logit_scale is None and first.rotary and all(a == first for a in self.layers))
+                and self.logit_scale is None and not self.position_embeddings and first.rotary
+                and all(a == first for a in self.layers))
 
 
 def take(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -271,11 +284,11 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
                "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 
 
-def activation(config: PretrainedConfig) -> str:
-    """``config.hidden_act`` as :attr:`DecoderSpec.activation`, or a one-line refusal."""
-    name = getattr(config, "hidden_act", None) or "silu"
+def activation(config: PretrainedConfig, field_name: str = "hidden_act") -> str:
+    """``config.hidden_act`` (or another field) as :attr:`DecoderSpec.activation`, or a one-line refusal."""
+    name = getattr(config, field_name, None) or "silu"
     if name not in ACTIVATIONS:
-        raise ValueError(f"{config.model_type}: unsupported hidden_act {name!r}; supported: {', '.join(sorted(ACTIVATIONS))}")
+        raise ValueError(f"{config.model_type}: unsupported {field_name} {name!r}; supported: {', '.join(sorted(ACTIVATIONS))}")
     return ACTIVATIONS[name]
 
 
@@ -349,3 +362,17 @@ def rotate_halves_not_pairs(t: torch.Tensor, head_dim: int, rotary_dim: int) -> 
     order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim, head_dim)])
     heads = t.shape[0] // head_dim
     return t.reshape(heads, head_dim, *t.shape[1:])[:, order].reshape(t.shape)
+
+
+def renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    """``name`` with the first of ``prefixes``' ``(old, new)`` it starts with replaced."""
+    for old, new in prefixes:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def per_head_to_grouped(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Fused q/k/v rows laid out per head (``[heads, (q, k, v), head_dim, ...]``: GPT-NeoX,
+    GPT-BigCode without multi_query) regrouped as the decoder holds them: all q rows, then k, then v."""
+    return t.reshape(heads, 3, head_dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
