@@ -36,8 +36,11 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int, layer_type: str
         # reference to serve, so refuse rather than rotate part of each head
         raise ValueError(f"{config.model_type}: partial_rotary_factor with rope_type {params['rope_type']!r} is not supported "
                          "(this family rotates whole heads; transformers cannot run this config either)")
+    dim = int(head_dim * (params["partial_rotary_factor"] or 1.0))
+    if dim % 2 or dim <= 0:  # rotation pairs channels: transformers fails on such a table too
+        raise ValueError(f"{config.model_type}: partial_rotary_factor {params['partial_rotary_factor']} gives {dim} rotary channels "
+                         f"of a {head_dim}-channel head; rotary pairs need an even, positive number")
     if params["rope_type"] == "default":
-        dim = int(head_dim * (params["partial_rotary_factor"] or 1.0))
         # float32 like the reference implementation, so greedy outputs match it bit for bit
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0

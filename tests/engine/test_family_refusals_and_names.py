@@ -12,37 +12,48 @@ from safetensors.torch import load_file, save_file
 
 from qworker import LLM, SamplingParams
 from qworker.model.families import spec_for
+from qworker.model.families.spec import dims
 from qworker.model.lora.adapter import LoRAAdapterError, load_lora_adapter
 from qworker.model.loader import load_config
+from qworker.model.rope import inverse_frequencies
 from tests.engine.family_models import family_config
 from tests.engine.lora_support import make_peft_adapter
 
 
-@pytest.mark.parametrize("family", ["starcoder2", "phi"])
-def test_a_lora_mlp_module_on_a_non_gated_family_is_refused_at_load(family, family_models, tmp_path):
-    """Their MLPs are c_fc/c_proj or fc1/fc2: an up_proj tensor has nothing to adapt."""
+@pytest.mark.parametrize("family,module,group,out", [
+    ("starcoder2", "up_proj", "mlp", 96), ("phi", "up_proj", "mlp", 96), ("nemotron", "up_proj", "mlp", 96),  # non-gated MLPs
+    ("glm", "gate_proj", "mlp", 96), ("glm4", "up_proj", "mlp", 96), ("phi3", "gate_proj", "mlp", 96),  # gate_up_proj fused
+    ("phi", "o_proj", "self_attn", 64), ("phi3", "q_proj", "self_attn", 64),  # Phi's o is dense; Phi-3's q/k/v fused
+])
+def test_a_lora_module_the_family_does_not_have_is_refused_at_load(family, module, group, out, family_models, tmp_path):
+    """PEFT finds no such module and drops its tensors (helper-89: qworker applied them to the fused
+    projection, or to Phi's dense): refused by name instead."""
     path = family_models.get(family)
-    adapter = make_peft_adapter(path, tmp_path / "a", rank=4, target_modules=["q_proj"], seed=1)
+    adapter = make_peft_adapter(path, tmp_path / "a", rank=4, target_modules=["o_proj" if family == "phi3" else "q_proj"], seed=1)
     tensors = load_file(adapter / "adapter_model.safetensors")
-    tensors["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"] = torch.randn(4, 64)
-    tensors["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"] = torch.randn(96, 4)
+    tensors[f"base_model.model.model.layers.0.{group}.{module}.lora_A.weight"] = torch.randn(4, 64)
+    tensors[f"base_model.model.model.layers.0.{group}.{module}.lora_B.weight"] = torch.randn(out, 4)
     save_file(tensors, adapter / "adapter_model.safetensors")
     cfg = json.loads((adapter / "adapter_config.json").read_text())
-    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "up_proj"]}))
-    with pytest.raises(LoRAAdapterError, match=f"targets up_proj, which {family} models do not have"):
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": cfg["target_modules"] + [module]}))
+    with pytest.raises(LoRAAdapterError, match=f"targets {module}, which {family} models do not have as a LoRA target"):
         load_lora_adapter(adapter, load_config(path), max_rank=8)
 
 
 @pytest.mark.parametrize("family,overrides,message", [
     ("phi", dict(qk_layernorm=True), "qk_layernorm is not supported"),
+    # helper-89: an odd rotary width (transformers fails on it) was served by rotating one channel more
+    ("phi", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.35}), "gives 5 rotary channels"),
+    ("stablelm", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.35}), "gives 5 rotary channels"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx is not supported"),
     ("gpt2", dict(activation_function="relu6"), "unsupported activation_function 'relu6'"),
     ("starcoder2", dict(hidden_act="relu6"), "unsupported hidden_act 'relu6'"),
     ("phi", dict(hidden_act="quick_gelu"), "unsupported hidden_act 'quick_gelu'"),
 ])
 def test_configs_these_families_cannot_serve_are_refused_in_one_line(family, overrides, message):
-    with pytest.raises(ValueError, match=message):
-        spec_for(family_config(family, **overrides))
+    config = family_config(family, **overrides)
+    with pytest.raises(ValueError, match=message):  # the family's spec, then its rope table, as the decoder builds them
+        inverse_frequencies(config, dims(config).head_dim, partial=spec_for(config).partial_rotary)
 
 
 def test_gpt2_as_its_own_exports_name_it_with_mask_buffers_serves_the_same_model(family_models, tmp_path):

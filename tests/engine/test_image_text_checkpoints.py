@@ -96,8 +96,8 @@ def test_a_stray_or_doubled_tensor_in_an_image_text_checkpoint_is_refused(image_
 
 
 def test_an_image_text_checkpoint_around_an_unsupported_language_model_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {"model_type": "gpt2"}}))
-    with pytest.raises(ValueError, match="unsupported model type 'gpt2' \\(the language model of this llava checkpoint\\)"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {"model_type": "bloom"}}))
+    with pytest.raises(ValueError, match="unsupported model type 'bloom' \\(the language model of this llava checkpoint\\)"):
         load_config(tmp_path)
 
 

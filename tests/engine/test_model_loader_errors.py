@@ -19,7 +19,7 @@ def _copy(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "no_such_model_type"])
+@pytest.mark.parametrize("model_type", ["bloom", "no_such_model_type"])
 def test_unsupported_model_type_names_it_and_the_supported_ones(family_models, tmp_path, model_type):
     path = _copy(family_models.get("llama"), tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())

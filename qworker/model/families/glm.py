@@ -31,9 +31,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     inter = config.intermediate_size
     biases = attention_biases(config)
     glm4 = config.model_type == "glm4"
-    rot = rotary_dim(config)
-    if rot % 2:
-        raise ValueError(f"{config.model_type}: partial_rotary_factor gives {rot} rotary channels a head; rotary pairs need an even number")
+    rot = rotary_dim(config)  # even: qworker.model.rope refuses an odd width
 
     def halves(t: torch.Tensor) -> torch.Tensor:
         return rotate_halves_not_pairs(t, d.head_dim, rot)
@@ -54,4 +52,5 @@ def build(config: PretrainedConfig) -> DecoderSpec:
             layer.mlp_out_norm = norm("post_mlp_layernorm")
         return layer
 
-    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), partial_rotary=True, qk_rows=halves)
+    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), partial_rotary=True, qk_rows=halves,
+                       lora_modules=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))

@@ -59,6 +59,6 @@ def build(config: PretrainedConfig) -> DecoderSpec:
                         o_bias=take(w, f"{p}attn.c_proj.bias", (d.hidden,)), mlp=mlp)
 
     return DecoderSpec(take_layer=take_layer, layers=[LayerAttention(rotary=False) for _ in range(config.num_hidden_layers)],
-                       activation=activation(config, "activation_function"), gated_mlp=False, norm="layer",
+                       activation=activation(config, "activation_function"), lora_modules=(), norm="layer",
                        norm_eps=config.layer_norm_epsilon, final_norm_bias=True, position_embeddings=True,
                        attn_scale=None if getattr(config, "scale_attn_weights", True) else 1.0)

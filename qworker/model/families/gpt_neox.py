@@ -54,5 +54,5 @@ def build(config: PretrainedConfig) -> DecoderSpec:
             mlp=mlp,
         )
 
-    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), activation=activation(config), gated_mlp=False,
+    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), activation=activation(config), lora_modules=(),
                        norm="layer", norm_eps=config.layer_norm_eps, parallel_block=parallel, final_norm_bias=True, partial_rotary=True)

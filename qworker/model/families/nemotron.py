@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, DenseMLP, RawLayer, activation, attention_biases, dims, take,
+from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, DenseMLP, RawLayer, activation, attention_biases, dims, take,
                                          take_attention, take_layer_norm, uniform_layers)
 
 
@@ -27,5 +27,5 @@ def build(config: PretrainedConfig) -> DecoderSpec:
                         mlp_norm=take_layer_norm(w, f"{p}post_attention_layernorm", (d.hidden,), True),
                         mlp=mlp, **take_attention(w, p, d, biases))
 
-    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), activation=activation(config), gated_mlp=False,
+    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), activation=activation(config), lora_modules=ATTENTION_LORA,
                        norm="layer", norm_plus_one=True, norm_eps=config.norm_eps, final_norm_bias=True, partial_rotary=True)

@@ -30,6 +30,6 @@ def build(config: PretrainedConfig) -> DecoderSpec:
                         qkv=torch.cat(qkv), qkv_bias=torch.cat(qkv_bias),
                         o=take(w, f"{p}self_attn.dense.weight", (d.hidden, d.q_size)), o_bias=take(w, f"{p}self_attn.dense.bias", (d.hidden,)))
 
-    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), activation=activation(config), gated_mlp=False, norm="layer",
-                       norm_eps=config.layer_norm_eps, parallel_block=True, final_norm="model.final_layernorm", final_norm_bias=True,
-                       head_bias=True, partial_rotary=True)
+    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), activation=activation(config),
+                       lora_modules=("q_proj", "k_proj", "v_proj"), norm="layer", norm_eps=config.layer_norm_eps, parallel_block=True,
+                       final_norm="model.final_layernorm", final_norm_bias=True, head_bias=True, partial_rotary=True)

@@ -25,4 +25,6 @@ def build(config: PretrainedConfig) -> DecoderSpec:
             mlp=DenseMLP(take(w, f"{p}mlp.gate_up_proj.weight", (2 * inter, d.hidden)), take(w, f"{p}mlp.down_proj.weight", (d.hidden, inter))),
         )
 
-    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, getattr(config, "sliding_window", None)), partial_rotary=True)
+    # q/k/v and gate/up are fused modules (qkv_proj, gate_up_proj): LoRA adapts o_proj and down_proj only
+    return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, getattr(config, "sliding_window", None)), partial_rotary=True,
+                       lora_modules=("o_proj", "down_proj"))

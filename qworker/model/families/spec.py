@@ -115,6 +115,10 @@ class LayerAttention:
     rotary: bool = True
 
 
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_LORA = LORA_MODULES[:4]
+
+
 @dataclass
 class DecoderSpec:
     """Everything a family changes in the shared decoder. The defaults are Llama."""
@@ -153,7 +157,9 @@ class DecoderSpec:
     # GLM: each head's q and k output rows reordered at load (take_layer applies it, and the LoRA
     # reader to q_proj's and k_proj's B): see rotate_halves_not_pairs
     qk_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
-    gated_mlp: bool = True  # False: the MLP is not gate/up/down projections (StarCoder 2, Phi): no LoRA MLP modules
+    # the PEFT module names LoRA adapts in this family: those it has by these names, as separate
+    # projections the decoder can wrap (Phi-3's fused qkv_proj has no q_proj; Phi's o is "dense")
+    lora_modules: tuple[str, ...] = LORA_MODULES
 
     def is_plain(self) -> bool:
         """The Llama forward suffices: nothing beyond one window for every layer."""

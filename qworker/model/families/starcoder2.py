@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, DenseMLP, RawLayer, activation, dims, take, take_attention, take_layer_norm, uniform_layers
+from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, DenseMLP, RawLayer, activation, dims, take, take_attention,
+                                         take_layer_norm, uniform_layers)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -24,4 +25,4 @@ def build(config: PretrainedConfig) -> DecoderSpec:
                         mlp=mlp, **take_attention(w, p, d, (bias, bias)))
 
     return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, getattr(config, "sliding_window", None)),
-                       activation=activation(config), gated_mlp=False, norm="layer", norm_eps=config.norm_epsilon, final_norm_bias=True)
+                       activation=activation(config), lora_modules=ATTENTION_LORA, norm="layer", norm_eps=config.norm_epsilon, final_norm_bias=True)

@@ -50,14 +50,14 @@ from safetensors.torch import load as safetensors_load
 from transformers import PretrainedConfig
 
 from qworker.model.families import spec_for
-from qworker.model.families.spec import DecoderSpec, dims
+from qworker.model.families.spec import ATTENTION_LORA, LORA_MODULES, DecoderSpec, dims
 from qworker.model.wrappers import LORA_IMAGE_PARTS, LORA_LAYER_PREFIXES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-MODULES = ATTENTION_MODULES + MLP_MODULES
+MODULES = LORA_MODULES  # q/k/v/o, then gate/up/down
+ATTENTION_MODULES = ATTENTION_LORA
+MLP_MODULES = MODULES[len(ATTENTION_MODULES):]
 
 _MAX_CONFIG_BYTES = 1 << 20
 _MAX_HEADER_BYTES = 32 << 20
@@ -451,9 +451,9 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, spec:
             raise LoRAAdapterError(f"{path}: tensor {name!r} is for layer {layer}; the base model has {n_layers} layers")
         if not cfg.targets.adapts(_module_key(layers, layer, module), layer):
             continue  # PEFT never applies it (see _Targets)
-        if module in MLP_MODULES and not spec.gated_mlp:
-            raise LoRAAdapterError(f"{path}: tensor {name!r} targets {module}, which {config.model_type} models do not have "
-                                   "(their MLP is not gate/up/down projections; LoRA applies to q/k/v/o there)")
+        if module not in spec.lora_modules:  # PEFT would find no such module and drop the tensor; never apply it elsewhere
+            raise LoRAAdapterError(f"{path}: tensor {name!r} targets {module}, which {config.model_type} models do not have as a "
+                                   f"LoRA target (LoRA applies to {', '.join(spec.lora_modules) or 'none of their modules'} there)")
         if module in MLP_MODULES and (layer in moe or module not in feats):
             raise LoRAAdapterError(f"{path}: tensor {name!r} targets {module} of layer {layer}, a mixture-of-experts layer "
                                    "(LoRA on MoE MLPs is not supported)")
