@@ -225,7 +225,7 @@ class DecoderModel:
                 if m.shared is not None:
                     shared = GatedMLP(Linear(m.shared.gate_up, None, self.linear_backend, act),
                                       Linear(m.shared.down, None, self.linear_backend, act), activation)
-                    mlp = SharedExpertMoE(mlp, shared, m.shared_gate.to(act))
+                    mlp = SharedExpertMoE(mlp, shared, None if m.shared_gate is None else m.shared_gate.to(act))
             opt = self._norm_weight
             self.layers.append(LayerWeights(
                 input_norm=opt(layer.input_norm),

@@ -127,17 +127,20 @@ class MoE:
 class SharedExpertMoE:
     """``routed(x) + sigmoid(x @ gate.T) * shared(x)`` (Qwen2-MoE): the routed experts plus one
     dense expert every token takes, scaled per token by its own sigmoid gate (``gate`` ``[1, H]``,
-    through ``F.linear`` as transformers computes it). Under tensor parallelism ``routed`` and
-    ``shared`` give this rank's partial sums and the gate is whole on every rank, so the sum the
-    ranks all-reduce is the whole block's."""
+    through ``F.linear`` as transformers computes it); without a gate (GraniteMoE-Shared)
+    ``routed(x) + shared(x)``. Under tensor parallelism ``routed`` and ``shared`` give this rank's
+    partial sums and the gate is whole on every rank, so the sum the ranks all-reduce is the whole
+    block's."""
 
     __slots__ = ("routed", "shared", "gate")
 
-    def __init__(self, routed, shared, gate: torch.Tensor):
+    def __init__(self, routed, shared, gate: torch.Tensor | None):
         self.routed, self.shared, self.gate = routed, shared, gate
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(F.linear(x, self.gate)) * self.shared(x)
+        shared = self.shared(x)
+        if self.gate is not None:
+            shared = torch.sigmoid(F.linear(x, self.gate)) * shared
         return self.routed(x) + shared
 
 

@@ -56,6 +56,9 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "gpt_bigcode": dict(n_inner=96, multi_query=True, tie_word_embeddings=True),  # one k/v head for all
     "gpt_bigcode_mha": dict(n_inner=96, multi_query=False, tie_word_embeddings=True),  # per-head fused q/k/v
     "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
+    "granitemoe": dict(MOE, num_local_experts=4, embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.7,
+                       logits_scaling=1.5),  # no window
+    "granitemoeshared": dict(MOE, num_local_experts=4, shared_intermediate_size=80, embedding_multiplier=3.0, residual_multiplier=0.6),
     "ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     "olmo2": dict(),  # no window
     "olmo3": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],

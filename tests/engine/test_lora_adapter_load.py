@@ -233,14 +233,16 @@ def test_root_confines_the_folder(adapter, config, tmp_path, made):
     refused(root / ".." / ".." / made.parent.name / made.name, config, "outside the adapter root", root=root)
 
 
-def test_mlp_lora_on_a_moe_layer_is_refused(tmp_path):
-    """Qwen3-MoE with layer 0 dense (mlp_only_layers) and layer 1 sparse: gate_proj on layer 0
-    loads, on layer 1 it is refused naming the layer (hand-written tensors: no HF model needed)."""
-    from transformers import Qwen3MoeConfig
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_mlp_lora_on_a_moe_layer_is_refused(tmp_path, model_type):
+    """Qwen3-MoE / Qwen2-MoE with layer 0 dense (mlp_only_layers) and layer 1 sparse: gate_proj on
+    layer 0 loads (Qwen2-MoE's was refused as if every layer were sparse), on layer 1 it is refused
+    naming the layer (hand-written tensors: no HF model needed)."""
+    from transformers import AutoConfig
 
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                            mlp_only_layers=[0])
+    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                  num_experts_per_tok=2, mlp_only_layers=[0])
     assert moe_layers(config) == {1}
     d = tmp_path / "moe"
     d.mkdir()

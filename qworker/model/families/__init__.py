@@ -17,6 +17,8 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "mistral": llama.build,
     "ministral": llama.build,
     "granite": granite.build,
+    "granitemoe": granite.build,
+    "granitemoeshared": granite.build,
     "smollm3": smollm3.build,
     "qwen2": llama.build,
     "qwen2_moe": qwen3_moe.build,

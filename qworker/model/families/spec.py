@@ -78,7 +78,8 @@ class MoEWeights:
     top_k: int
     renormalize: bool
     weights_in_act_dtype: bool
-    # Qwen2-MoE: an expert every token takes, weighted by sigmoid(x @ shared_gate.T) (shared_gate [1, H])
+    # Qwen2-MoE: an expert every token takes, weighted by sigmoid(x @ shared_gate.T) (shared_gate [1, H]);
+    # GraniteMoE-Shared: the same without a gate (shared_gate None)
     shared: DenseMLP | None = None
     shared_gate: torch.Tensor | None = None
 

@@ -155,7 +155,7 @@ def moe_layers(config: PretrainedConfig) -> set[int]:
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
     if not experts:
         return set()
-    if config.model_type == "qwen3_moe":
+    if config.model_type in ("qwen3_moe", "qwen2_moe"):  # their dense layers as qwen3_moe.py reads them
         step = getattr(config, "decoder_sparse_step", 1) or 1
         dense_only = set(getattr(config, "mlp_only_layers", None) or [])
         return {i for i in range(n) if i not in dense_only and (i + 1) % step == 0}
