@@ -25,6 +25,9 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "llama": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "mistral": dict(sliding_window=24),  # every layer
+    "llama_mlp_bias": dict(mlp_bias=True, attention_bias=True),  # biases on every projection
+    "seed_oss": dict(attention_bias=True, attention_out_bias=True, mlp_bias=True),  # no window
+    "arcee": dict(mlp_bias=True),  # relu2 non-gated MLP; no window
     "qwen2": dict(use_sliding_window=True, sliding_window=24, max_window_layers=1, tie_word_embeddings=True),  # layers >= 1
     "qwen3": dict(use_sliding_window=True, sliding_window=32, max_window_layers=1),  # layers >= 1
     "qwen2_moe": dict(MOE, num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=80, decoder_sparse_step=1,
@@ -75,7 +78,7 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 
 
 # test variants of a family: key in FAMILY_CONFIGS -> the model_type it is
-VARIANTS = {"stablelm_parallel": "stablelm", "gpt_neox_sequential": "gpt_neox", "gpt_bigcode_mha": "gpt_bigcode"}
+VARIANTS = {"llama_mlp_bias": "llama", "stablelm_parallel": "stablelm", "gpt_neox_sequential": "gpt_neox", "gpt_bigcode_mha": "gpt_bigcode"}
 
 
 def family_config(model_type: str, **overrides):

@@ -56,7 +56,7 @@ def test_bad_tensor_is_one_line_naming_it(family_models, tmp_path, model_type, t
 
 
 def test_tensor_the_family_has_no_place_for_is_named(family_models, tmp_path):
-    """A bias the Llama MLP would drop (``mlp_bias``) stops the load instead of being ignored."""
+    """A bias the config does not give (Llama without ``mlp_bias``) stops the load instead of being ignored."""
     import torch
 
     path = _copy(family_models.get("llama"), tmp_path / "m")

@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (cohere, exaone4, gemma, glm, gpt2, gpt_neox, granite, llama, mixtral, nemotron, olmo2, olmoe, phi,
+from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, granite, llama, mixtral, nemotron, olmo2, olmoe, phi,
                                     phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
@@ -21,6 +21,8 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "granitemoeshared": granite.build,
     "smollm3": smollm3.build,
     "qwen2": llama.build,
+    "seed_oss": llama.build,
+    "arcee": arcee.build,
     "qwen2_moe": qwen3_moe.build,
     "qwen3": qwen3.build,
     "qwen3_moe": qwen3_moe.build,

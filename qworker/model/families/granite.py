@@ -15,7 +15,7 @@ import math
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, attention_biases, dims, llama_layer, take, uniform_layers
+from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, attention_biases, dims, llama_layer, mlp_bias, take, uniform_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -48,7 +48,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         return weights
 
     return DecoderSpec(
-        take_layer=lambda w, i: llama_layer(w, i, d, inter, mlp if moe else None, biases=biases),
+        take_layer=lambda w, i: llama_layer(w, i, d, inter, mlp if moe else None, biases=biases, mlp_bias=mlp_bias(config)),
         layers=uniform_layers(config, None),
         embed_scale=scalars["embedding_multiplier"],
         attn_scale=scalars["attention_multiplier"],

@@ -1,4 +1,5 @@
-"""Llama, Mistral, Ministral and Qwen2: the plain decoder. Mistral's ``sliding_window`` applies to
+"""Llama, Mistral, Ministral, Qwen2 and Seed-OSS: the plain decoder (Llama's and Seed-OSS's MLP
+biases where ``mlp_bias``; Seed-OSS's o bias as ``attention_out_bias`` says). Mistral's ``sliding_window`` applies to
 every layer; Ministral's and Qwen2's only where ``config.layer_types`` says "sliding_attention"
 (transformers sets Qwen2's from ``use_sliding_window`` and ``max_window_layers``)."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, attention_biases, dims, llama_layer, typed_layers, uniform_layers
+from qworker.model.families.spec import DecoderSpec, attention_biases, dims, llama_layer, mlp_bias, typed_layers, uniform_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -17,5 +18,6 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         layers = uniform_layers(config, getattr(config, "sliding_window", None))
     else:  # transformers' Llama masks causally only, whatever "sliding_window" a config.json carries
         layers = uniform_layers(config, None)
-    biases = attention_biases(config)
-    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=biases), layers=layers)
+    biases, with_mlp_bias = attention_biases(config), mlp_bias(config)
+    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=biases, mlp_bias=with_mlp_bias),
+                       layers=layers)

@@ -8,21 +8,21 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, DenseMLP, RawLayer, activation, attention_biases, dims, take,
+from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, DenseMLP, RawLayer, activation, attention_biases, dims, mlp_bias, take,
                                          take_attention, take_layer_norm, uniform_layers)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
     inter = config.intermediate_size
-    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    with_bias = mlp_bias(config)
     biases = attention_biases(config)
 
     def take_layer(w, i):
         p = f"model.layers.{i}."
         mlp = DenseMLP(take(w, f"{p}mlp.up_proj.weight", (inter, d.hidden)), take(w, f"{p}mlp.down_proj.weight", (d.hidden, inter)),
-                       gated=False, up_bias=take(w, f"{p}mlp.up_proj.bias", (inter,)) if mlp_bias else None,
-                       down_bias=take(w, f"{p}mlp.down_proj.bias", (d.hidden,)) if mlp_bias else None)
+                       gated=False, up_bias=take(w, f"{p}mlp.up_proj.bias", (inter,)) if with_bias else None,
+                       down_bias=take(w, f"{p}mlp.down_proj.bias", (d.hidden,)) if with_bias else None)
         return RawLayer(input_norm=take_layer_norm(w, f"{p}input_layernorm", (d.hidden,), True),
                         mlp_norm=take_layer_norm(w, f"{p}post_attention_layernorm", (d.hidden,), True),
                         mlp=mlp, **take_attention(w, p, d, biases))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, LayerAttention, attention_biases, dims, llama_layer, typed_layers
+from qworker.model.families.spec import DecoderSpec, LayerAttention, attention_biases, dims, llama_layer, mlp_bias, typed_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -19,4 +19,5 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     if len(rotary) != n:
         raise ValueError(f"smollm3: config.no_rope_layers has {len(rotary)} entries for {n} layers")
     layers = [LayerAttention(sliding_window=a.sliding_window, rotary=bool(r)) for a, r in zip(typed_layers(config), rotary)]
-    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=biases), layers=layers)
+    return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=biases, mlp_bias=mlp_bias(config)),
+                       layers=layers)

@@ -199,6 +199,8 @@ def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
 _FIXED_BIASES = {"qwen2": (True, False), "mistral": (False, False), "ministral": (False, False), "mixtral": (False, False),
                  "exaone4": (False, False)}
 _NO_O_BIAS = ("qwen2_moe", "glm", "glm4")  # q/k/v biases as the config says, o never
+# q/k/v biases as attention_bias says (True by default), o's as attention_out_bias does
+_SEPARATE_O_BIAS = ("seed_oss",)
 
 
 def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
@@ -209,6 +211,8 @@ def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
     ``attention_bias`` for all four."""
     if config.model_type in _NO_O_BIAS:
         return bool(getattr(config, "qkv_bias" if config.model_type == "qwen2_moe" else "attention_bias", True)), False
+    if config.model_type in _SEPARATE_O_BIAS:
+        return bool(getattr(config, "attention_bias", True)), bool(getattr(config, "attention_out_bias", False))
     if config.model_type in _FIXED_BIASES:
         return _FIXED_BIASES[config.model_type]
     bias = bool(getattr(config, "attention_bias", False))
@@ -232,10 +236,24 @@ def take_attention(w: Weights, p: str, d: Dims, biases: tuple[bool, bool]) -> di
     }
 
 
-def take_dense_mlp(w: Weights, p: str, hidden: int, intermediate: int) -> DenseMLP:
+def take_dense_mlp(w: Weights, p: str, hidden: int, intermediate: int, bias: bool = False) -> DenseMLP:
+    """``{p}{gate,up,down}_proj`` (and their biases where ``bias``: :func:`mlp_bias`)."""
     gate = take(w, f"{p}gate_proj.weight", (intermediate, hidden))
     up = take(w, f"{p}up_proj.weight", (intermediate, hidden))
-    return DenseMLP(torch.cat([gate, up]), take(w, f"{p}down_proj.weight", (hidden, intermediate)))
+    mlp = DenseMLP(torch.cat([gate, up]), take(w, f"{p}down_proj.weight", (hidden, intermediate)))
+    if bias:
+        mlp.up_bias = torch.cat([take(w, f"{p}gate_proj.bias", (intermediate,)), take(w, f"{p}up_proj.bias", (intermediate,))])
+        mlp.down_bias = take(w, f"{p}down_proj.bias", (hidden,))
+    return mlp
+
+
+_MLP_BIAS_FAMILIES = ("llama", "granite", "smollm3", "seed_oss", "arcee", "nemotron")  # whose transformers MLP reads mlp_bias
+
+
+def mlp_bias(config: PretrainedConfig) -> bool:
+    """Whether the family's MLP projections have biases: ``mlp_bias`` where transformers reads it
+    (elsewhere a stored MLP bias is refused as a tensor the family does not use)."""
+    return config.model_type in _MLP_BIAS_FAMILIES and bool(getattr(config, "mlp_bias", False))
 
 
 def take_experts(w: Weights, p: str, num_experts: int, hidden: int, intermediate: int, names=("gate_proj", "up_proj", "down_proj")) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +273,7 @@ def take_experts(w: Weights, p: str, num_experts: int, hidden: int, intermediate
 
 
 def llama_layer(w: Weights, i: int, d: Dims, intermediate: int, mlp: Callable[[Weights, str], DenseMLP | MoEWeights] | None = None,
-                *, biases: tuple[bool, bool], norms: bool = True) -> RawLayer:
+                *, biases: tuple[bool, bool], norms: bool = True, mlp_bias: bool = False) -> RawLayer:
     """The Llama layout: ``input_layernorm``, ``self_attn.*``, ``post_attention_layernorm``, ``mlp.*``
     (``norms=False``: the norms left to the caller, which takes them another way)."""
     p = f"model.layers.{i}."
@@ -263,7 +281,7 @@ def llama_layer(w: Weights, i: int, d: Dims, intermediate: int, mlp: Callable[[W
     return RawLayer(
         input_norm=take(w, f"{p}input_layernorm.weight", (d.hidden,)) if norms else None,
         mlp_norm=take(w, f"{p}post_attention_layernorm.weight", (d.hidden,)) if norms else None,
-        mlp=mlp(w, p) if mlp else take_dense_mlp(w, f"{p}mlp.", d.hidden, intermediate),
+        mlp=mlp(w, p) if mlp else take_dense_mlp(w, f"{p}mlp.", d.hidden, intermediate, mlp_bias),
         **attn,
     )
 
