@@ -143,8 +143,13 @@ class DecoderModel:
         act = self.act_dtype
         embed = take(weights, "model.embed_tokens.weight", (d.vocab, d.hidden))
         self.embed = embed.to(act)  # the lookup table
-        self.norm = self._norm_weight(take_layer_norm(weights, spec.final_norm, (d.hidden,), spec.final_norm_bias)
-                                      if spec.norm == "layer" else take(weights, f"{spec.final_norm}.weight", (d.hidden,)))
+        if spec.final_norm is None:  # a LayerNorm without weights
+            final_norm = torch.stack([torch.ones(d.hidden), torch.zeros(d.hidden)])
+        elif spec.norm == "layer":
+            final_norm = take_layer_norm(weights, spec.final_norm, (d.hidden,), spec.final_norm_bias)
+        else:
+            final_norm = take(weights, f"{spec.final_norm}.weight", (d.hidden,))
+        self.norm = self._norm_weight(final_norm)
         tied = getattr(config, "tie_word_embeddings", False)
         stored = weights.get("lm_head.weight")
         if tied and stored is not None and not torch.equal(stored, embed):
@@ -342,7 +347,7 @@ class DecoderModel:
             w = torch.stack([w[0] + 1.0, w[1]])
         elif self.spec.norm_plus_one:  # Gemma's (1 + w), added in fp32 as its RMSNorm does
             w = w.float() + 1.0
-        return w.to(self.act_dtype)
+        return w.to(device=self.device, dtype=self.act_dtype)  # a norm a family builds (OLMo's) starts on the CPU
 
     @staticmethod
     def _dense_weights(layer: RawLayer) -> list[torch.Tensor]:

@@ -63,6 +63,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
                        logits_scaling=1.5),  # no window
     "granitemoeshared": dict(MOE, num_local_experts=4, shared_intermediate_size=80, embedding_multiplier=3.0, residual_multiplier=0.6),
     "ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "olmo": dict(clip_qkv=3.0, tie_word_embeddings=True),  # LayerNorm without weights; no window
     "olmo2": dict(),  # no window
     "olmo3": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, granite, llama, mixtral, nemotron, olmo2, olmoe, phi,
+from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, phi,
                                     phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
@@ -28,6 +28,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "qwen3_moe": qwen3_moe.build,
     "mixtral": mixtral.build,
     "olmoe": olmoe.build,
+    "olmo": olmo.build,
     "olmo2": olmo2.build,
     "olmo3": olmo2.build,
     "exaone4": exaone4.build,

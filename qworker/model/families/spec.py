@@ -137,7 +137,8 @@ class DecoderSpec:
     # attention and MLP both read the layer's input (normed) and add to the residual together
     # (Phi, Cohere, StableLM with use_parallel_residual); RawLayer.mlp_norm None: the same normed input
     parallel_block: bool = False
-    final_norm: str = "model.norm"  # the final norm's tensor prefix (Phi: model.final_layernorm)
+    # the final norm's tensor prefix (Phi: model.final_layernorm); None: a LayerNorm without weights (OLMo)
+    final_norm: str | None = "model.norm"
     final_norm_bias: bool = False  # under LayerNorm: whether the final norm has a bias
     head_bias: bool = False  # Phi: lm_head.bias
     logit_scale: float | None = None  # Cohere: logits times this
