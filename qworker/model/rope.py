@@ -21,7 +21,10 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None, par
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
-    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if "partial_rotary_factor" not in params:
+        rotary_dim = getattr(config, "rotary_dim", None)  # GPT-J names the rotated width in channels
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        params["partial_rotary_factor"] = rotary_dim / head_dim if rotary_dim else getattr(config, "partial_rotary_factor", 1.0)
     if not partial:
         params["partial_rotary_factor"] = 1.0
     return params

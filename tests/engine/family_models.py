@@ -58,6 +58,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "gpt2": dict(n_inner=96, activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True),  # absolute positions
     "gpt_bigcode": dict(n_inner=96, multi_query=True, tie_word_embeddings=True),  # one k/v head for all
     "gpt_bigcode_mha": dict(n_inner=96, multi_query=False, tie_word_embeddings=True),  # per-head fused q/k/v
+    "gptj": dict(rotary_dim=8, n_inner=96, activation_function="gelu_new"),  # interleaved rotary on 8 of 16 channels; parallel
     "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
     "granitemoe": dict(MOE, num_local_experts=4, embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.7,
                        logits_scaling=1.5),  # no window

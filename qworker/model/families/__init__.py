@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, phi,
+from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, gptj, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, phi,
                                     phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
@@ -41,6 +41,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "gpt_neox": gpt_neox.build,
     "gpt2": gpt2.build,
     "gpt_bigcode": gpt2.build,
+    "gptj": gptj.build,
     "nemotron": nemotron.build,
     "gemma": gemma.build,
     "gemma2": gemma.build,
@@ -51,7 +52,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
 SUPPORTED = sorted(FAMILIES)
 # model_type -> a checkpoint tensor's name as the family reads it (None: not read), for checkpoints named otherwise
 CHECKPOINT_NAMES: dict[str, Callable[[str], str | None]] = {"gpt_neox": gpt_neox.checkpoint_name, "gpt2": gpt2.checkpoint_name,
-                                                           "gpt_bigcode": gpt2.checkpoint_name}
+                                                           "gpt_bigcode": gpt2.checkpoint_name, "gptj": gptj.checkpoint_name}
 SILU_NAMES = ("silu", "swish")  # transformers' names for x * sigmoid(x)
 
 

@@ -36,7 +36,7 @@ class Dims:
 
 # families whose attention has no num_key_value_heads: a k and v head per query head (GPT-BigCode:
 # one for all under multi_query), whatever stray key a config.json carries
-_ONE_KV_PER_HEAD = ("gpt2", "gpt_bigcode", "gpt_neox")
+_ONE_KV_PER_HEAD = ("gpt2", "gpt_bigcode", "gpt_neox", "gptj")
 
 
 def dims(config: PretrainedConfig) -> Dims:
