@@ -72,7 +72,8 @@ def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # a non-gated MLP's activation by DecoderSpec.activation
 PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu2": lambda x: F.relu(x).square()}
+    "silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu2": lambda x: F.relu(x).square(),
+    "relu": F.relu}
 
 
 def layer_norm(x: torch.Tensor, weight_bias: torch.Tensor, eps: float,
@@ -165,7 +166,8 @@ class DecoderModel:
         head_bias = take(weights, "lm_head.bias", (d.vocab,)).to(act) if spec.head_bias else None
         # learned absolute positions (GPT-2): rows past max_position_embeddings are never asked (the
         # runner caps max_model_len there)
-        self.position_embeddings = (take(weights, "model.embed_positions.weight", (config.max_position_embeddings, d.hidden)).to(act)
+        self.position_embeddings = (take(weights, "model.embed_positions.weight",
+                                         (config.max_position_embeddings + spec.position_offset, d.hidden)).to(act)
                                     if spec.position_embeddings else None)
         # every layer's tensors are taken (and checked) before any is converted
         raw = [spec.take_layer(weights, i) for i in range(self.num_layers)]
@@ -471,7 +473,7 @@ class DecoderModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         if self.position_embeddings is not None:
-            h = h + F.embedding(positions, self.position_embeddings)
+            h = h + F.embedding(positions + self.spec.position_offset if self.spec.position_offset else positions, self.position_embeddings)
         T = h.shape[0]
         residual = None  # the running sum of the residual stream; h is the latest branch output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):

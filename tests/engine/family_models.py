@@ -59,6 +59,8 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "gpt_bigcode": dict(n_inner=96, multi_query=True, tie_word_embeddings=True),  # one k/v head for all
     "gpt_bigcode_mha": dict(n_inner=96, multi_query=False, tie_word_embeddings=True),  # per-head fused q/k/v
     "gptj": dict(rotary_dim=8, n_inner=96, activation_function="gelu_new"),  # interleaved rotary on 8 of 16 channels; parallel
+    "opt": dict(ffn_dim=96, word_embed_proj_dim=64),  # learned positions (offset 2), ReLU MLP, biases; no window
+    "opt_no_affine": dict(ffn_dim=96, word_embed_proj_dim=64, layer_norm_elementwise_affine=False, enable_bias=False),
     "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
     "granitemoe": dict(MOE, num_local_experts=4, embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.7,
                        logits_scaling=1.5),  # no window
@@ -80,7 +82,7 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 
 
 # test variants of a family: key in FAMILY_CONFIGS -> the model_type it is
-VARIANTS = {"llama_mlp_bias": "llama", "stablelm_parallel": "stablelm", "gpt_neox_sequential": "gpt_neox", "gpt_bigcode_mha": "gpt_bigcode"}
+VARIANTS = {"llama_mlp_bias": "llama", "opt_no_affine": "opt", "stablelm_parallel": "stablelm", "gpt_neox_sequential": "gpt_neox", "gpt_bigcode_mha": "gpt_bigcode"}
 
 
 def family_config(model_type: str, **overrides):

@@ -46,6 +46,8 @@ def test_a_lora_module_the_family_does_not_have_is_refused_at_load(family, modul
     ("phi", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.35}), "gives 5 rotary channels"),
     ("stablelm", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.35}), "gives 5 rotary channels"),
     ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx is not supported"),
+    ("opt", dict(do_layer_norm_before=False), "do_layer_norm_before=False"),
+    ("opt", dict(word_embed_proj_dim=32), "word_embed_proj_dim differs from hidden_size"),
     ("gpt2", dict(activation_function="relu6"), "unsupported activation_function 'relu6'"),
     ("starcoder2", dict(hidden_act="relu6"), "unsupported hidden_act 'relu6'"),
     ("phi", dict(hidden_act="quick_gelu"), "unsupported hidden_act 'quick_gelu'"),

@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, gptj, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, phi,
+from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, gptj, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi,
                                     phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
@@ -42,6 +42,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "gpt2": gpt2.build,
     "gpt_bigcode": gpt2.build,
     "gptj": gptj.build,
+    "opt": opt.build,
     "nemotron": nemotron.build,
     "gemma": gemma.build,
     "gemma2": gemma.build,
@@ -52,7 +53,8 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
 SUPPORTED = sorted(FAMILIES)
 # model_type -> a checkpoint tensor's name as the family reads it (None: not read), for checkpoints named otherwise
 CHECKPOINT_NAMES: dict[str, Callable[[str], str | None]] = {"gpt_neox": gpt_neox.checkpoint_name, "gpt2": gpt2.checkpoint_name,
-                                                           "gpt_bigcode": gpt2.checkpoint_name, "gptj": gptj.checkpoint_name}
+                                                           "gpt_bigcode": gpt2.checkpoint_name, "gptj": gptj.checkpoint_name,
+                                                           "opt": opt.checkpoint_name}
 SILU_NAMES = ("silu", "swish")  # transformers' names for x * sigmoid(x)
 
 

@@ -36,7 +36,7 @@ class Dims:
 
 # families whose attention has no num_key_value_heads: a k and v head per query head (GPT-BigCode:
 # one for all under multi_query), whatever stray key a config.json carries
-_ONE_KV_PER_HEAD = ("gpt2", "gpt_bigcode", "gpt_neox", "gptj")
+_ONE_KV_PER_HEAD = ("gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt")
 
 
 def dims(config: PretrainedConfig) -> Dims:
@@ -131,7 +131,7 @@ class DecoderSpec:
     # "head_layer": LayerNorm over head_dim with a weight and bias per head ([2, heads, head_dim]: Cohere, StableLM)
     qk_norm: str | None = None
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-c, c]
-    activation: str = "silu"  # the MLP's activation: "silu", "gelu_tanh", "gelu" (erf), "relu2" (relu(x) ** 2, non-gated only)
+    activation: str = "silu"  # the MLP's activation: "silu", "gelu_tanh", "gelu" (erf), "relu2" (relu(x) ** 2), "relu" (the last two non-gated only)
     norm: str = "rms"  # "layer": LayerNorm (mean-centred; weights as RawLayer says)
     norm_eps: float | None = None  # default config.rms_norm_eps
     # attention and MLP both read the layer's input (normed) and add to the residual together
@@ -145,6 +145,7 @@ class DecoderSpec:
     # GPT-2, GPT-BigCode: learned absolute positions (model.embed_positions.weight) added to the
     # embeddings; their layers take no rotary embeddings (LayerAttention.rotary False)
     position_embeddings: bool = False
+    position_offset: int = 0  # OPT: position p reads row p + 2
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype; Granite's multiplier
     attn_scale: float | None = None  # default head_dim ** -0.5
     attn_softcap: float | None = None
@@ -307,7 +308,7 @@ def post_norm_layer(w: Weights, i: int, d: Dims, intermediate: int, qk_norm: str
 
 # transformers' activation names -> DecoderSpec.activation ("gelu_tanh": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))))
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-               "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
+               "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu2": "relu2", "relu": "relu"}
 
 
 def activation(config: PretrainedConfig, field_name: str = "hidden_act") -> str:
