@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, DenseMLP, RawLayer, activation, attention_biases, dims, llama_layer,
-                                         mlp_bias, take, uniform_layers)
+from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, RawLayer, activation, attention_biases, dims, llama_layer, mlp_bias,
+                                         take_plain_mlp, uniform_layers)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -16,10 +16,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     biases, with_bias = attention_biases(config), mlp_bias(config)
 
     def mlp(w, p):
-        p += "mlp."
-        return DenseMLP(take(w, f"{p}up_proj.weight", (inter, d.hidden)), take(w, f"{p}down_proj.weight", (d.hidden, inter)), gated=False,
-                        up_bias=take(w, f"{p}up_proj.bias", (inter,)) if with_bias else None,
-                        down_bias=take(w, f"{p}down_proj.bias", (d.hidden,)) if with_bias else None)
+        return take_plain_mlp(w, f"{p}mlp.up_proj", f"{p}mlp.down_proj", d.hidden, inter, with_bias)
 
     def take_layer(w, i) -> RawLayer:
         return llama_layer(w, i, d, inter, mlp, biases=biases)

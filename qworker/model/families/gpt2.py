@@ -18,18 +18,14 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, DenseMLP, LayerAttention, RawLayer, activation, dims, per_head_to_grouped,
-                                         renamed, take, take_layer_norm)
+from qworker.model.families.spec import (DecoderSpec, DenseMLP, LayerAttention, RawLayer, activation, dims, gpt2_style_names,
+                                         per_head_to_grouped, take, take_layer_norm)
 
 _PREFIXES = tuple((f"{outer}{old}", new) for outer in ("transformer.", "") for old, new in
                   (("wte.", "model.embed_tokens."), ("wpe.", "model.embed_positions."), ("h.", "model.layers."), ("ln_f.", "model.norm.")))
 
 
-def checkpoint_name(name: str) -> str | None:
-    """A checkpoint tensor's name as the family reads it (None: a causal-mask buffer, not a weight)."""
-    if name.endswith((".attn.bias", ".attn.masked_bias")):
-        return None
-    return renamed(name, _PREFIXES)
+checkpoint_name = gpt2_style_names(_PREFIXES)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, DenseMLP, RawLayer, activation, dims, per_head_to_grouped, renamed, take,
-                                         take_layer_norm, uniform_layers)
+from qworker.model.families.spec import (DecoderSpec, RawLayer, activation, dims, per_head_to_grouped, renamed, take, take_layer_norm,
+                                         take_plain_mlp, uniform_layers)
 
 _PREFIXES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.layers.", "model.layers."),
              ("gpt_neox.final_layer_norm.", "model.norm."), ("embed_out.", "lm_head."))
@@ -41,9 +41,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     def take_layer(w, i):
         p = f"model.layers.{i}."
         qkv = take(w, f"{p}attention.query_key_value.weight", (3 * d.q_size, d.hidden))
-        mlp = DenseMLP(take(w, f"{p}mlp.dense_h_to_4h.weight", (inter, d.hidden)), take(w, f"{p}mlp.dense_4h_to_h.weight", (d.hidden, inter)),
-                       gated=False, up_bias=take(w, f"{p}mlp.dense_h_to_4h.bias", (inter,)),
-                       down_bias=take(w, f"{p}mlp.dense_4h_to_h.bias", (d.hidden,)))
+        mlp = take_plain_mlp(w, f"{p}mlp.dense_h_to_4h", f"{p}mlp.dense_4h_to_h", d.hidden, inter, True)
         return RawLayer(
             input_norm=take_layer_norm(w, f"{p}input_layernorm", (d.hidden,), True),
             mlp_norm=take_layer_norm(w, f"{p}post_attention_layernorm", (d.hidden,), True),

@@ -18,18 +18,14 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, DenseMLP, RawLayer, activation, dims, renamed, rotate_halves_not_pairs, take,
-                                         take_layer_norm, uniform_layers)
+from qworker.model.families.spec import (DecoderSpec, RawLayer, activation, dims, gpt2_style_names, rotate_halves_not_pairs, take,
+                                         take_layer_norm, take_plain_mlp, uniform_layers)
 from qworker.model.rope import rope_parameters
 
 _PREFIXES = (("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."))
 
 
-def checkpoint_name(name: str) -> str | None:
-    """A checkpoint tensor's name as the family reads it (None: a causal-mask buffer, not a weight)."""
-    if name.endswith((".attn.bias", ".attn.masked_bias")):
-        return None
-    return renamed(name, _PREFIXES)
+checkpoint_name = gpt2_style_names(_PREFIXES)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -43,8 +39,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     def take_layer(w, i):
         p = f"model.layers.{i}."
         q, k, v = (take(w, f"{p}attn.{n}_proj.weight", (d.q_size, d.hidden)) for n in "qkv")
-        mlp = DenseMLP(take(w, f"{p}mlp.fc_in.weight", (inter, d.hidden)), take(w, f"{p}mlp.fc_out.weight", (d.hidden, inter)), gated=False,
-                       up_bias=take(w, f"{p}mlp.fc_in.bias", (inter,)), down_bias=take(w, f"{p}mlp.fc_out.bias", (d.hidden,)))
+        mlp = take_plain_mlp(w, f"{p}mlp.fc_in", f"{p}mlp.fc_out", d.hidden, inter, True)
         return RawLayer(input_norm=take_layer_norm(w, f"{p}ln_1", (d.hidden,), True), mlp_norm=None, mlp=mlp,
                         qkv=torch.cat([halves(q), halves(k), v]), qkv_bias=None,
                         o=take(w, f"{p}attn.out_proj.weight", (d.hidden, d.q_size)), o_bias=None)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, DenseMLP, RawLayer, activation, attention_biases, dims, mlp_bias, take,
-                                         take_attention, take_layer_norm, uniform_layers)
+from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, RawLayer, activation, attention_biases, dims, mlp_bias,
+                                         take_attention, take_layer_norm, take_plain_mlp, uniform_layers)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -20,9 +20,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
 
     def take_layer(w, i):
         p = f"model.layers.{i}."
-        mlp = DenseMLP(take(w, f"{p}mlp.up_proj.weight", (inter, d.hidden)), take(w, f"{p}mlp.down_proj.weight", (d.hidden, inter)),
-                       gated=False, up_bias=take(w, f"{p}mlp.up_proj.bias", (inter,)) if with_bias else None,
-                       down_bias=take(w, f"{p}mlp.down_proj.bias", (d.hidden,)) if with_bias else None)
+        mlp = take_plain_mlp(w, f"{p}mlp.up_proj", f"{p}mlp.down_proj", d.hidden, inter, with_bias)
         return RawLayer(input_norm=take_layer_norm(w, f"{p}input_layernorm", (d.hidden,), True),
                         mlp_norm=take_layer_norm(w, f"{p}post_attention_layernorm", (d.hidden,), True),
                         mlp=mlp, **take_attention(w, p, d, biases))

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, DenseMLP, LayerAttention, RawLayer, activation, dims, renamed, take,
-                                         take_layer_norm)
+from qworker.model.families.spec import (DecoderSpec, LayerAttention, RawLayer, activation, dims, renamed, take, take_layer_norm,
+                                         take_plain_mlp)
 
 EPS = 1e-5  # nn.LayerNorm's default: OPT's norms take no eps from the config
 POSITION_OFFSET = 2
@@ -55,9 +55,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     def take_layer(w, i):
         p = f"model.layers.{i}."
         qkv = [take(w, f"{p}self_attn.{n}_proj.weight", (d.q_size, d.hidden)) for n in "qkv"]
-        mlp = DenseMLP(take(w, f"{p}fc1.weight", (inter, d.hidden)), take(w, f"{p}fc2.weight", (d.hidden, inter)), gated=False,
-                       up_bias=take(w, f"{p}fc1.bias", (inter,)) if bias else None,
-                       down_bias=take(w, f"{p}fc2.bias", (d.hidden,)) if bias else None)
+        mlp = take_plain_mlp(w, f"{p}fc1", f"{p}fc2", d.hidden, inter, bias)
         return RawLayer(input_norm=norm(w, f"{p}self_attn_layer_norm"), mlp_norm=norm(w, f"{p}final_layer_norm"), mlp=mlp,
                         qkv=torch.cat(qkv), o=take(w, f"{p}self_attn.out_proj.weight", (d.hidden, d.q_size)),
                         qkv_bias=torch.cat([take(w, f"{p}self_attn.{n}_proj.bias", (d.q_size,)) for n in "qkv"]) if bias else None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, DenseMLP, RawLayer, activation, dims, take, take_layer_norm, uniform_layers
+from qworker.model.families.spec import DecoderSpec, RawLayer, activation, dims, take, take_layer_norm, take_plain_mlp, uniform_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -24,8 +24,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         sizes = (d.q_size, d.kv_size, d.kv_size)
         qkv = [take(w, f"{p}self_attn.{n}_proj.weight", (s, d.hidden)) for n, s in zip("qkv", sizes)]
         qkv_bias = [take(w, f"{p}self_attn.{n}_proj.bias", (s,)) for n, s in zip("qkv", sizes)]
-        mlp = DenseMLP(take(w, f"{p}mlp.fc1.weight", (inter, d.hidden)), take(w, f"{p}mlp.fc2.weight", (d.hidden, inter)), gated=False,
-                       up_bias=take(w, f"{p}mlp.fc1.bias", (inter,)), down_bias=take(w, f"{p}mlp.fc2.bias", (d.hidden,)))
+        mlp = take_plain_mlp(w, f"{p}mlp.fc1", f"{p}mlp.fc2", d.hidden, inter, True)
         return RawLayer(input_norm=take_layer_norm(w, f"{p}input_layernorm", (d.hidden,), True), mlp_norm=None, mlp=mlp,
                         qkv=torch.cat(qkv), qkv_bias=torch.cat(qkv_bias),
                         o=take(w, f"{p}self_attn.dense.weight", (d.hidden, d.q_size)), o_bias=take(w, f"{p}self_attn.dense.bias", (d.hidden,)))

@@ -249,6 +249,23 @@ def take_dense_mlp(w: Weights, p: str, hidden: int, intermediate: int, bias: boo
     return mlp
 
 
+def take_plain_mlp(w: Weights, up: str, down: str, hidden: int, intermediate: int, bias: bool) -> DenseMLP:
+    """A non-gated MLP ``down(act(up(x)))``: the ``{up}``/``{down}`` weights (``[out, in]``) and,
+    where ``bias``, their biases."""
+    return DenseMLP(take(w, f"{up}.weight", (intermediate, hidden)), take(w, f"{down}.weight", (hidden, intermediate)), gated=False,
+                    up_bias=take(w, f"{up}.bias", (intermediate,)) if bias else None,
+                    down_bias=take(w, f"{down}.bias", (hidden,)) if bias else None)
+
+
+def gpt2_style_names(prefixes: tuple[tuple[str, str], ...]) -> Callable[[str], str | None]:
+    """A family's ``checkpoint_name`` for GPT-2-style exports (GPT-2, GPT-J): ``prefixes``
+    renamed, the causal-mask buffers older exports carry (``attn.bias``, ``attn.masked_bias``) not
+    read (None)."""
+    def checkpoint_name(name: str) -> str | None:
+        return None if name.endswith((".attn.bias", ".attn.masked_bias")) else renamed(name, prefixes)
+    return checkpoint_name
+
+
 _MLP_BIAS_FAMILIES = ("llama", "granite", "smollm3", "seed_oss", "arcee", "nemotron")  # whose transformers MLP reads mlp_bias
 
 

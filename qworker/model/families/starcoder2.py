@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, DenseMLP, RawLayer, activation, dims, take, take_attention,
-                                         take_layer_norm, uniform_layers)
+from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, RawLayer, activation, dims, take_attention, take_layer_norm,
+                                         take_plain_mlp, uniform_layers)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -17,9 +17,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
 
     def take_layer(w, i):
         p = f"model.layers.{i}."
-        mlp = DenseMLP(take(w, f"{p}mlp.c_fc.weight", (inter, d.hidden)), take(w, f"{p}mlp.c_proj.weight", (d.hidden, inter)),
-                       gated=False, up_bias=take(w, f"{p}mlp.c_fc.bias", (inter,)) if bias else None,
-                       down_bias=take(w, f"{p}mlp.c_proj.bias", (d.hidden,)) if bias else None)
+        mlp = take_plain_mlp(w, f"{p}mlp.c_fc", f"{p}mlp.c_proj", d.hidden, inter, bias)
         return RawLayer(input_norm=take_layer_norm(w, f"{p}input_layernorm", (d.hidden,), True),
                         mlp_norm=take_layer_norm(w, f"{p}post_attention_layernorm", (d.hidden,), True),
                         mlp=mlp, **take_attention(w, p, d, (bias, bias)))
