@@ -143,12 +143,13 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One step's attention: all ``q_len == 1`` (``max_query_len == 1``) goes to the
     decode kernel (``q`` rows are then the sequences), anything else to the
     prefill kernel, which handles decode rows of a mixed batch too.
-    ``sliding_window``/``softcap``: see :mod:`kernels.reference`."""
-    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
+    ``sliding_window``/``softcap``/``sinks``: see :mod:`kernels.reference`."""
+    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     if max_query_len == 1:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, **opts)
     return paged_prefill_attention(

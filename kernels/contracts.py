@@ -35,10 +35,12 @@ def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
     require(k_cache.dtype == v_cache.dtype == q.dtype, f"q is {q.dtype}, the cache {k_cache.dtype}/{v_cache.dtype}: one dtype")
 
 
-def check_vector(t: torch.Tensor, name: str, length: int) -> None:
-    """A per-sequence or per-token index tensor the kernel reads as ``ptr + i``."""
+def check_vector(t: torch.Tensor, name: str, length: int, dtype: torch.dtype | None = None) -> None:
+    """A per-sequence, per-token or per-head tensor the kernel reads as ``ptr + i`` (of ``dtype``
+    where given: attention sinks are read as fp32)."""
     require(t.dim() == 1 and t.numel() == length, f"{name} has shape {tuple(t.shape)}, expected ({length},)")
     require(t.is_contiguous(), f"{name} must be contiguous")
+    require(dtype is None or t.dtype == dtype, f"{name} is {t.dtype}, expected {dtype}")
 
 
 def check_block_tables(block_tables: torch.Tensor, batch: int) -> None:

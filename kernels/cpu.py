@@ -123,10 +123,10 @@ def _cache_dir() -> Path:
 
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_DECODE_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I64, _I32, _F32]
+_DECODE_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I64, _I32, _F32, _P]
 # q, q_row_stride, k_cache, v_cache, tables, table_stride, query_start_loc, seq_lens, out, out_row_stride, B, Hq, Hkv,
-# D, block_size, scale, threads, num_blocks, window, softcap
-_EXTEND_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I64, _I32, _F32]
+# D, block_size, scale, threads, num_blocks, window, softcap, sinks (fp32 [Hq] or NULL)
+_EXTEND_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I64, _I32, _F32, _P]
 _STORE_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _I64, _I32, _I64]
 # C function -> (argument types, return type); the *_f16 ones exist only in F16C builds
 _SIGNATURES = {
@@ -258,6 +258,7 @@ def paged_decode_attention_cpu(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     bf16_products: bool = False,
 ) -> torch.Tensor:
     """Same contract as :func:`kernels.reference.paged_decode_attention_ref` (``num_splits`` is
@@ -265,11 +266,11 @@ def paged_decode_attention_cpu(
     mode), with a bf16 cache: the two products in bf16 with AVX512_BF16 dot products where the
     build has them and the head size is 64 or 128 (the scaled query and the softmax numerators
     rounded to bf16, as the AMX extend kernel; ``csrc/paged_decode.c``), fp32 products elsewhere."""
-    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
+    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     lib = _library()
     dp = bf16_products and k_cache.dtype == torch.bfloat16 and lib is not None
     fn = getattr(lib, "qw_paged_decode_bf16_dp", None) if dp else _cache_fn("qw_paged_decode", k_cache.dtype)
-    if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out):
+    if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out) or not _sinks_covered(sinks, q):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, **opts)
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
@@ -287,7 +288,7 @@ def paged_decode_attention_cpu(
     rc = fn(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), result.data_ptr(), result.stride(0), B, Hq, Hkv, D, block_size, float(scale), torch.get_num_threads(),
-        k_cache.shape[0], _window_arg(sliding_window), float(softcap or 0.0),
+        k_cache.shape[0], _window_arg(sliding_window), float(softcap or 0.0), _sinks_arg(sinks),
     )
     if rc == -2:
         raise IndexError(f"a block table entry is outside the cache's {k_cache.shape[0]} blocks")
@@ -314,6 +315,7 @@ def paged_prefill_attention_cpu(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     bf16_products: bool = False,
 ) -> torch.Tensor:
     """Same contract as :func:`kernels.reference.paged_prefill_attention_ref`: causal attention of
@@ -325,10 +327,11 @@ def paged_prefill_attention_cpu(
     (``csrc/paged_extend_bf16_products.c``: queries and probabilities rounded to bf16, fp32 sums
     and softmax) on AMX tiles or AVX512_BF16 dot products, where the CPU has either (see
     :func:`extend_bf16_products_kernel`), else as without it."""
-    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
+    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     name = "qw_paged_extend_bf16_products" if bf16_products and k_cache.dtype == torch.bfloat16 else None
     fn = (getattr(_library(), name, None) if name else _cache_fn("qw_paged_extend", k_cache.dtype)) if EXTEND_KERNEL else None
-    if fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out) or query_start_loc.device.type != "cpu":
+    if (fn is None or not _covered(q, k_cache, v_cache, block_tables, seq_lens, out) or query_start_loc.device.type != "cpu"
+            or not _sinks_covered(sinks, q)):
         return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                            max_query_len, **opts)
     T, Hq, D = q.shape
@@ -345,7 +348,7 @@ def paged_prefill_attention_cpu(
     rc = fn(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         starts.data_ptr(), lens.data_ptr(), result.data_ptr(), result.stride(0), B, Hq, Hkv, D, block_size, float(scale),
-        torch.get_num_threads(), k_cache.shape[0], _window_arg(sliding_window), float(softcap or 0.0),
+        torch.get_num_threads(), k_cache.shape[0], _window_arg(sliding_window), float(softcap or 0.0), _sinks_arg(sinks),
     )
     if rc == -2:
         raise IndexError(f"a block table entry is outside the cache's {k_cache.shape[0]} blocks, or a sequence has more "
@@ -362,6 +365,16 @@ def extend_bf16_products_kernel(head_dim: int) -> str | None:
     or None (head_dim % 32 != 0, or neither: the fp32-product kernel runs)."""
     fn = getattr(_library(), "qw_paged_extend_bf16_products_kernel", None) if _library() is not None else None
     return {2: "amx", 1: "avx512_bf16"}.get(fn(head_dim) if fn else 0)
+
+
+def _sinks_covered(sinks: torch.Tensor | None, q: torch.Tensor) -> bool:
+    """The kernels read attention sinks as a contiguous fp32 CPU vector, one per query head."""
+    return sinks is None or (sinks.dtype == torch.float32 and sinks.device.type == "cpu" and sinks.is_contiguous()
+                             and tuple(sinks.shape) == (q.shape[1],))
+
+
+def _sinks_arg(sinks: torch.Tensor | None) -> int | None:
+    return None if sinks is None else sinks.data_ptr()
 
 
 def _window_arg(sliding_window: int | None) -> int:

@@ -64,6 +64,7 @@ def _tanh(x):
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr,
     part_out_ptr, part_lse_ptr, out_ptr,
+    sinks_ptr,  # fp32 [HQ] attention sinks; unused without HAS_SINKS
     qk_scale,  # softmax scale * log2(e): scores live in base 2 (scale / softcap with HAS_SOFTCAP)
     cap_log2e,  # softcap * log2(e); unused without HAS_SOFTCAP
     window,  # sliding window in positions; unused without HAS_WINDOW
@@ -77,7 +78,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the final output, no stage 2
     DOT_PREC: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -126,6 +127,9 @@ def _decode_split_kernel(
 
     live = l_i > 0  # False only for an empty split
     l_safe = tl.where(live, l_i, 1.0)
+    if DIRECT and HAS_SINKS:  # one more logit per head, with no value (the split path adds it in stage 2)
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=float("-inf")) * 1.4426950408889634
+        l_safe = tl.where(live, l_i + tl.exp2(sink - m_i), 1.0)
     o = acc / l_safe[:, None]
     if DIRECT:
         out_rows = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
@@ -141,12 +145,13 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
+    sinks_ptr,  # fp32 [HQ] attention sinks; unused without HAS_SINKS
     window,
     split_size,
     stride_ob, stride_oh,
     HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -166,6 +171,8 @@ def _decode_reduce_kernel(
     w = tl.exp2(lse - m)
     o = tl.load(part_out_ptr + base[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(w, 0)
+    if HAS_SINKS:  # the sink's logit (base 2) joins the denominator only
+        total += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - m)
     res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)  # zeros, as one split writes
     dst = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -204,6 +211,7 @@ def paged_decode_attention(
     num_stages: int = 2,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.reference.paged_decode_attention_ref`.
 
@@ -241,9 +249,11 @@ def paged_decode_attention(
         part_out = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     D_PAD = triton.next_power_of_2(D)
+    if sinks is not None:
+        check_vector(sinks, "sinks", Hq, torch.float32)
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
-        part_out, part_lse, out,
+        part_out, part_lse, out, sinks if sinks is not None else out,
         scale / softcap if softcap is not None else scale * _LOG2E,
         softcap * _LOG2E if softcap is not None else 0.0,
         sliding_window or 0, split_size,
@@ -255,15 +265,15 @@ def paged_decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         _decode_reduce_kernel[(B, Hq)](
-            part_out, part_lse, seq_lens, out,
+            part_out, part_lse, seq_lens, out, sinks if sinks is not None else out,
             sliding_window or 0, split_size, out.stride(0), out.stride(1),
             HQ=Hq, NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
-            D=D, D_PAD=D_PAD, HAS_WINDOW=sliding_window is not None,
+            D=D, D_PAD=D_PAD, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
             num_warps=4 if D_PAD >= 128 else 2,
         )
     return out

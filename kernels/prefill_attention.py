@@ -42,6 +42,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+    sinks_ptr,  # fp32 [Hq] attention sinks; unused without HAS_SINKS
     qk_scale,
     cap_log2e,  # softcap * log2(e); unused without HAS_SOFTCAP
     window,  # unused without HAS_WINDOW
@@ -52,7 +53,7 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     mt = tl.program_id(0)
     h = tl.program_id(1)
@@ -109,6 +110,8 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
+    if HAS_SINKS:  # one more logit (base 2) per head, with no value: the denominator only
+        l_i += tl.exp2(tl.load(sinks_ptr + h) * 1.4426950408889634 - m_i)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_rows = (q_start + rows).to(tl.int64) * stride_ot + h * stride_oh
     tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=md_mask)
@@ -131,6 +134,7 @@ def paged_prefill_attention(
     num_stages: int = 2,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.reference.paged_prefill_attention_ref`.
 
@@ -154,9 +158,11 @@ def paged_prefill_attention(
     assert sliding_window is None or sliding_window >= 1, f"sliding_window {sliding_window}"
     if max_query_len <= 16:  # decode-heavy or small chunks: don't waste a 64-row tile
         block_m = min(block_m, 16)
+    if sinks is not None:
+        check_vector(sinks, "sinks", Hq, torch.float32)
     grid = (triton.cdiv(max_query_len, block_m), Hq, B)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, sinks if sinks is not None else out,
         scale / softcap if softcap is not None else scale * _LOG2E,
         softcap * _LOG2E if softcap is not None else 0.0,
         sliding_window or 0,
@@ -167,7 +173,7 @@ def paged_prefill_attention(
         G=Hq // Hkv, D=D, D_PAD=triton.next_power_of_2(D),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -26,6 +26,9 @@ Options shared by every attention function (keyword-only, off by default)
   sliding-window masks. Blocks wholly before the window are never read.
 * ``softcap=c``: scores are ``c * tanh(q.k * scale / c)`` (Gemma 2), applied
   after scaling and before the mask and the softmax.
+* ``sinks`` (fp32 ``[Hq]``): attention sinks (gpt-oss): each query head's softmax
+  has one more logit, ``sinks[h]``, with no value, so the weights of the real
+  keys sum to less than one.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ def paged_decode_attention_ref(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (position ``seq_lens[b] - 1``) over its whole context
     (or its last ``sliding_window`` tokens: only the blocks holding them are gathered).
@@ -157,7 +161,7 @@ def paged_decode_attention_ref(
         v = _gather_seq_kv(v_cache, block_tables, lens, nb, first).transpose(1, 2)
         pos = first[:, None] * bs + torch.arange(k.shape[2], device=q.device)[None, :]
         live = (pos < lens[:, None]) & (pos >= lo[:, None])
-    res = _attend(q.to(acc)[:, :, None, :], k.to(acc), v.to(acc), live[:, None, None, :], scale, softcap)[:, :, 0, :]
+    res = _attend(q.to(acc)[:, :, None, :], k.to(acc), v.to(acc), live[:, None, None, :], scale, softcap, sinks=sinks)[:, :, 0, :]
     if out is None:
         return res.to(q.dtype)
     out.copy_(res)
@@ -166,13 +170,13 @@ def paged_decode_attention_ref(
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    softcap: float | None, is_causal: bool = False,
+    softcap: float | None, is_causal: bool = False, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [..., Hq, M, D]`` over ``k``/``v`` ``[..., Hkv, L, D]`` (GQA: query head h reads kv
     head h // G) with a bool ``mask`` broadcastable to ``[..., Hq, M, L]`` (True = attend).
-    Without a softcap this is one SDPA call; with one, the scores are materialised to cap them.
+    Without a softcap or sinks this is one SDPA call; with either, the scores are materialised.
     Every query row must attend at least one key."""
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
@@ -180,12 +184,16 @@ def _attend(
         k = k.repeat_interleave(group, dim=-3)
         v = v.repeat_interleave(group, dim=-3)
     scores = (q @ k.transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if is_causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    sink = sinks.to(device=scores.device, dtype=scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
 
 
 def _causal_mask(
@@ -215,6 +223,7 @@ def paged_prefill_attention_ref(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of each sequence's new queries over its cached context.
 
@@ -244,7 +253,7 @@ def paged_prefill_attention_ref(
         idx = torch.tensor(single, device=q.device, dtype=torch.long)
         rows = query_start_loc.to(torch.long)[idx]
         res = paged_decode_attention_ref(q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale,
-                                         sliding_window=sliding_window, softcap=softcap)
+                                         sliding_window=sliding_window, softcap=softcap, sinks=sinks)
         out[rows] = res.to(out.dtype)
 
     acc = _acc_dtype(q.dtype)
@@ -268,10 +277,10 @@ def paged_prefill_attention_ref(
             kb = k.transpose(0, 1).to(acc)
             vb = v.transpose(0, 1).to(acc)
             if ql == ctx and sliding_window is None:  # no cached prefix: plain causal, SDPA's fast path
-                res = _attend(qb, kb, vb, None, scale, softcap, is_causal=True)
+                res = _attend(qb, kb, vb, None, scale, softcap, is_causal=True, sinks=sinks)
             else:
                 mask = _causal_mask(i1 - i0, hi, q.device, sliding_window, first)
-                res = _attend(qb, kb, vb, mask, scale, softcap)
+                res = _attend(qb, kb, vb, mask, scale, softcap, sinks=sinks)
             out[rows] = res.transpose(0, 1).to(out.dtype)
     return out
 
@@ -289,10 +298,11 @@ def paged_attention_ref(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Route a step's attention: a pure-decode batch (``max_query_len == 1``) to the
     decode reference, anything else to the prefill reference."""
-    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap)
+    opts = dict(out=out, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     if max_query_len == 1:
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, **opts)
     return paged_prefill_attention_ref(

@@ -77,10 +77,11 @@ void qw_silu_mul_bf16(const uint16_t *, uint16_t *, int64_t, int, int);
 typedef int (*store_fn)(const float *, const float *, int64_t, int64_t, void *, void *, const int64_t *, int64_t, int,
                         int64_t);
 typedef int (*attn_decode_fn)(const float *, int64_t, const void *, const void *, const int32_t *, int64_t,
-                              const int32_t *, float *, int64_t, int, int, int, int, int, float, int, int64_t, int, float);
+                              const int32_t *, float *, int64_t, int, int, int, int, int, float, int, int64_t, int, float,
+                              const float *);
 typedef int (*attn_extend_fn)(const float *, int64_t, const void *, const void *, const int32_t *, int64_t,
                               const int32_t *, const int32_t *, float *, int64_t, int, int, int, int, int, float, int,
-                              int64_t, int, float);
+                              int64_t, int, float, const float *);
 #define DECLARE(dt)                                                                                                 \
     int qw_store_kv_##dt();                                                                                         \
     int qw_paged_decode_##dt();                                                                                     \
@@ -130,14 +131,14 @@ static int attention(const qw_step *s, const qw_layer *l, const cache_kernels *c
     if (nd > 0) {
         int rc = ck->decode(s->qkv, qkv_row, l->k_cache, l->v_cache, s->tables, s->table_stride, s->seq_lens, s->attn,
                             out_row, nd, s->Hq, s->Hkv, s->D, s->block_size, s->scale, s->threads, s->num_blocks,
-                            s->window, s->softcap);
+                            s->window, s->softcap, NULL);
         if (rc != 0) return rc == -2 ? -2 : -3;
     }
     if (rest > 0 && s->T > nd) {
         int rc = ck->extend(s->qkv + nd * qkv_row, qkv_row, l->k_cache, l->v_cache, s->tables + nd * s->table_stride,
                             s->table_stride, s->query_start_loc, s->seq_lens + nd, s->attn + nd * out_row, out_row,
                             rest, s->Hq, s->Hkv, s->D, s->block_size, s->scale, s->threads, s->num_blocks, s->window,
-                            s->softcap);
+                            s->softcap, NULL);
         if (rc != 0) return rc == -2 ? -2 : -3;
     }
     return 0;

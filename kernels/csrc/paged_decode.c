@@ -32,6 +32,7 @@
  * Built by kernels/cpu.py with -O3 -march=native -fopenmp and loaded with ctypes. libgomp is the
  * same library torch loaded (same soname), so this code and torch share one OpenMP thread pool.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,8 +51,10 @@
 
 /* One query head's scores over its attended span, in place: soft-capped (when cap > 0), then the
  * softmax numerators exp(s - max). Returns 1 / their sum, which the caller applies once to the
- * weighted V sum (both decode paths share this pass). */
-static inline float qw_softmax_numerators(float *restrict s, int span, float cap) {
+ * weighted V sum (both decode paths share this pass). sink > -inf: an attention sink (gpt-oss), one
+ * more logit in the softmax with no value: it joins the max and adds exp(sink - max) to the sum,
+ * *sink_term (when not NULL) receiving that numerator. */
+static inline float qw_softmax_numerators(float *restrict s, int span, float cap, float sink, float *sink_term) {
     if (cap > 0.0f) {
 #pragma omp simd
         for (int t = 0; t < span; t++) s[t] = qw_softcap(s[t], cap);
@@ -59,13 +62,16 @@ static inline float qw_softmax_numerators(float *restrict s, int span, float cap
     float m = s[0];
 #pragma omp simd reduction(max : m)
     for (int t = 0; t < span; t++) m = s[t] > m ? s[t] : m;
+    if (sink > m) m = sink;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < span; t++) {
         s[t] = exp_nonpositive(s[t] - m);
         sum += s[t];
     }
-    return 1.0f / sum;
+    const float extra = sink > -INFINITY ? exp_nonpositive(sink - m) : 0.0f;
+    if (sink_term) *sink_term = extra;
+    return 1.0f / (sum + extra);
 }
 
 /* How many blocks from table[blk] on (at most up to `end`) have consecutive ids: such a run is one
@@ -146,9 +152,9 @@ static inline void qw_pair_split(const float *restrict src, float *restrict dst,
 /* The bf16 mode's decode (qw_paged_decode_bf16_dp): qw_softmax_numerators with each numerator
  * rounded to bf16 (nearest even) for the P . V product, and 1 / the sum of the rounded ones, so a
  * row is normalised by what it was multiplied by (as csrc/paged_extend_bf16_products.c). */
-static inline float qw_softmax_numerators_bf16(float *restrict s, int span, float cap) {
-    (void)qw_softmax_numerators(s, span, cap); /* exp(s - max) in place; its sum is of the unrounded */
-    float sum = 0.0f;
+static inline float qw_softmax_numerators_bf16(float *restrict s, int span, float cap, float sink) {
+    float sum;
+    (void)qw_softmax_numerators(s, span, cap, sink, &sum); /* exp(s - max) in place; its sum is of the unrounded */
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < span; t++) {
         s[t] = bf16_to_f32(f32_to_bf16(s[t]));
@@ -261,9 +267,12 @@ static inline void qw_stream_to(qw_stream *s, int done) {
 #define QW_ATTEND_PARAMS                                                                                             \
     const float *restrict qs, const KV_T *restrict k_cache, const KV_T *restrict v_cache,                            \
         const int32_t *restrict table, int lo, int len, int block_size, int64_t token_stride, int h0, int h1, int G, \
-        int D, float scale, float softcap, float *restrict scores, float *restrict acc, float *restrict outs
+        int D, float scale, float softcap, const float *restrict sinks, float *restrict scores, float *restrict acc, \
+        float *restrict outs
 #define QW_ATTEND_ARGS qs, k_cache, v_cache, table, lo, len, block_size, token_stride, h0, h1, G, D, scale, softcap, \
-                       scores, acc, outs
+                       sinks, scores, acc, outs
+/* query head qh's sink logit (sinks: the item's first query head's, or NULL for none) */
+#define QW_SINK(qh) (sinks ? sinks[qh] : -INFINITY)
 
 #define QW_CAT2(a, b) a##_##b
 #define QW_CAT(a, b) QW_CAT2(a, b)
@@ -388,8 +397,8 @@ static inline float qw_bf16_to_f32(uint16_t h) {
 int qw_paged_decode_bf16_dp(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
                             int64_t out_stride, int B, int Hq, int Hkv, int D, int block_size, float scale, int num_threads,
-                            int64_t num_blocks, int window, float softcap) {
+                            int64_t num_blocks, int window, float softcap, const float *sinks) {
     return qw_paged_decode_bf16(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, out_stride, B,
-                                Hq, Hkv, D, block_size, scale, num_threads, num_blocks, window, softcap);
+                                Hq, Hkv, D, block_size, scale, num_threads, num_blocks, window, softcap, sinks);
 }
 #endif

@@ -184,7 +184,7 @@ static inline __attribute__((always_inline)) void FN(attend_body)(QW_ATTEND_PARA
     }
     /* softmax numerators in place; the 1/sum is applied once at the end */
     float inv_sum[nq];
-    for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators(scores + (int64_t)qh * span, span, softcap);
+    for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators(scores + (int64_t)qh * span, span, softcap, QW_SINK(qh), NULL);
     /* pass 2: acc_qh = sum_t p[qh, t] * v_t, page by page */
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     for (int blk = blk0, run; blk < num_blks; blk += run) {
@@ -400,9 +400,9 @@ static inline __attribute__((always_inline)) void FN(attend_gqa_body)(QW_ATTEND_
     }
     float inv_sum[nq];
 #if defined(QW_DP)
-    for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators_bf16(scores + (int64_t)qh * span, span, softcap);
+    for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators_bf16(scores + (int64_t)qh * span, span, softcap, QW_SINK(qh));
 #else
-    for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators(scores + (int64_t)qh * span, span, softcap);
+    for (int qh = 0; qh < nq; qh++) inv_sum[qh] = qw_softmax_numerators(scores + (int64_t)qh * span, span, softcap, QW_SINK(qh), NULL);
 #endif
     memset(acc, 0, sizeof(float) * (size_t)nq * D);
     for (int blk = blk0, run; blk < num_blks; blk += run) {
@@ -459,12 +459,13 @@ static inline int FN(window_start)(int len, int window) {
 
 /* Returns 0; -1 when a thread could not allocate its scratch (the caller falls back); -2, before
  * reading anything, when a live block-table entry (one the kernel would read) is outside
- * [0, num_blocks). window > 0: attend only the last `window` tokens; softcap > 0: cap the scores. */
+ * [0, num_blocks). window > 0: attend only the last `window` tokens; softcap > 0: cap the scores;
+ * sinks (fp32 [Hq], or NULL): attention sinks, one more logit per query head in its softmax. */
 int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
                         const KV_T *v_cache, const int32_t *block_tables, int64_t table_stride,
                         const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq,
                         int Hkv, int D, int block_size, float scale, int num_threads,
-                        int64_t num_blocks, int window, float softcap) {
+                        int64_t num_blocks, int window, float softcap, const float *sinks) {
     for (int b = 0; b < B; b++)
         for (int i = FN(window_start)(seq_lens[b], window) / block_size; i * block_size < seq_lens[b]; i++)
             if (block_tables[b * table_stride + i] < 0 || block_tables[b * table_stride + i] >= num_blocks) return -2;
@@ -515,7 +516,8 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
             if (gqa) attend_item = scattered ? FN(attend_gqa_streamed) : FN(attend_gqa);
 #endif
             attend_item(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, table, lo, len, block_size, token_stride,
-                        h0, h0 + heads_per_item, G, D, scale, softcap, scratch, scratch + (size_t)nq * max_span, outs);
+                        h0, h0 + heads_per_item, G, D, scale, softcap, sinks ? sinks + (int64_t)h0 * G : NULL, scratch,
+                        scratch + (size_t)nq * max_span, outs);
         }
         free(scratch);
     }

@@ -42,7 +42,8 @@
 int qw_paged_extend_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
                          const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq, int Hkv, int D,
-                         int block_size, float scale, int num_threads, int64_t num_blocks, int window, float softcap);
+                         int block_size, float scale, int num_threads, int64_t num_blocks, int window, float softcap,
+                         const float *sinks);
 int qw_gemm_bf16_amx_ready(void);
 
 /* the dot-product back-end: any build whose CPU has AVX512_BF16 */
@@ -329,8 +330,8 @@ static void *scratch_alloc(scratch_t *s, int Rpad, int D) {
  * outside a chunk's [r0, r1) given probability 0 and no rescale), else dot products (rows [r0, r1)). */
 static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                         const int32_t *table, int row0, int prefix, int i0, int i1, int h, int G, int D, int block_size,
-                        int64_t token_stride, float scale, int window, float softcap, float *out, int64_t out_stride,
-                        const scratch_t *w, int amx) {
+                        int64_t token_stride, float scale, int window, float softcap, const float *sinks, float *out,
+                        int64_t out_stride, const scratch_t *w, int amx) {
     const int nrow = i1 - i0, R = nrow * G, Rpad = (R + TR - 1) / TR * TR;
     for (int i = 0; i < nrow; i++) {
         const float *src = q + (int64_t)(row0 + i0 + i) * q_stride + (int64_t)h * G * D;
@@ -398,7 +399,7 @@ static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cach
     for (int i = 0; i < nrow; i++)
         for (int g = 0; g < G; g++) {
             const int r = i * G + g;
-            const float inv = 1.0f / w->l[r];
+            const float inv = 1.0f / (w->l[r] + qw_x_sink_term(sinks, h * G + g, w->m[r]));
             float *dst = out + (int64_t)(row0 + i0 + i) * out_stride + (int64_t)(h * G + g) * D;
 #pragma omp simd
             for (int d = 0; d < D; d++) dst[d] = w->O[(int64_t)r * D + d] * inv;
@@ -427,7 +428,7 @@ int qw_paged_extend_bf16_products(const float *q, int64_t q_stride, const uint16
                                   const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
                                   const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq, int Hkv, int D,
                                   int block_size, float scale, int num_threads, int64_t num_blocks, int window,
-                                  float softcap) {
+                                  float softcap, const float *sinks) {
 #if QW_X_DP
     const int kernel = Hkv > 0 && Hq % Hkv == 0 ? qw_paged_extend_bf16_products_kernel(D) : 0;
     if (kernel) {
@@ -454,7 +455,7 @@ int qw_paged_extend_bf16_products(const float *q, int64_t q_stride, const uint16
                 const qw_x_item x = items[it];
                 extend_item(q, q_stride, k_cache, v_cache, block_tables + x.b * table_stride, query_start_loc[x.b],
                             seq_lens[x.b] - (query_start_loc[x.b + 1] - query_start_loc[x.b]), x.i0, x.i1, x.h, G, D,
-                            block_size, token_stride, scale, window, softcap, out, out_stride, &w, amx);
+                            block_size, token_stride, scale, window, softcap, sinks, out, out_stride, &w, amx);
             }
 #if QW_X_AMX
             if (base && amx) _tile_release();
@@ -466,5 +467,5 @@ int qw_paged_extend_bf16_products(const float *q, int64_t q_stride, const uint16
     }
 #endif
     return qw_paged_extend_bf16(q, q_stride, k_cache, v_cache, block_tables, table_stride, query_start_loc, seq_lens, out,
-                                out_stride, B, Hq, Hkv, D, block_size, scale, num_threads, num_blocks, window, softcap);
+                                out_stride, B, Hq, Hkv, D, block_size, scale, num_threads, num_blocks, window, softcap, sinks);
 }

@@ -30,7 +30,8 @@ static void FN(load_chunk)(const KV_T *restrict k_cache, const KV_T *restrict v_
 static void FN(extend_item)(const float *restrict q, int64_t q_stride, const KV_T *restrict k_cache,
                             const KV_T *restrict v_cache, const int32_t *restrict table, int row0, int prefix,
                             int i0, int i1, int h, int G, int D, int block_size, int64_t token_stride, float scale,
-                            int window, float softcap, float *restrict out, int64_t out_stride, float *restrict scratch) {
+                            int window, float softcap, const float *sinks, float *restrict out, int64_t out_stride,
+                            float *restrict scratch) {
     const int nrow = i1 - i0, R = nrow * G, Rpad = (R + QW_RB - 1) / QW_RB * QW_RB;
     float *Q = scratch, *O = Q + (int64_t)Rpad * D, *S = O + (int64_t)Rpad * D, *Kt = S + (int64_t)Rpad * QW_NK;
     float *V = Kt + (int64_t)D * QW_NK, *m = V + (int64_t)QW_NK * D, *l = m + Rpad, *alpha = l + Rpad;
@@ -88,7 +89,7 @@ static void FN(extend_item)(const float *restrict q, int64_t q_stride, const KV_
     for (int i = 0; i < nrow; i++)
         for (int g = 0; g < G; g++) {
             const int r = i * G + g;
-            const float inv = 1.0f / l[r];
+            const float inv = 1.0f / (l[r] + qw_x_sink_term(sinks, h * G + g, m[r]));
             float *dst = out + (int64_t)(row0 + i0 + i) * out_stride + (int64_t)(h * G + g) * D;
 #pragma omp simd
             for (int d = 0; d < D; d++) dst[d] = O[(int64_t)r * D + d] * inv;
@@ -98,11 +99,13 @@ static void FN(extend_item)(const float *restrict q, int64_t q_stride, const KV_
 /* Returns 0; -1 when scratch memory could not be allocated (the caller falls back); -2, before
  * reading anything, when a block-table entry the kernel would read is outside [0, num_blocks) or a
  * sequence's query rows do not fit its length. window > 0: a query at p sees keys (p - window, p];
- * softcap > 0: scores become softcap * tanh(score / softcap). */
+ * softcap > 0: scores become softcap * tanh(score / softcap); sinks (fp32 [Hq], or NULL): attention
+ * sinks, one more logit per query head in its softmax. */
 int FN(qw_paged_extend)(const float *q, int64_t q_stride, const KV_T *k_cache, const KV_T *v_cache,
                         const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
                         const int32_t *seq_lens, float *out, int64_t out_stride, int B, int Hq, int Hkv, int D,
-                        int block_size, float scale, int num_threads, int64_t num_blocks, int window, float softcap) {
+                        int block_size, float scale, int num_threads, int64_t num_blocks, int window, float softcap,
+                        const float *sinks) {
     const int G = Hq / Hkv;
     const int tm = qw_x_rows_per_item(G);
     qw_x_item *items;
@@ -123,7 +126,7 @@ int FN(qw_paged_extend)(const float *q, int64_t q_stride, const KV_T *k_cache, c
             const qw_x_item w = items[it];
             FN(extend_item)(q, q_stride, k_cache, v_cache, block_tables + w.b * table_stride, query_start_loc[w.b],
                             seq_lens[w.b] - (query_start_loc[w.b + 1] - query_start_loc[w.b]), w.i0, w.i1, w.h, G, D,
-                            block_size, token_stride, scale, window, softcap, out, out_stride, scratch);
+                            block_size, token_stride, scale, window, softcap, sinks, out, out_stride, scratch);
         }
         free(scratch);
     }

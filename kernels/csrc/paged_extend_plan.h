@@ -2,6 +2,7 @@
  * and csrc/paged_extend_bf16_products.c (bf16 products): both split a step's query rows the same
  * way and check the same inputs before reading anything. */
 #pragma once
+#include <math.h>
 #include <stdint.h>
 
 /* One work item: sequence b, KV head h, query rows [i0, i1) of the sequence's chunk. */
@@ -20,6 +21,12 @@ static inline int qw_x_rows_per_item(int G) { return 128 / G < 8 ? 8 : 128 / G; 
  * *items NULL), -1 when the list could not be allocated, -2 as above. */
 int64_t qw_x_plan(int B, int Hkv, int tm, int block_size, int window, int64_t num_blocks, const int32_t *block_tables,
                   int64_t table_stride, const int32_t *query_start_loc, const int32_t *seq_lens, qw_x_item **items);
+
+/* Query head qh's attention sink term for a row whose running max is m: exp(sink - m), one more
+ * numerator in the row's softmax denominator with no value (gpt-oss); 0 without sinks (NULL). */
+static inline float qw_x_sink_term(const float *sinks, int qh, float m) {
+    return sinks ? expf(sinks[qh] - m) : 0.0f;
+}
 
 /* The keys an item reads: query rows [i0, i1) at positions prefix + i see keys [kmin, kend) (kmin
  * > 0 only under a window: a query at p sees (p - window, p]). */

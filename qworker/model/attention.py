@@ -25,7 +25,7 @@ class AttentionMetadata:
 
 class PagedAttention:
     def __init__(self, backend: str, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-                 bf16_products: bool = False):
+                 bf16_products: bool = False, sinks: torch.Tensor | None = None):
         """``backend``: "triton" (CUDA) or "cpu" (the C decode/extend/store kernels; each falls back to
         its torch reference for inputs it does not cover).
 
@@ -35,6 +35,8 @@ class PagedAttention:
         ``bf16_products`` (CPU, the bf16 mode): attention over a bf16 cache multiplies in bf16,
         prefill on AMX and decode with AVX512_BF16 dot products where the CPU has them
         (:func:`kernels.cpu.paged_prefill_attention_cpu`, :func:`kernels.cpu.paged_decode_attention_cpu`).
+        ``sinks`` (fp32 ``[Hq]``, gpt-oss): one more logit per query head in its softmax, with no
+        value (a layer's own: such a layer has an attention object of its own).
         """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -44,7 +46,8 @@ class PagedAttention:
         self.sliding_window = sliding_window
         self.softcap = softcap
         # only non-default options are passed, so the plain calls stay exactly as before
-        self._opts = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
+        self.sinks = sinks
+        self._opts = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap), ("sinks", sinks)) if v is not None}
         triton = backend == "triton"
         # the CPU bf16 mode: both kernels' products in bf16 where the CPU can (kernels.cpu)
         self.bf16_products = bf16_products and not triton

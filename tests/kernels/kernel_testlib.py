@@ -119,12 +119,14 @@ def random_lens(gen: torch.Generator, n: int, block_size: int, max_len: int) -> 
     return [lens[i] for i in perm]
 
 
-def oracle_attention(batch: PagedBatch, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def oracle_attention(batch: PagedBatch, sliding_window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Per query row, per head, per token: float64 ``[T, Hq, D]`` on CPU.
 
     With ``sliding_window`` a query at position ``pos`` sees the tokens ``j`` with
     ``pos - sliding_window < j <= pos``; with ``softcap`` each score ``s`` becomes
-    ``softcap * tanh(s / softcap)`` before the softmax."""
+    ``softcap * tanh(s / softcap)`` before the softmax; with ``sinks`` head ``h``'s softmax
+    has one more logit, ``sinks[h]``, whose probability multiplies no value."""
     kc = batch.k_cache.double().cpu()
     vc = batch.v_cache.double().cpu()
     q = batch.q.double().cpu()
@@ -143,7 +145,10 @@ def oracle_attention(batch: PagedBatch, sliding_window: int | None = None, softc
                 scores = keys[:, h // G] @ q[row, h] * batch.scale
                 if softcap is not None:
                     scores = softcap * torch.tanh(scores / softcap)
-                probs = torch.softmax(scores, dim=0)
+                if sinks is None:
+                    probs = torch.softmax(scores, dim=0)
+                else:
+                    probs = torch.softmax(torch.cat([scores, sinks[h:h + 1].double().cpu()]), dim=0)[:-1]
                 out[row, h] = probs @ vals[:, h // G]
             row += 1
     return out
