@@ -228,7 +228,8 @@ class DecoderModel:
             else:
                 m: MoEWeights = layer.mlp
                 mlp = MoE(m.router, m.gate_up, m.down, m.top_k, m.renormalize, self.linear_backend, act, backend,
-                          weights_in_act_dtype=m.weights_in_act_dtype)
+                          weights_in_act_dtype=m.weights_in_act_dtype, router_bias=m.router_bias, gate_up_bias=m.gate_up_bias,
+                          down_bias=m.down_bias, clamped_swiglu=m.clamped_swiglu)
                 if m.shared is not None:
                     shared = GatedMLP(Linear(m.shared.gate_up, None, self.linear_backend, act),
                                       Linear(m.shared.down, None, self.linear_backend, act), activation)
@@ -242,7 +243,10 @@ class DecoderModel:
                 gate_up=gate_up,
                 down=down,
                 mlp=mlp,
-                attn=attns[a.sliding_window],
+                # a layer with sinks has an attention object of its own (they are its weights)
+                attn=attns[a.sliding_window] if layer.sinks is None else self._attention(
+                    backend, scale, a.sliding_window, spec.attn_softcap, bf16_products=self.act_dtype != dtype,
+                    sinks=layer.sinks.float().contiguous()),
                 rope=self.ropes[a.rope] if a.rotary else no_rope,
                 q_norm=opt(layer.q_norm),
                 k_norm=opt(layer.k_norm),
@@ -358,8 +362,8 @@ class DecoderModel:
 
     @staticmethod
     def _attention(backend: str, scale: float, window: int | None, softcap: float | None,
-                   bf16_products: bool = False) -> PagedAttention:
-        options = {k: v for k, v in (("sliding_window", window), ("softcap", softcap)) if v is not None}
+                   bf16_products: bool = False, sinks: torch.Tensor | None = None) -> PagedAttention:
+        options = {k: v for k, v in (("sliding_window", window), ("softcap", softcap), ("sinks", sinks)) if v is not None}
         return PagedAttention(backend, scale=scale, bf16_products=bf16_products, **options)
 
     @torch.inference_mode()
@@ -530,7 +534,7 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 def _plain_layer(layer: LayerWeights) -> bool:
     """The Llama loop runs the layer as it is: Llama's two norms, a dense MLP, nothing more."""
     return (layer.gate_up is not None and layer.input_norm is not None and layer.post_norm is not None
-            and layer.gate_up.bias is None and layer.down.bias is None and layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None and layer.mlp_out_norm is None)
+            and layer.gate_up.bias is None and layer.down.bias is None and layer.attn.sinks is None and layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None and layer.mlp_out_norm is None)
 
 
 # the name the runner and benches knew it by

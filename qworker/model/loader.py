@@ -71,8 +71,10 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
         raise ValueError(f"unsupported model type {config.model_type!r}; supported: {', '.join(SUPPORTED)} "
                          f"(and the image-text {', '.join(WRAPPERS)}, served as their language model)")
     quant = raw.get("quantization_config") or getattr(config, "quantization_config", None)
-    if quant:  # packed or scaled weights would be read as plain ones (or fail deep in the loader)
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+    method = (quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")) if quant else None
+    # gpt-oss's released MXFP4 experts are dequantized as they are read (qworker.model.families.gpt_oss)
+    if quant and not (config.model_type == "gpt_oss" and method == "mxfp4"):
+        # packed or scaled weights would be read as plain ones (or fail deep in the loader)
         raise ValueError(f"{model_dir}: quantized checkpoints are not supported (quantization_config: {method}); "
                          "use the unquantized weights")
     return config

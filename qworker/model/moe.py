@@ -15,7 +15,12 @@ Two paths, chosen by ``kernel_backend``:
   ``Linear`` per expert projection built at load), the SwiGLU in the C kernel between them; the
   weighted outputs are scatter-added back with ``index_add_``. A decode step of batch ``B`` thus
   runs ``min(E, B * top_k)`` small GEMM pairs instead of a per-token loop.
-* ``"triton"``: the fused grouped GEMM of :func:`kernels.moe_experts` (:mod:`kernels.fused_moe`) over the stacked weights.
+* ``"triton"``: the fused grouped GEMM of :func:`kernels.moe_experts` (:mod:`kernels.fused_moe`) over the stacked weights;
+  experts with biases or gpt-oss's clamped SwiGLU take the grouped path above on the device.
+
+gpt-oss: the router has a bias, the experts have biases, and the activation is the clamped
+SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``
+(``clamped_swiglu=(alpha, l)``).
 
 Rounding follows transformers' eager experts loop: each expert's output is multiplied by its fp32
 routing weight (Mixtral), or by the weight rounded to the activation dtype first
@@ -47,6 +52,10 @@ class MoE:
         kernel_backend: str,
         *,
         weights_in_act_dtype: bool = False,
+        router_bias: torch.Tensor | None = None,  # [E]
+        gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+        down_bias: torch.Tensor | None = None,  # [E, H]
+        clamped_swiglu: tuple[float, float] | None = None,  # gpt-oss's (alpha, limit)
     ):
         E, two_i, H = gate_up.shape
         if router.shape != (E, H) or down.shape != (E, H, two_i // 2) or two_i % 2:
@@ -64,19 +73,25 @@ class MoE:
         # fp32 [E, H] through F.linear, the very call transformers makes in fp32: the same logits to
         # the bit, so near-ties between experts are settled the same way
         self.router = router.float().contiguous()
-        if kernel_backend == "triton":
+        self.router_bias = None if router_bias is None else router_bias.float().contiguous()
+        self.clamped_swiglu = clamped_swiglu
+        # the fused Triton kernel runs plain SwiGLU experts without biases; others go through Linear
+        self.fused = kernel_backend == "triton" and gate_up_bias is None and down_bias is None and clamped_swiglu is None
+        if self.fused:
             # the fused kernel reads the stacked [out, in] weights by expert id
             self.gate_up_w = gate_up.contiguous()
             self.down_w = down.contiguous()
             self.gate_up = self.down = None
         else:
-            self.gate_up = [Linear(gate_up[e], None, linear_backend, act_dtype) for e in range(E)]
-            self.down = [Linear(down[e], None, linear_backend, act_dtype) for e in range(E)]
+            def bias(b: torch.Tensor | None, e: int) -> torch.Tensor | None:
+                return None if b is None else b[e].to(act_dtype)
+            self.gate_up = [Linear(gate_up[e], bias(gate_up_bias, e), linear_backend, act_dtype) for e in range(E)]
+            self.down = [Linear(down[e], bias(down_bias, e), linear_backend, act_dtype) for e in range(E)]
             self.gate_up_w = self.down_w = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights fp32 [T, K], topk_ids int64 [T, K])`` for ``x`` ``[T, H]``."""
-        logits = F.linear(x.float(), self.router)
+        logits = F.linear(x.float(), self.router, self.router_bias)
         probs = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -85,7 +100,7 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if self.kernel_backend == "triton":
+        if self.fused:
             # the kernel computes in the weights' dtype (fp32 accumulation), as Linear does
             out = kernels.moe_experts(x.to(self.gate_up_w.dtype), self.gate_up_w, self.down_w, weights, ids,
                                       weights_in_act_dtype=self.weights_in_act_dtype)
@@ -112,7 +127,10 @@ class MoE:
         xs = x.index_select(0, tokens)  # [T*K, H], grouped by expert
         ws = weights.reshape(-1, 1).index_select(0, order)
         ys = torch.empty((flat.numel(), self.hidden_size), dtype=self.act_dtype, device=x.device)
-        swiglu = kernels.silu_and_mul_cpu if x.device.type == "cpu" else kernels.silu_and_mul
+        if self.clamped_swiglu is not None:
+            swiglu = self._clamped_swiglu
+        else:
+            swiglu = kernels.silu_and_mul_cpu if x.device.type == "cpu" else kernels.silu_and_mul
         at = 0
         for e, n in zip(experts, counts):
             seg = slice(at, at + n)
@@ -122,6 +140,13 @@ class MoE:
         out = torch.zeros((x.shape[0], self.hidden_size), dtype=self.act_dtype, device=x.device)
         out.index_add_(0, tokens, ys)
         return out
+
+
+    def _clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        alpha, limit = self.clamped_swiglu
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class SharedExpertMoE:

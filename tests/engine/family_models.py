@@ -61,6 +61,8 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "gptj": dict(rotary_dim=8, n_inner=96, activation_function="gelu_new"),  # interleaved rotary on 8 of 16 channels; parallel
     "opt": dict(ffn_dim=96, word_embed_proj_dim=64),  # learned positions (offset 2), ReLU MLP, biases; no window
     "opt_no_affine": dict(ffn_dim=96, word_embed_proj_dim=64, layer_norm_elementwise_affine=False, enable_bias=False),
+    "gpt_oss": dict(MOE, num_local_experts=4, sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    swiglu_limit=0.5),  # sinks, biases everywhere, clamped SwiGLU (a limit the test activations reach)
     "granite": dict(embedding_multiplier=4.0, attention_multiplier=0.4, residual_multiplier=0.5, logits_scaling=2.5),  # no window
     "granitemoe": dict(MOE, num_local_experts=4, embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.7,
                        logits_scaling=1.5),  # no window

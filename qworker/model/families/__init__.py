@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, gptj, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi,
+from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, gpt_oss, gptj, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi,
                                     phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
@@ -42,6 +42,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "gpt2": gpt2.build,
     "gpt_bigcode": gpt2.build,
     "gptj": gptj.build,
+    "gpt_oss": gpt_oss.build,
     "opt": opt.build,
     "nemotron": nemotron.build,
     "gemma": gemma.build,

@@ -78,6 +78,11 @@ class MoEWeights:
     top_k: int
     renormalize: bool
     weights_in_act_dtype: bool
+    # gpt-oss: biases on the router ([E]) and the experts ([E, 2I], [E, H]), and the clamped SwiGLU (alpha, limit)
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    clamped_swiglu: tuple[float, float] | None = None
     # Qwen2-MoE: an expert every token takes, weighted by sigmoid(x @ shared_gate.T) (shared_gate [1, H]);
     # GraniteMoE-Shared: the same without a gate (shared_gate None)
     shared: DenseMLP | None = None
@@ -101,6 +106,7 @@ class RawLayer:
     mlp: DenseMLP | MoEWeights
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # gpt-oss: [heads], one more logit per query head in its softmax
     attn_out_norm: torch.Tensor | None = None  # Gemma, OLMo 2: on the attention output, before the residual add
     mlp_out_norm: torch.Tensor | None = None  # Gemma, OLMo 2: on the MLP output, before the residual add
 

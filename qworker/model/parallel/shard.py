@@ -109,12 +109,20 @@ class Sharder:
         else:
             inter = mlp.down.shape[2]
             r = split_even(inter, self.world, self.rank)
-            gate_up = torch.cat([_rows(mlp.gate_up, r, 1), _rows(mlp.gate_up, range(inter + r.start, inter + r.stop), 1)], dim=1)
-            mlp = MoEWeights(self._move(mlp.router), self._move(gate_up), self._move(_rows(mlp.down, r, 2)), mlp.top_k,
+
+            def gate_up_part(t: torch.Tensor) -> torch.Tensor:  # [E, 2I, ...]: this rank's gate rows, then its up rows
+                return torch.cat([_rows(t, r, 1), _rows(t, range(inter + r.start, inter + r.stop), 1)], dim=1)
+
+            m = self._move
+            mlp = MoEWeights(m(mlp.router), m(gate_up_part(mlp.gate_up)), m(_rows(mlp.down, r, 2)), mlp.top_k,
                              mlp.renormalize, mlp.weights_in_act_dtype,
                              # the shared expert splits as a dense MLP; its gate stays whole (a scalar per token)
                              shared=self._dense(mlp.shared) if mlp.shared is not None else None,
-                             shared_gate=self._move(mlp.shared_gate))
+                             shared_gate=m(mlp.shared_gate), router_bias=m(mlp.router_bias),
+                             gate_up_bias=m(gate_up_part(mlp.gate_up_bias)) if mlp.gate_up_bias is not None else None,
+                             # added once, to the all-reduced sum
+                             down_bias=m(mlp.down_bias) if mlp.down_bias is not None and self.rank == 0 else None,
+                             clamped_swiglu=mlp.clamped_swiglu)
         m = self._move
         return RawLayer(
             input_norm=m(raw.input_norm),
@@ -124,6 +132,7 @@ class Sharder:
             o_bias=m(raw.o_bias) if raw.o_bias is not None and self.rank == 0 else None,
             mlp_norm=m(raw.mlp_norm),
             mlp=mlp,
+            sinks=m(_rows(raw.sinks, p.q_heads)) if raw.sinks is not None else None,
             q_norm=m(self._head_norm(raw.q_norm, p.q_heads)),
             k_norm=m(self._head_norm(raw.k_norm, p.kv_heads)),
             attn_out_norm=m(raw.attn_out_norm),
