@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, DenseMLP, LayerAttention, RawLayer, activation, dims, gpt2_style_names,
+from qworker.model.families.spec import (DecoderSpec, DenseMLP, LayerAttention, RawLayer, activation, dims, checkpoint_names,
                                          per_head_to_grouped, take, take_layer_norm)
 
 _PREFIXES = tuple((f"{outer}{old}", new) for outer in ("transformer.", "") for old, new in
                   (("wte.", "model.embed_tokens."), ("wpe.", "model.embed_positions."), ("h.", "model.layers."), ("ln_f.", "model.norm.")))
 
 
-checkpoint_name = gpt2_style_names(_PREFIXES)
+checkpoint_name = checkpoint_names(_PREFIXES, (".attn.bias", ".attn.masked_bias"))
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:

@@ -2,7 +2,7 @@
 
 * the checkpoint's own names (``gpt_neox.embed_in``, ``gpt_neox.layers``,
   ``gpt_neox.final_layer_norm``, ``embed_out``), renamed as the weights are read
-  (:func:`checkpoint_name`);
+  (``checkpoint_name``); the causal-mask buffers older exports carry are not read;
 * q/k/v fused per head (``attention.query_key_value``: each head's q, k and v rows together),
   regrouped at load into all q rows, then k, then v; every head has its own k and v;
 * LayerNorm with biases; the output projection is ``attention.dense``; biases on q/k/v and it
@@ -17,16 +17,15 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, RawLayer, activation, dims, per_head_to_grouped, renamed, take, take_layer_norm,
-                                         take_plain_mlp, uniform_layers)
+from qworker.model.families.spec import (DecoderSpec, RawLayer, activation, checkpoint_names, dims, per_head_to_grouped, take,
+                                         take_layer_norm, take_plain_mlp, uniform_layers)
 
 _PREFIXES = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.layers.", "model.layers."),
              ("gpt_neox.final_layer_norm.", "model.norm."), ("embed_out.", "lm_head."))
 
 
-def checkpoint_name(name: str) -> str:
-    """A checkpoint tensor's name as the family reads it."""
-    return renamed(name, _PREFIXES)
+# older EleutherAI exports (Pythia, GPT-NeoX-20B) carry each layer's causal mask (helper-90)
+checkpoint_name = checkpoint_names(_PREFIXES, (".attention.bias", ".attention.masked_bias"))
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:

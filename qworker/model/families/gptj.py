@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, RawLayer, activation, dims, gpt2_style_names, rotate_halves_not_pairs, take,
+from qworker.model.families.spec import (DecoderSpec, RawLayer, activation, dims, checkpoint_names, rotate_halves_not_pairs, take,
                                          take_layer_norm, take_plain_mlp, uniform_layers)
 from qworker.model.rope import rope_parameters
 
 _PREFIXES = (("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."))
 
 
-checkpoint_name = gpt2_style_names(_PREFIXES)
+checkpoint_name = checkpoint_names(_PREFIXES, (".attn.bias", ".attn.masked_bias"))
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:

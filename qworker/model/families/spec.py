@@ -263,12 +263,13 @@ def take_plain_mlp(w: Weights, up: str, down: str, hidden: int, intermediate: in
                     down_bias=take(w, f"{down}.bias", (hidden,)) if bias else None)
 
 
-def gpt2_style_names(prefixes: tuple[tuple[str, str], ...]) -> Callable[[str], str | None]:
-    """A family's ``checkpoint_name`` for GPT-2-style exports (GPT-2, GPT-J): ``prefixes``
-    renamed, the causal-mask buffers older exports carry (``attn.bias``, ``attn.masked_bias``) not
-    read (None)."""
+def checkpoint_names(prefixes: tuple[tuple[str, str], ...], mask_buffers: tuple[str, ...]) -> Callable[[str], str | None]:
+    """A family's ``checkpoint_name`` for checkpoints named otherwise (GPT-2, GPT-J, GPT-NeoX):
+    ``prefixes`` renamed; the causal-mask buffers older exports carry (names ending in one of
+    ``mask_buffers``, such as ``attn.bias`` and ``attn.masked_bias``) not read (None), as
+    transformers drops them."""
     def checkpoint_name(name: str) -> str | None:
-        return None if name.endswith((".attn.bias", ".attn.masked_bias")) else renamed(name, prefixes)
+        return None if name.endswith(mask_buffers) else renamed(name, prefixes)
     return checkpoint_name
 
 
