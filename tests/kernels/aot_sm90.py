@@ -42,12 +42,12 @@ def compile_sm90(fn, types: dict[str, str], consts: dict, num_warps: int = 4, nu
 def paged_types(dt: str) -> dict[str, str]:
     return {"k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
             "q_ptr": f"*{dt}", "out_ptr": f"*{dt}", "qk_scale": "fp32", "cap_log2e": "fp32", "qsl_ptr": "*i32",
-            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*fp32"}
 
 
 def main(full: bool) -> dict:
     res = {}
-    plain = dict(HAS_WINDOW=False, HAS_SOFTCAP=False)
+    plain = dict(HAS_WINDOW=False, HAS_SOFTCAP=False, HAS_SINKS=False)
     for dt in ["bf16"] + (["fp16", "fp32"] if full else []):
         prec = "ieee" if dt == "fp32" else "tf32"
         t = paged_types(dt)
@@ -55,16 +55,24 @@ def main(full: bool) -> dict:
             HQ=32, NUM_SPLITS=4, G=4, G_PAD=16, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, DIRECT=False,
             DOT_PREC=prec, **plain))
         res[f"decode_reduce_{dt}"] = compile_sm90(decode_attention._decode_reduce_kernel, t, dict(
-            HQ=32, NUM_SPLITS=5, S_PAD=8, D=128, D_PAD=128, HAS_WINDOW=False))
+            HQ=32, NUM_SPLITS=5, S_PAD=8, D=128, D_PAD=128, HAS_WINDOW=False, HAS_SINKS=False))
         res[f"prefill_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
             G=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **plain))
-        if dt == "bf16":  # sliding window + softcap (Gemma 2's local layers)
-            both = dict(HAS_WINDOW=True, HAS_SOFTCAP=True)
+        if dt == "bf16":  # sliding window + softcap (Gemma 2's local layers); window + sinks (gpt-oss's)
+            both = dict(HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=False)
+            sinks = dict(HAS_WINDOW=True, HAS_SOFTCAP=False, HAS_SINKS=True)
+            res[f"decode_split_sinks_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
+                HQ=64, NUM_SPLITS=4, G=8, G_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_N=64, DIRECT=False,
+                DOT_PREC=prec, **sinks))
+            res[f"decode_reduce_sinks_{dt}"] = compile_sm90(decode_attention._decode_reduce_kernel, t, dict(
+                HQ=64, NUM_SPLITS=4, S_PAD=4, D=64, D_PAD=64, HAS_WINDOW=True, HAS_SINKS=True))
+            res[f"prefill_sinks_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
+                G=8, D=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **sinks))
             res[f"decode_split_window_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
                 HQ=16, NUM_SPLITS=4, G=2, G_PAD=16, D=256, D_PAD=256, BLOCK_SIZE=16, BLOCK_N=64, DIRECT=False,
                 DOT_PREC=prec, **both))
             res[f"decode_reduce_window_{dt}"] = compile_sm90(decode_attention._decode_reduce_kernel, t, dict(
-                HQ=16, NUM_SPLITS=4, S_PAD=4, D=256, D_PAD=256, HAS_WINDOW=True))
+                HQ=16, NUM_SPLITS=4, S_PAD=4, D=256, D_PAD=256, HAS_WINDOW=True, HAS_SINKS=False))
             res[f"prefill_window_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
                 G=2, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **both))
         # mixture of experts: decode-sized (16-row) and prefill-sized (64-row) expert tiles

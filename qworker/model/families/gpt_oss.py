@@ -70,9 +70,11 @@ def build(config: PretrainedConfig) -> DecoderSpec:
 
     def mlp(w, p):
         p += "mlp."
-        gate_up = _expert_weights(w, f"{p}experts.", "gate_up_proj", E, 2 * inter, d.hidden, torch.float32)
-        down = _expert_weights(w, f"{p}experts.", "down_proj", E, d.hidden, inter, torch.float32)
-        return MoEWeights(take(w, f"{p}router.weight", (E, d.hidden)), _gate_rows_then_up(gate_up).contiguous(), down.contiguous(),
+        router = take(w, f"{p}router.weight", (E, d.hidden))
+        dtype = router.dtype  # the model's: MXFP4 experts are dequantized straight into it
+        gate_up = _expert_weights(w, f"{p}experts.", "gate_up_proj", E, 2 * inter, d.hidden, dtype)
+        down = _expert_weights(w, f"{p}experts.", "down_proj", E, d.hidden, inter, dtype)
+        return MoEWeights(router, _gate_rows_then_up(gate_up).contiguous(), down.contiguous(),
                           config.num_experts_per_tok, renormalize=True, weights_in_act_dtype=True,
                           router_bias=take(w, f"{p}router.bias", (E,)),
                           gate_up_bias=_gate_rows_then_up(take(w, f"{p}experts.gate_up_proj_bias", (E, 2 * inter))),
