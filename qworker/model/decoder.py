@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 
 
 class GatedMLP:
-    """``down(act(gate(x)) * up(x))`` with gate/up fused; ``act`` maps ``[T, 2I]`` -> ``[T, I]``."""
+    """``down(act(gate(x)) * up(x))`` with gate/up fused; ``act`` maps ``[T, 2I]`` -> ``[T, I]``.
+    A non-gated MLP (StarCoder 2, Phi, ...) is the same object with ``gate_up`` its up projection
+    and ``act`` mapping ``[T, I]`` -> ``[T, I]``: ``down(act(up(x)))``."""
 
     __slots__ = ("gate_up", "down", "act")
 
@@ -171,6 +173,8 @@ class DecoderModel:
                                     if spec.position_embeddings else None)
         # every layer's tensors are taken (and checked) before any is converted
         raw = [spec.take_layer(weights, i) for i in range(self.num_layers)]
+        if spec.parallel_block and (spec.residual_scale is not None or any(r.mlp_out_norm is not None for r in raw)):
+            raise ValueError(f"{config.model_type}: a parallel block with a residual scale or an MLP output norm is not supported")
         if shard is not None:  # this rank's heads and MLP slice; the forward reads the sizes below
             raw = [shard.layer(layer) for layer in raw]
             self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
@@ -476,8 +480,8 @@ class DecoderModel:
         h = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        if self.position_embeddings is not None:
-            h = h + F.embedding(positions + self.spec.position_offset if self.spec.position_offset else positions, self.position_embeddings)
+        if self.position_embeddings is not None:  # OPT's rows start at an offset
+            h = h + F.embedding(positions + self.spec.position_offset, self.position_embeddings)
         T = h.shape[0]
         residual = None  # the running sum of the residual stream; h is the latest branch output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -534,7 +538,8 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 def _plain_layer(layer: LayerWeights) -> bool:
     """The Llama loop runs the layer as it is: Llama's two norms, a dense MLP, nothing more."""
     return (layer.gate_up is not None and layer.input_norm is not None and layer.post_norm is not None
-            and layer.gate_up.bias is None and layer.down.bias is None and layer.attn.sinks is None and layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None and layer.mlp_out_norm is None)
+            and layer.gate_up.bias is None and layer.down.bias is None and layer.attn.sinks is None
+            and layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None and layer.mlp_out_norm is None)
 
 
 # the name the runner and benches knew it by

@@ -141,7 +141,8 @@ class DecoderSpec:
     norm: str = "rms"  # "layer": LayerNorm (mean-centred; weights as RawLayer says)
     norm_eps: float | None = None  # default config.rms_norm_eps
     # attention and MLP both read the layer's input (normed) and add to the residual together
-    # (Phi, Cohere, StableLM with use_parallel_residual); RawLayer.mlp_norm None: the same normed input
+    # (Phi, Cohere, StableLM with use_parallel_residual, GPT-J, GPT-NeoX); RawLayer.mlp_norm None:
+    # the same normed input. Not combined with residual_scale or mlp_out_norm (no family has both).
     parallel_block: bool = False
     # the final norm's tensor prefix (Phi: model.final_layernorm); None: a LayerNorm without weights (OLMo)
     final_norm: str | None = "model.norm"
