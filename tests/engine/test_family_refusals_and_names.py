@@ -67,16 +67,8 @@ def test_gpt2_as_its_own_exports_name_it_with_mask_buffers_serves_the_same_model
     assert "h.0.attn.c_attn.weight" in tensors
     tensors.update({f"h.{i}.attn.bias": torch.ones(1, 1, 8, 8, dtype=torch.bool) for i in range(3)})
     tensors.update({f"h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(3)})
-    out = tmp_path / "bare"
-    out.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (out / name).write_bytes((src / name).read_bytes())
-    save_file(tensors, out / "model.safetensors")
-    prompt = [[5, 900, 17, 4000, 23, 8, 301, 77, 12, 5000] * 3]
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = LLM(str(src), dtype="float32", kv_cache_memory=8 << 20, block_size=16).generate(prompt, greedy)[0].outputs[0].token_ids
-    got = LLM(str(out), dtype="float32", kv_cache_memory=8 << 20, block_size=16).generate(prompt, greedy)[0].outputs[0].token_ids
-    assert got == want
+    out = _rewritten(src, tensors, tmp_path / "bare")
+    assert _greedy(out) == _greedy(src)
     save_file({**tensors, "h.0.attn.q_attn.weight": torch.ones(2, 2)}, out / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.0.attn.q_attn.weight"):
         LLM(str(out), dtype="float32", kv_cache_memory=8 << 20, block_size=16)
@@ -91,13 +83,19 @@ def test_gpt_neox_with_its_old_exports_mask_buffers_serves_the_same_model(family
         p = f"gpt_neox.layers.{i}.attention."
         tensors.update({f"{p}bias": torch.ones(1, 1, 8, 8, dtype=torch.bool), f"{p}masked_bias": torch.tensor(-1e9),
                         f"{p}rotary_emb.inv_freq": torch.ones(4)})
-    out = tmp_path / "old"
+    assert _greedy(_rewritten(src, tensors, tmp_path / "old")) == _greedy(src)
+
+
+def _rewritten(src, tensors: dict, out):
+    """A copy of the model folder ``src`` whose checkpoint holds ``tensors``."""
     out.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (out / name).write_bytes((src / name).read_bytes())
     save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def _greedy(path) -> list[int]:
     prompt = [[5, 900, 17, 4000, 23, 8, 301, 77, 12, 5000] * 3]
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = LLM(str(src), dtype="float32", kv_cache_memory=8 << 20, block_size=16).generate(prompt, greedy)[0].outputs[0].token_ids
-    got = LLM(str(out), dtype="float32", kv_cache_memory=8 << 20, block_size=16).generate(prompt, greedy)[0].outputs[0].token_ids
-    assert got == want
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=16)
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids

@@ -58,23 +58,19 @@ def main(full: bool) -> dict:
             HQ=32, NUM_SPLITS=5, S_PAD=8, D=128, D_PAD=128, HAS_WINDOW=False, HAS_SINKS=False))
         res[f"prefill_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
             G=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **plain))
-        if dt == "bf16":  # sliding window + softcap (Gemma 2's local layers); window + sinks (gpt-oss's)
-            both = dict(HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_SINKS=False)
-            sinks = dict(HAS_WINDOW=True, HAS_SOFTCAP=False, HAS_SINKS=True)
-            res[f"decode_split_sinks_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
-                HQ=64, NUM_SPLITS=4, G=8, G_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_N=64, DIRECT=False,
-                DOT_PREC=prec, **sinks))
-            res[f"decode_reduce_sinks_{dt}"] = compile_sm90(decode_attention._decode_reduce_kernel, t, dict(
-                HQ=64, NUM_SPLITS=4, S_PAD=4, D=64, D_PAD=64, HAS_WINDOW=True, HAS_SINKS=True))
-            res[f"prefill_sinks_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
-                G=8, D=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **sinks))
-            res[f"decode_split_window_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
-                HQ=16, NUM_SPLITS=4, G=2, G_PAD=16, D=256, D_PAD=256, BLOCK_SIZE=16, BLOCK_N=64, DIRECT=False,
-                DOT_PREC=prec, **both))
-            res[f"decode_reduce_window_{dt}"] = compile_sm90(decode_attention._decode_reduce_kernel, t, dict(
-                HQ=16, NUM_SPLITS=4, S_PAD=4, D=256, D_PAD=256, HAS_WINDOW=True, HAS_SINKS=False))
-            res[f"prefill_window_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
-                G=2, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **both))
+        # sliding window + softcap (Gemma 2's local layers: 16 heads of 256 in GQA groups of 2, prefill
+        # with 128-wide heads); window + sinks (gpt-oss's: 64 heads of 64, groups of 8)
+        variants = (("window", dict(HAS_SOFTCAP=True, HAS_SINKS=False), 16, 2, 256, 128),
+                    ("sinks", dict(HAS_SOFTCAP=False, HAS_SINKS=True), 64, 8, 64, 64))
+        for name, flags, hq, g, d, d_prefill in variants if dt == "bf16" else ():
+            opts = dict(HAS_WINDOW=True, **flags)
+            res[f"decode_split_{name}_{dt}"] = compile_sm90(decode_attention._decode_split_kernel, t, dict(
+                HQ=hq, NUM_SPLITS=4, G=g, G_PAD=16, D=d, D_PAD=d, BLOCK_SIZE=16, BLOCK_N=64, DIRECT=False,
+                DOT_PREC=prec, **opts))
+            res[f"decode_reduce_{name}_{dt}"] = compile_sm90(decode_attention._decode_reduce_kernel, t, dict(
+                HQ=hq, NUM_SPLITS=4, S_PAD=4, D=d, D_PAD=d, HAS_WINDOW=True, HAS_SINKS=flags["HAS_SINKS"]))
+            res[f"prefill_{name}_{dt}"] = compile_sm90(prefill_attention._prefill_kernel, t, dict(
+                G=g, D=d_prefill, D_PAD=d_prefill, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, DOT_PREC=prec, **opts))
         # mixture of experts: decode-sized (16-row) and prefill-sized (64-row) expert tiles
         moe_t = {**{n: f"*{dt}" for n in ("x_ptr", "w_ptr", "out_ptr", "h_ptr")}, "sorted_ids_ptr": "*i32",
                  "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32"}
