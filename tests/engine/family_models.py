@@ -128,9 +128,11 @@ def build_family_model(model_type: str, out: Path, tokenizer_dir: Path, seed: in
     return out
 
 
-# image-text checkpoints (qworker.model.wrappers): model_type -> (its language model's family, the
-# wrapper's own config: a one- or two-layer vision tower, tie flags as the case wants them)
-IMAGE_TEXT_CONFIGS: dict[str, tuple[str, dict]] = {
+# image-text checkpoints (qworker.model.wrappers): model_type -> (its language model: a family test
+# model's name or a text config, the wrapper's own config: a one- or two-layer vision tower, tie
+# flags as the case wants them)
+MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+IMAGE_TEXT_CONFIGS: dict[str, tuple[str | dict, dict]] = {
     "gemma3": ("gemma3_text", dict(mm_tokens_per_image=4, vision_config=dict(
         model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         image_size=32, patch_size=8))),
@@ -142,6 +144,12 @@ IMAGE_TEXT_CONFIGS: dict[str, tuple[str, dict]] = {
     "llava": ("llama", dict(tie_word_embeddings=True, vision_config=dict(
         model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         image_size=32, patch_size=8, projection_dim=16))),
+    # multimodal rope over the text model's 8 frequency pairs (text-only prompts: plain rope)
+    "qwen2_5_vl": (dict(BASE, model_type="qwen2_5_vl_text", rope_parameters=MROPE), dict(tie_word_embeddings=False, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0]))),
+    "qwen3_vl": (dict(BASE, model_type="qwen3_vl_text", rope_parameters=MROPE), dict(tie_word_embeddings=False, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, deepstack_visual_indexes=[0],
+        num_position_embeddings=64))),
 }
 IMAGE_TEXT = sorted(IMAGE_TEXT_CONFIGS)
 
@@ -151,12 +159,12 @@ def build_image_text_model(model_type: str, out: Path, tokenizer_dir: Path, seed
     model of its family (:data:`FAMILY_CONFIGS`), as transformers saves it."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    text_type, wrapper = IMAGE_TEXT_CONFIGS[model_type]
-    text = family_config(text_type).to_dict()
+    text, wrapper = IMAGE_TEXT_CONFIGS[model_type]
+    text = family_config(text).to_dict() if isinstance(text, str) else text
     config = AutoConfig.for_model(model_type, text_config=text, **wrapper)
     config._attn_implementation = "eager"
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    _randomize(model, text_type.startswith("gemma"), torch.Generator().manual_seed(seed), hidden=BASE["hidden_size"])
+    _randomize(model, text["model_type"].startswith("gemma"), torch.Generator().manual_seed(seed), hidden=BASE["hidden_size"])
     model.eval().save_pretrained(out, safe_serialization=True, save_original_format=save_original_format)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tokenizer_dir) / name, out / name)

@@ -1,4 +1,4 @@
-"""Image-text checkpoints (Gemma 3 4B+, Mistral 3, LLaVA) served as their language model
+"""Image-text checkpoints (Gemma 3 4B+, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL) served as their language model
 (:mod:`qworker.model.wrappers`): greedy outputs token for token against transformers' own
 image-text model given the same text-only prompts, in both of transformers' naming forms; a
 PEFT adapter trained on the image-text model (its vision tower adapted too) against PEFT; and
@@ -59,7 +59,8 @@ def greedy() -> SamplingParams:
 def test_the_language_model_matches_transformers_image_text_model(image_text_models, model_type):
     path = image_text_models[model_type]
     config = load_config(path)
-    assert config.model_type == IMAGE_TEXT_CONFIGS[model_type][0] and config.wrapped_by == model_type
+    text = IMAGE_TEXT_CONFIGS[model_type][0]
+    assert config.model_type == (text if isinstance(text, str) else text["model_type"]) and config.wrapped_by == model_type
     ps = prompts(model_type)
     outs = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=16).generate(ps, greedy())
     reference = eager_image_text(path)
@@ -77,7 +78,8 @@ def test_both_naming_forms_load_the_same_language_model_and_no_image_part(image_
     assert sorted(saved) == sorted(other)
     assert all(torch.equal(saved[n], other[n]) for n in saved)
     assert all(n.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")) for n in saved), sorted(saved)[:5]
-    assert ("lm_head.weight" in saved) == (model_type == "mistral3")  # the others are tied
+    untied = IMAGE_TEXT_CONFIGS[model_type][1].get("tie_word_embeddings") is False
+    assert ("lm_head.weight" in saved) == untied
 
 
 def test_a_stray_or_doubled_tensor_in_an_image_text_checkpoint_is_refused(image_text_models, tmp_path):

@@ -21,10 +21,13 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "granitemoeshared": granite.build,
     "smollm3": smollm3.build,
     "qwen2": llama.build,
+    "qwen2_vl_text": llama.build,  # the language models of Qwen2-VL and Qwen2.5-VL (qworker.model.wrappers)
+    "qwen2_5_vl_text": llama.build,
     "seed_oss": llama.build,
     "arcee": arcee.build,
     "qwen2_moe": qwen3_moe.build,
     "qwen3": qwen3.build,
+    "qwen3_vl_text": qwen3.build,  # Qwen3-VL's language model
     "qwen3_moe": qwen3_moe.build,
     "mixtral": mixtral.build,
     "olmoe": olmoe.build,

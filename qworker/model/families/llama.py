@@ -12,7 +12,7 @@ from qworker.model.families.spec import DecoderSpec, attention_biases, dims, lla
 
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
-    if config.model_type in ("qwen2", "ministral"):
+    if config.model_type in ("qwen2", "ministral", "qwen2_vl_text", "qwen2_5_vl_text"):
         layers = typed_layers(config)
     elif config.model_type == "mistral":  # one window for every layer (None when the config has none)
         layers = uniform_layers(config, getattr(config, "sliding_window", None))
