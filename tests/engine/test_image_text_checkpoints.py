@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from qworker import LLM, SamplingParams
 from qworker.model.loader import load_config, load_state_dict
-from qworker.model.lora.adapter import LoRAAdapterError, load_lora_adapter
+from qworker.model.lora.adapter import MODULES, LoRAAdapterError, load_lora_adapter
 from tests.engine.family_models import IMAGE_TEXT, IMAGE_TEXT_CONFIGS, build_image_text_model
 from tests.engine.hf_reference import Reference, assert_greedy_matches
 
@@ -103,17 +103,19 @@ def test_an_image_text_checkpoint_around_an_unsupported_language_model_is_refuse
         load_config(tmp_path)
 
 
-def test_a_peft_adapter_of_the_image_text_model_matches_peft(image_text_models, tmp_path):
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])
+def test_a_peft_adapter_of_the_image_text_model_matches_peft(image_text_models, tmp_path, targets):
     """An adapter PEFT trained on the image-text model: ``q_proj``/``v_proj`` adapt the vision
     tower too (skipped: a text-only prompt never runs it), the language model's layers are named
-    under ``model.language_model``. Served as PEFT serves the text-only prompt."""
+    under ``model.language_model``. Served as PEFT serves the text-only prompt. "all-linear"
+    (helper-91: refused for the vision tower's fc1/fc2/out_proj it lists) adapts every linear."""
     from peft import LoraConfig, get_peft_model
 
     from qworker import LoRARequest
 
     path = image_text_models["gemma3"]
     torch.manual_seed(3)
-    peft_model = get_peft_model(eager_image_text(path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    peft_model = get_peft_model(eager_image_text(path), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -125,7 +127,8 @@ def test_a_peft_adapter_of_the_image_text_model_matches_peft(image_text_models, 
     assert any("vision_tower" in n for n in names) and any(".language_model.layers." in n for n in names), names[:4]
     config = load_config(path)
     loaded = load_lora_adapter(adapter, config, max_rank=8)
-    assert sorted(loaded.weights) == sorted((i, m) for i in range(config.num_hidden_layers) for m in ("q_proj", "v_proj"))
+    modules = ("q_proj", "v_proj") if isinstance(targets, list) else MODULES
+    assert sorted(loaded.weights) == sorted((i, m) for i in range(config.num_hidden_layers) for m in modules)
 
     ps = prompts("gemma3-lora")
     llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=16, enable_lora=True, max_lora_rank=8)
@@ -159,3 +162,22 @@ def _text_model(path, tmp_path):
     out.mkdir()
     (out / "config.json").write_text(json.dumps(load_config(path).to_dict()))
     return out
+
+
+def test_rank_patterns_match_the_names_the_adapter_was_trained_under(image_text_models, tmp_path):
+    """An adapter saved under transformers 4's names (``language_model.model.layers``): its
+    ``rank_pattern`` keys are those names, so the module keys follow the tensors' own prefix
+    (helper-91: they were always matched as ``model.language_model``)."""
+    from tests.engine.lora_support import make_peft_adapter
+
+    path = image_text_models["gemma3"]
+    adapter = make_peft_adapter(_text_model(path, tmp_path), tmp_path / "adapter", rank=4, target_modules=["q_proj"], seed=2,
+                                rank_pattern={"model.layers.1.self_attn.q_proj": 2})
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    renamed = {n.replace("base_model.model.model.", "base_model.model.language_model.model."): t for n, t in tensors.items()}
+    save_file(renamed, adapter / "adapter_model.safetensors")
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["rank_pattern"] = {"language_model.model.layers.1.self_attn.q_proj": 2}
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    loaded = load_lora_adapter(adapter, load_config(path), max_rank=8)
+    assert [loaded.weights[i, "q_proj"][0].shape[0] for i in range(3)] == [4, 2, 4]

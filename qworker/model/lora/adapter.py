@@ -10,7 +10,8 @@ Checks, in the order they run (each before any later work, so a hostile folder c
    the reader); a folder with only ``adapter_model.bin`` is refused: pickles are never loaded.
 2. ``adapter_config.json``: a JSON object of at most 1 MiB; ``peft_type`` ``LORA``; ``r`` (and
    every ``rank_pattern`` value) an int in ``1..max_rank``; ``lora_alpha`` (and ``alpha_pattern``)
-   finite numbers; ``target_modules`` only q/k/v/o/gate/up/down projections; no DoRA,
+   finite numbers; ``target_modules`` only q/k/v/o/gate/up/down projections (an image-text
+   base's may name its vision tower's modules too: their tensors are skipped); no DoRA,
    ``modules_to_save``, biases, or other variants whose forward is not ``x @ A.T @ B.T * s``.
    Pattern keys must be module names (``q_proj``, ``layers.3.self_attn.q_proj``): regular
    expressions from a file are not run (so ``exclude_modules`` must be a list too).
@@ -30,8 +31,10 @@ Checks, in the order they run (each before any later work, so a hostile folder c
 
 Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``, where
 ``r`` and ``lora_alpha`` are the module's (``rank_pattern`` / ``alpha_pattern`` matched against
-``model.layers.{i}.{self_attn|mlp}.{module}``, ``model.language_model.layers...`` for an
-image-text base, as PEFT matches them: the pattern equals the key or a dot-separated suffix of it).
+the module's name in the model PEFT trained on, as the tensor's name gives it
+(``model.layers.{i}.{self_attn|mlp}.{module}``; ``model.language_model.layers...`` or
+``language_model.model.layers...`` for an image-text base), as PEFT matches them: the pattern
+equals the key or a dot-separated suffix of it).
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ def load_lora_adapter(path: str | Path, config: PretrainedConfig, max_rank: int,
     """Validates and reads the adapter at ``path`` for a base model of ``config`` (see the module
     docstring); ``root``: the folder every adapter must resolve inside (symlinks followed)."""
     folder = _checked_folder(Path(path), root)
-    cfg = _read_config(folder / CONFIG_FILE, max_rank)
+    # an image-text base's adapter may target vision-tower modules too (skipped: see _expected_shapes)
+    cfg = _read_config(folder / CONFIG_FILE, max_rank, image_text=getattr(config, "wrapped_by", None) is not None)
     weights_path = folder / WEIGHTS_FILE
     # read once, then parsed from memory: a file rewritten while it loads (the reload loop reads
     # adapters whenever an operator saves one) then gives one snapshot, not a memory map whose
@@ -261,7 +265,7 @@ def _is_number(v) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def _read_config(path: Path, max_rank: int) -> _Config:
+def _read_config(path: Path, max_rank: int, image_text: bool = False) -> _Config:
     if path.stat().st_size > _MAX_CONFIG_BYTES:
         raise LoRAAdapterError(f"{path}: larger than {_MAX_CONFIG_BYTES} bytes")
     try:
@@ -298,7 +302,7 @@ def _read_config(path: Path, max_rank: int) -> _Config:
     for key, v in alpha_pattern.items():
         if not _is_number(v):
             raise LoRAAdapterError(f"{path}: alpha_pattern[{key!r}] must be a finite number, got {v!r}")
-    return _Config(r, float(alpha), rslora, rank_pattern, alpha_pattern, _read_targets(path, cfg))
+    return _Config(r, float(alpha), rslora, rank_pattern, alpha_pattern, _read_targets(path, cfg, image_text))
 
 
 def _pattern(path: Path, cfg: dict, field_name: str) -> dict:
@@ -312,7 +316,7 @@ def _pattern(path: Path, cfg: dict, field_name: str) -> dict:
     return value
 
 
-def _read_targets(path: Path, cfg: dict) -> _Targets:
+def _read_targets(path: Path, cfg: dict, image_text: bool = False) -> _Targets:
     """``target_modules``, ``layers_to_transform`` (with ``layers_pattern``) and
     ``exclude_modules``, checked: a list names modules by their last component(s); a string
     ``target_modules`` is PEFT's regex or ``all-linear``, checked through the tensors it produced
@@ -325,7 +329,9 @@ def _read_targets(path: Path, cfg: dict) -> _Targets:
     if not isinstance(targets, str):
         if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
             raise LoRAAdapterError(f"{path}: target_modules must be a list of module names or a string, got {targets!r}")
-        bad = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in MODULES})
+        # an image-text base: other names may be its vision tower's or projector's (PEFT's "all-linear"
+        # lists them all); their tensors are skipped and any in the language model refused by name
+        bad = [] if image_text else sorted({t for t in targets if t.rsplit(".", 1)[-1] not in MODULES})
         if bad:
             raise LoRAAdapterError(f"{path}: target_modules {bad} not supported; LoRA applies to {', '.join(MODULES)} only")
     exclude = cfg.get("exclude_modules") or []
@@ -434,8 +440,8 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, spec:
     moe = moe_layers(config)
     n_layers = config.num_hidden_layers
     wrapped = getattr(config, "wrapped_by", None) is not None
-    layers = LORA_LAYER_PREFIXES[0] if wrapped else "model."  # where PEFT names the layers of this base
     pairs: dict[tuple[int, str], dict[str, str]] = {}
+    keys: dict[tuple[int, str], str] = {}  # the module's name in the model PEFT trained on (its patterns match it)
     for name in header:
         if wrapped and name.startswith(LORA_IMAGE_PARTS):
             continue  # the vision tower's or projector's: never run for a text-only prompt
@@ -443,13 +449,14 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, spec:
         if m is None or m[1] != "model." and not (wrapped and m[1] in LORA_LAYER_PREFIXES):
             raise LoRAAdapterError(f"{path}: {_unsupported_name(name)}")
         layer, group, module, ab = int(m[2]), m[3], m[4], m[5]
+        key = _module_key(m[1], layer, module)
         if module not in MODULES:
             raise LoRAAdapterError(f"{path}: {_unsupported_name(name)}")
         if (group == "self_attn") != (module in ATTENTION_MODULES):
             raise LoRAAdapterError(f"{path}: tensor {name!r}: {module} does not sit under {group}")
         if layer >= n_layers:
             raise LoRAAdapterError(f"{path}: tensor {name!r} is for layer {layer}; the base model has {n_layers} layers")
-        if not cfg.targets.adapts(_module_key(layers, layer, module), layer):
+        if not cfg.targets.adapts(key, layer):
             continue  # PEFT never applies it (see _Targets)
         if module not in spec.lora_modules:  # PEFT would find no such module and drop the tensor; never apply it elsewhere
             raise LoRAAdapterError(f"{path}: tensor {name!r} targets {module}, which {config.model_type} models do not have as a "
@@ -461,6 +468,7 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, spec:
         if ab in found:  # the same weight under both of a wrapper's prefixes
             raise LoRAAdapterError(f"{path}: tensors {found[ab]!r} and {name!r} are the same LoRA weight")
         found[ab] = name
+        keys[layer, module] = key
     if not pairs:
         raise LoRAAdapterError(f"{path}: holds no LoRA tensors" + (" for the modules its adapter_config.json targets" if header else ""))
     out = {}
@@ -470,7 +478,7 @@ def _expected_shapes(header: dict, cfg: _Config, config: PretrainedConfig, spec:
                 other = next(iter(names.values()))
                 raise LoRAAdapterError(f"{path}: tensor {other!r} has no lora_{ab} partner")
         a_name, b_name = names["A"], names["B"]
-        r, alpha = cfg.module_rank_alpha(_module_key(layers, layer, module))
+        r, alpha = cfg.module_rank_alpha(keys[layer, module])
         fin, fout = feats[module]
         a_shape, b_shape = header[a_name]["shape"], header[b_name]["shape"]
         if len(a_shape) == 2 and a_shape[0] > max_rank:
