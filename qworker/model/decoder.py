@@ -40,7 +40,7 @@ from kernels import gemm_cpu
 from kernels.greedy_head import BoundedGreedyHead, bounded_head_supported
 from qworker.model.attention import AttentionMetadata, PagedAttention
 from qworker.model.families import spec_for
-from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLayer, dims, take, take_layer_norm
+from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLayer, dims, no_affine_norm, take, take_layer_norm
 from qworker.model.linear import Linear, cpu_linear_backend
 from qworker.model.moe import MoE, SharedExpertMoE
 from qworker.model.rope import RotaryEmbedding, rotary_embedding
@@ -147,7 +147,7 @@ class DecoderModel:
         embed = take(weights, "model.embed_tokens.weight", (d.vocab, d.hidden))
         self.embed = embed.to(act)  # the lookup table
         if spec.final_norm is None:  # a LayerNorm without weights
-            final_norm = torch.stack([torch.ones(d.hidden), torch.zeros(d.hidden)])
+            final_norm = no_affine_norm(d.hidden)
         elif spec.norm == "layer":
             final_norm = take_layer_norm(weights, spec.final_norm, (d.hidden,), spec.final_norm_bias)
         else:
@@ -499,9 +499,9 @@ class DecoderModel:
             if qk_norm == "head":  # written back into the qkv buffer, where the rope kernel wants them
                 q.copy_(norm(q, layer.q_norm, eps)[0])
                 k.copy_(norm(k, layer.k_norm, eps)[0])
-            elif qk_norm == "head_layer":  # each head its own weight and bias
-                q.copy_(F.layer_norm(q, q.shape[-1:], eps=eps) * layer.q_norm[0] + layer.q_norm[1])
-                k.copy_(F.layer_norm(k, k.shape[-1:], eps=eps) * layer.k_norm[0] + layer.k_norm[1])
+            elif qk_norm == "head_layer":  # each head its own weight and bias; fp32 throughout, rounded once
+                for t, w in ((q, layer.q_norm), (k, layer.k_norm)):
+                    t.copy_(F.layer_norm(t.float(), t.shape[-1:], eps=eps) * w[0].float() + w[1].float())
             layer.rope(positions, q, k)
             attn = layer.attn(q, k, v, k_cache, v_cache, meta)
             h = layer.o(attn.reshape(T, self.q_size))
@@ -510,7 +510,11 @@ class DecoderModel:
             if scale is not None:
                 h = h * scale
             if parallel:  # the MLP reads the layer's input: normed as attention read it, or by its own norm
-                h = h + layer.mlp(x if layer.post_norm is None else norm(residual, layer.post_norm, eps)[0])
+                mlp_out = layer.mlp(x if layer.post_norm is None else norm(residual, layer.post_norm, eps)[0])
+                if self.spec.parallel_attention_first:  # (residual + attn) + mlp, as Cohere and StableLM add them
+                    residual, h = residual + h, mlp_out
+                else:  # (attn + mlp) + residual, as Phi, GPT-J and GPT-NeoX do
+                    h = h + mlp_out
                 continue
             x, residual = self._add_norm(h, layer.post_norm, residual)
             h = layer.mlp(x)

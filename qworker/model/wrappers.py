@@ -48,7 +48,9 @@ def text_config(config: PretrainedConfig, raw: dict) -> PretrainedConfig:
         raise ValueError(f"{config.model_type}: config.json has no text_config")
     raw_text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     flags = [d["tie_word_embeddings"] for d in (raw_text, raw) if "tie_word_embeddings" in d]
-    text.tie_word_embeddings = any(flags) if flags else bool(text.tie_word_embeddings)
+    # neither level says: the text model's default where its config class has one (Qwen-VL's have none: the wrapper's)
+    default = getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))
+    text.tie_word_embeddings = any(flags) if flags else bool(default)
     text.wrapped_by = config.model_type
     return text
 

@@ -181,3 +181,14 @@ def test_rank_patterns_match_the_names_the_adapter_was_trained_under(image_text_
     (adapter / "adapter_config.json").write_text(json.dumps(cfg))
     loaded = load_lora_adapter(adapter, load_config(path), max_rank=8)
     assert [loaded.weights[i, "q_proj"][0].shape[0] for i in range(3)] == [4, 2, 4]
+
+
+@pytest.mark.parametrize("model_type,tied", [("qwen2_5_vl", False), ("qwen3_vl", False), ("gemma3", True)])
+def test_a_config_without_tie_flags_takes_the_models_default(model_type, tied):
+    """Neither config level says (helper-92: Qwen-VL's text config has no such field, and reading it
+    raised AttributeError): the text model's default, else the wrapper's."""
+    from transformers import AutoConfig
+
+    from qworker.model.wrappers import text_config
+
+    assert text_config(AutoConfig.for_model(model_type), {}).tie_word_embeddings is tied

@@ -19,7 +19,8 @@ import torch
 from transformers import PretrainedConfig
 
 from qworker.model.families.spec import (DecoderSpec, LayerAttention, RawLayer, attention_biases, dims, llama_layer,
-                                         rotate_halves_not_pairs, take, take_layer_norm, typed_layers, uniform_layers)
+                                         reorder_qk, rotate_halves_not_pairs, take, take_layer_norm, typed_layers,
+                                         uniform_layers)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -39,10 +40,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         p = f"model.layers.{i}."
         layer: RawLayer = llama_layer(w, i, d, config.intermediate_size, biases=biases, norms=False)
         layer.input_norm = take_layer_norm(w, f"{p}input_layernorm", (d.hidden,), False)
-        q, kv = d.q_size, d.q_size + d.kv_size
-        layer.qkv = torch.cat([halves(layer.qkv[:q]), halves(layer.qkv[q:kv]), layer.qkv[kv:]])
-        if layer.qkv_bias is not None:
-            layer.qkv_bias = torch.cat([halves(layer.qkv_bias[:q]), halves(layer.qkv_bias[q:kv]), layer.qkv_bias[kv:]])
+        layer.qkv, layer.qkv_bias = reorder_qk(layer.qkv, d, halves), reorder_qk(layer.qkv_bias, d, halves)
         if qk_norm:
             layer.q_norm = head_norm(w, f"{p}self_attn.q_norm.weight", d.num_heads)
             layer.k_norm = head_norm(w, f"{p}self_attn.k_norm.weight", d.num_kv_heads)
@@ -53,4 +51,5 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     else:
         layers = uniform_layers(config, None)
     return DecoderSpec(take_layer=take_layer, layers=layers, norm="layer", norm_eps=config.layer_norm_eps, parallel_block=True,
+                       parallel_attention_first=True,
                        qk_norm="head_layer" if qk_norm else None, logit_scale=float(config.logit_scale), qk_rows=halves)

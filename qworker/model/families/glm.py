@@ -16,14 +16,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, DenseMLP, RawLayer, attention_biases, dims, rotate_halves_not_pairs, take,
-                                         take_attention, uniform_layers)
-from qworker.model.rope import rope_parameters
-
-
-def rotary_dim(config: PretrainedConfig) -> int:
-    """How many channels of each head rotate (the rope table's width, as :mod:`qworker.model.rope` builds it)."""
-    return int(dims(config).head_dim * (rope_parameters(config)["partial_rotary_factor"] or 1.0))
+from qworker.model.families.spec import (DecoderSpec, DenseMLP, RawLayer, attention_biases, dims, reorder_qk, rotary_dim,
+                                         rotate_halves_not_pairs, take, take_attention, uniform_layers)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -39,11 +33,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     def take_layer(w, i):
         p = f"model.layers.{i}."
         attn = take_attention(w, p, d, biases)
-        qkv, bias = attn["qkv"], attn["qkv_bias"]
-        q, kv = d.q_size, d.q_size + d.kv_size
-        attn["qkv"] = torch.cat([halves(qkv[:q]), halves(qkv[q:kv]), qkv[kv:]])
-        if bias is not None:
-            attn["qkv_bias"] = torch.cat([halves(bias[:q]), halves(bias[q:kv]), bias[kv:]])
+        attn["qkv"], attn["qkv_bias"] = reorder_qk(attn["qkv"], d, halves), reorder_qk(attn["qkv_bias"], d, halves)
         norm = lambda name: take(w, f"{p}{name}.weight", (d.hidden,))  # noqa: E731
         mlp = DenseMLP(take(w, f"{p}mlp.gate_up_proj.weight", (2 * inter, d.hidden)), take(w, f"{p}mlp.down_proj.weight", (d.hidden, inter)))
         layer = RawLayer(input_norm=norm("input_layernorm"), mlp_norm=norm("post_attention_layernorm"), mlp=mlp, **attn)

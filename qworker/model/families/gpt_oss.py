@@ -28,12 +28,16 @@ _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``blocks`` uint8 ``[..., G, 16]`` and ``scales`` uint8 ``[..., G]`` -> ``[..., G * 32]``."""
+    """``blocks`` uint8 ``[E, ..., G, 16]`` and ``scales`` uint8 ``[E, ..., G]`` -> ``[E, ..., G * 32]``
+    in ``dtype``, one expert at a time (the temporaries of a whole 120b tensor would be tens of GB)."""
     table = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    low, high = table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]
-    values = torch.stack([low, high], dim=-1).flatten(-2)  # [..., G, 32]: low nibble first
-    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).to(torch.float32))
-    return values.flatten(-2).to(dtype)
+    out = torch.empty((*blocks.shape[:-2], blocks.shape[-2] * 32), dtype=dtype, device=blocks.device)
+    for e in range(blocks.shape[0]):
+        b = blocks[e]
+        values = torch.stack([table[(b & 0x0F).int()], table[(b >> 4).int()]], dim=-1).flatten(-2)  # low nibble first
+        values = torch.ldexp(values, (scales[e].to(torch.int32) - 127).unsqueeze(-1).to(torch.float32))
+        out[e] = values.flatten(-2)  # exact in fp32 and bf16: two mantissa bits times a power of two
+    return out
 
 
 def _take_packed(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, RawLayer, activation, dims, checkpoint_names, rotate_halves_not_pairs, take,
-                                         take_layer_norm, take_plain_mlp, uniform_layers)
-from qworker.model.rope import rope_parameters
+from qworker.model.families.spec import (DecoderSpec, RawLayer, activation, checkpoint_names, dims, rotary_dim, rotate_halves_not_pairs,
+                                         take, take_layer_norm, take_plain_mlp, uniform_layers)
 
 _PREFIXES = (("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."))
 
@@ -31,7 +30,7 @@ checkpoint_name = checkpoint_names(_PREFIXES, (".attn.bias", ".attn.masked_bias"
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
     inter = getattr(config, "n_inner", None) or 4 * d.hidden
-    rot = int(d.head_dim * rope_parameters(config)["partial_rotary_factor"])
+    rot = rotary_dim(config)
 
     def halves(t: torch.Tensor) -> torch.Tensor:
         return rotate_halves_not_pairs(t, d.head_dim, rot)

@@ -4,10 +4,9 @@ checkpoint; q, k and v clamped to ``[-clip_qkv, clip_qkv]`` where the config set
 
 from __future__ import annotations
 
-import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, attention_biases, dims, llama_layer, uniform_layers
+from qworker.model.families.spec import DecoderSpec, attention_biases, dims, llama_layer, no_affine_norm, uniform_layers
 
 EPS = 1e-5  # OlmoLayerNorm's, not read from the config
 
@@ -15,7 +14,7 @@ EPS = 1e-5  # OlmoLayerNorm's, not read from the config
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
     biases = attention_biases(config)
-    no_affine = torch.stack([torch.ones(d.hidden), torch.zeros(d.hidden)])  # LayerNorm's [weight; bias] of a norm without them
+    no_affine = no_affine_norm(d.hidden)
 
     def take_layer(w, i):
         layer = llama_layer(w, i, d, config.intermediate_size, biases=biases, norms=False)

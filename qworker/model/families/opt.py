@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, LayerAttention, RawLayer, activation, dims, renamed, take, take_layer_norm,
-                                         take_plain_mlp)
+from qworker.model.families.spec import (DecoderSpec, LayerAttention, RawLayer, activation, dims, no_affine_norm, renamed, take,
+                                         take_layer_norm, take_plain_mlp)
 
 EPS = 1e-5  # nn.LayerNorm's default: OPT's norms take no eps from the config
 POSITION_OFFSET = 2
@@ -50,7 +50,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     def norm(w, prefix: str) -> torch.Tensor:
         if affine:
             return take_layer_norm(w, prefix, (d.hidden,), True)
-        return torch.stack([torch.ones(d.hidden), torch.zeros(d.hidden)])
+        return no_affine_norm(d.hidden)
 
     def take_layer(w, i):
         p = f"model.layers.{i}."
@@ -62,6 +62,6 @@ def build(config: PretrainedConfig) -> DecoderSpec:
                         o_bias=take(w, f"{p}self_attn.out_proj.bias", (d.hidden,)) if bias else None)
 
     return DecoderSpec(take_layer=take_layer, layers=[LayerAttention(rotary=False) for _ in range(config.num_hidden_layers)],
-                       activation=activation(config, "activation_function"), lora_modules=("q_proj", "k_proj", "v_proj"),
+                       activation=activation(config, "activation_function"), lora_modules=(),  # PEFT's model.decoder.layers names are not mapped
                        norm="layer", norm_eps=EPS, final_norm="model.norm" if affine else None, final_norm_bias=True,
                        position_embeddings=True, position_offset=POSITION_OFFSET)

@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from transformers import PretrainedConfig
 
+from qworker.model.rope import rope_parameters
+
 Weights = dict[str, torch.Tensor]
 
 
@@ -144,6 +146,7 @@ class DecoderSpec:
     # (Phi, Cohere, StableLM with use_parallel_residual, GPT-J, GPT-NeoX); RawLayer.mlp_norm None:
     # the same normed input. Not combined with residual_scale or mlp_out_norm (no family has both).
     parallel_block: bool = False
+    parallel_attention_first: bool = False  # its sum as (residual + attn) + mlp (Cohere, StableLM), else (attn + mlp) + residual
     # the final norm's tensor prefix (Phi: model.final_layernorm); None: a LayerNorm without weights (OLMo)
     final_norm: str | None = "model.norm"
     final_norm_bias: bool = False  # under LayerNorm: whether the final norm has a bias
@@ -404,6 +407,25 @@ def ropes_by_layer_type(config: PretrainedConfig, layers: list[LayerAttention]) 
         raise ValueError(f"{config.model_type}: config.rope_parameters has no entry for layer type {missing[0]!r}")
     tables = {t: t for t in sorted(set(types))}
     return tables, [LayerAttention(sliding_window=a.sliding_window, rope=t, rotary=a.rotary) for a, t in zip(layers, types)]
+
+
+def rotary_dim(config: PretrainedConfig) -> int:
+    """How many channels of each head rotate (the rope table's width, as :mod:`qworker.model.rope`
+    builds it: ``partial_rotary_factor``, or GPT-J's ``rotary_dim``)."""
+    return int(dims(config).head_dim * (rope_parameters(config)["partial_rotary_factor"] or 1.0))
+
+
+def reorder_qk(qkv: torch.Tensor | None, d: Dims, reorder: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """Fused q/k/v rows (or their biases) with ``reorder`` applied to the q rows and to the k rows."""
+    if qkv is None:
+        return None
+    q, kv = d.q_size, d.q_size + d.kv_size
+    return torch.cat([reorder(qkv[:q]), reorder(qkv[q:kv]), qkv[kv:]])
+
+
+def no_affine_norm(hidden: int) -> torch.Tensor:
+    """A LayerNorm without weights as RawLayer holds LayerNorms: ``[2, H]`` of ones, then zeros."""
+    return torch.stack([torch.ones(hidden), torch.zeros(hidden)])
 
 
 def rotate_halves_not_pairs(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:

@@ -30,4 +30,5 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         return layer
 
     return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), norm="layer", norm_eps=config.layer_norm_eps,
-                       parallel_block=parallel, final_norm_bias=True, qk_norm="head_layer" if qk_norm else None, partial_rotary=True)
+                       parallel_block=parallel, parallel_attention_first=True, final_norm_bias=True,
+                       qk_norm="head_layer" if qk_norm else None, partial_rotary=True)
