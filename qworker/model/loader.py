@@ -102,23 +102,22 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def _weight_names(model_dir: str | Path) -> Callable[[str], str | None] | None:
-    """How the folder's tensor names map to those the families read (None: as they are): an
-    image-text checkpoint's language model, or a family that names its tensors otherwise."""
-    try:
-        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return text_weight_name if is_wrapper(model_type) else CHECKPOINT_NAMES.get(model_type)
+def _weight_names(config: PretrainedConfig) -> Callable[[str], str | None] | None:
+    """How the checkpoint's tensor names map to those the families read (None: as they are): an
+    image-text checkpoint's language model (:func:`load_config` marks its config ``wrapped_by``),
+    or a family that names its tensors otherwise."""
+    return text_weight_name if getattr(config, "wrapped_by", None) else CHECKPOINT_NAMES.get(config.model_type)
 
 
-def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
+                    config: PretrainedConfig | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint by the name its family reads (:func:`_weight_names`; an
-    image-text checkpoint's image-only parts are not read: :mod:`qworker.model.wrappers`)."""
+    image-text checkpoint's image-only parts are not read: :mod:`qworker.model.wrappers`).
+    ``config``: the folder's, as :func:`load_config` gave it (read again when not given)."""
     files = checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    rename = _weight_names(model_dir)
+    rename = _weight_names(config if config is not None else load_config(model_dir))
     weights: dict[str, torch.Tensor] = {}
     for path in files:
         try:

@@ -44,7 +44,7 @@ class ModelRunner:
                         model_dir, model_len, ", longrope's short factors" if exact and exact == model_len else "", model_len)
         self.max_model_len = min(max_model_len or model_len, model_len)
         if tp is None:
-            weights = load_state_dict(model_dir, self.device, self.dtype)
+            weights = load_state_dict(model_dir, self.device, self.dtype, self.config)
             self.model = DecoderModel(self.config, weights, self.device, self.dtype, self.max_model_len, kernel_backend)
         else:
             self.model = tp.build_model(model_dir, self.config, self.device, self.dtype, self.max_model_len, kernel_backend)

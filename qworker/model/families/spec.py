@@ -208,8 +208,8 @@ def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
 
 
 # (q/k/v biases, o bias) of the families whose transformers model fixes them
-_FIXED_BIASES = {"qwen2": (True, False), "qwen2_vl_text": (True, False), "qwen2_5_vl_text": (True, False), "mistral": (False, False), "ministral": (False, False), "mixtral": (False, False),
-                 "exaone4": (False, False)}
+_FIXED_BIASES = {"qwen2": (True, False), "qwen2_vl_text": (True, False), "qwen2_5_vl_text": (True, False),
+                 "mistral": (False, False), "ministral": (False, False), "mixtral": (False, False), "exaone4": (False, False)}
 _NO_O_BIAS = ("qwen2_moe", "glm", "glm4")  # q/k/v biases as the config says, o never
 # q/k/v biases as attention_bias says (True by default), o's as attention_out_bias does
 _SEPARATE_O_BIAS = ("seed_oss",)

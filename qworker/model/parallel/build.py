@@ -30,7 +30,7 @@ class TPRank:
         from qworker.model.loader import load_state_dict
 
         check_supported(config, self.world)
-        weights = load_state_dict(model_dir, torch.device("cpu"), dtype)
+        weights = load_state_dict(model_dir, torch.device("cpu"), dtype, config)
         if device.type != "cpu":  # the replicated tensors; the layers move as they are sliced
             for name in [n for n in weights if not n.startswith("model.layers.")]:
                 weights[name] = weights[name].to(device)
