@@ -69,6 +69,12 @@ def _rows(t: torch.Tensor, r: range, dim: int = 0) -> torch.Tensor:
     return t.narrow(dim, r.start, len(r)).contiguous()
 
 
+def _gate_up_rows(t: torch.Tensor, inter: int, r: range, dim: int = 0) -> torch.Tensor:
+    """Fused gate/up rows (``2 * inter`` along ``dim``: gate, then up) cut to intermediate range
+    ``r``: its gate rows, then its up rows."""
+    return torch.cat([_rows(t, r, dim), _rows(t, range(inter + r.start, inter + r.stop), dim)], dim=dim)
+
+
 class Sharder:
     """Slices a family's :class:`RawLayer` (checked full-size by the family reader) to this rank's
     share and moves it to ``device``. ``refuse`` names spec features that TP cannot serve."""
@@ -109,17 +115,13 @@ class Sharder:
         else:
             inter = mlp.down.shape[2]
             r = split_even(inter, self.world, self.rank)
-
-            def gate_up_part(t: torch.Tensor) -> torch.Tensor:  # [E, 2I, ...]: this rank's gate rows, then its up rows
-                return torch.cat([_rows(t, r, 1), _rows(t, range(inter + r.start, inter + r.stop), 1)], dim=1)
-
             m = self._move
-            mlp = MoEWeights(m(mlp.router), m(gate_up_part(mlp.gate_up)), m(_rows(mlp.down, r, 2)), mlp.top_k,
+            mlp = MoEWeights(m(mlp.router), m(_gate_up_rows(mlp.gate_up, inter, r, 1)), m(_rows(mlp.down, r, 2)), mlp.top_k,
                              mlp.renormalize, mlp.weights_in_act_dtype,
                              # the shared expert splits as a dense MLP; its gate stays whole (a scalar per token)
                              shared=self._dense(mlp.shared) if mlp.shared is not None else None,
                              shared_gate=m(mlp.shared_gate), router_bias=m(mlp.router_bias),
-                             gate_up_bias=m(gate_up_part(mlp.gate_up_bias)) if mlp.gate_up_bias is not None else None,
+                             gate_up_bias=m(_gate_up_rows(mlp.gate_up_bias, inter, r, 1)) if mlp.gate_up_bias is not None else None,
                              # added once, to the all-reduced sum
                              down_bias=m(mlp.down_bias) if mlp.down_bias is not None and self.rank == 0 else None,
                              clamped_swiglu=mlp.clamped_swiglu)
@@ -145,10 +147,9 @@ class Sharder:
         down bias on rank 0 only (it is added once to the all-reduced sum)."""
         inter = mlp.down.shape[1]
         r = split_even(inter, self.world, self.rank)
-        rows = [r, range(inter + r.start, inter + r.stop)] if mlp.gated else [r]
 
         def up_part(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([_rows(t, part) for part in rows])
+            return _gate_up_rows(t, inter, r) if mlp.gated else _rows(t, r)
 
         m = self._move
         return DenseMLP(m(up_part(mlp.gate_up)), m(_rows(mlp.down, r, 1)), mlp.gated,
