@@ -116,8 +116,8 @@ class LLMEngine:
     def _start_after_runner(self, config: EngineConfig) -> None:
         self._unreported: list[Request] = []  # see take_unreported
         self.model_name = config.model.rstrip("/").split("/")[-1]
-        self.eos_token_ids = eos_token_ids(self.tokenizer, config.model)
         self.vocab_size = self.runner.model.vocab_size
+        self.eos_token_ids = eos_token_ids(self.tokenizer, config.model, self.vocab_size)
         self.structured = StructuredOutputs(config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.runner.device)
 
         # LoRA slots before the KV budget: on a GPU they take memory the pool must not count on

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import logging
+from pathlib import Path
 
 import torch
 
@@ -33,18 +35,36 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int] | list[dict]
 
 
-def eos_token_ids(tokenizer, model: str) -> set[int]:
-    """The ids that end a choice: the tokenizer's EOS and the model's generation config's."""
+def eos_token_ids(tokenizer, model: str, vocab_size: int) -> set[int]:
+    """The ids that end a choice: the tokenizer's EOS and the model's, as transformers' generate
+    reads it: ``generation_config.json``'s ``eos_token_id`` (an id or a list), or config.json's
+    where the folder has no generation config. A malformed generation config, or an id outside the
+    vocabulary, is refused in one line naming the file (a string id would otherwise fail deep in the
+    structured-output set-up, and an id no row of the LM head produces would never end a job)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    try:
-        from transformers import GenerationConfig
+    folder = Path(model)
+    if not folder.is_dir():
+        return ids
+    path = folder / "generation_config.json"
+    if path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        eos = raw.get("eos_token_id")
+    else:
+        from transformers import AutoConfig, GenerationConfig
 
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except OSError:
-        pass
+        path = folder / "config.json"
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder)).eos_token_id
+    for e in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < vocab_size:
+            raise ValueError(f"{path}: eos_token_id {e!r} is not a token id of the model (0..{vocab_size - 1})")
+        ids.add(e)
     return ids
 
 

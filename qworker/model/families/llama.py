@@ -16,7 +16,10 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         layers = typed_layers(config)
     elif config.model_type == "mistral":  # one window for every layer (None when the config has none)
         layers = uniform_layers(config, getattr(config, "sliding_window", None))
-    else:  # transformers' Llama masks causally only, whatever "sliding_window" a config.json carries
+    else:
+        # transformers' Llama forward masks causally only, whatever "sliding_window" a config.json
+        # carries (its generate, 5.24, applies such a stray window to decode steps but not to the
+        # prompt: no consistent model to match); served as the forward runs it, the way it was trained
         layers = uniform_layers(config, None)
     biases, with_mlp_bias = attention_biases(config), mlp_bias(config)
     return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, biases=biases, mlp_bias=with_mlp_bias),
