@@ -40,10 +40,12 @@ from kernels import gemm_cpu
 from kernels.greedy_head import BoundedGreedyHead, bounded_head_supported
 from qworker.model.attention import AttentionMetadata, PagedAttention
 from qworker.model.families import spec_for
-from qworker.model.families.spec import DecoderSpec, DenseMLP, MoEWeights, RawLayer, dims, no_affine_norm, take, take_layer_norm
+from qworker.model.families.spec import (DecoderSpec, DenseMLP, LatentAttentionWeights, MoEWeights, RawLayer, dims, no_affine_norm, take,
+                                         take_layer_norm)
+from qworker.model.latent_attention import HeadPrefix, LatentQKV
 from qworker.model.linear import Linear, cpu_linear_backend
-from qworker.model.moe import MoE, SharedExpertMoE
-from qworker.model.rope import RotaryEmbedding, rotary_embedding
+from qworker.model.moe import MoE, Routing, SharedExpertMoE
+from qworker.model.rope import PartialRotaryEmbedding, RotaryEmbedding, rotary_embedding
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +95,8 @@ def no_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor | None  # None: no norm before attention (OLMo 2), nor before the MLP
-    qkv: Linear  # q, k, v fused (with their biases, Qwen2)
-    o: Linear
+    qkv: Linear | LatentQKV  # q, k, v fused (with their biases, Qwen2); DeepSeek's latent attention
+    o: Linear | HeadPrefix
     post_norm: torch.Tensor | None  # the norm before the MLP
     gate_up: Linear | None  # gate and up fused (None for a MoE layer)
     down: Linear | None
@@ -202,8 +204,12 @@ class DecoderModel:
         self.residual_scale = spec.residual_scale
         self.greedy_head = self._bounded_greedy_head(shard)
 
-        self.ropes = {key: rotary_embedding(config, self.head_dim, max_positions, device, act, backend, layer_type, spec.partial_rotary)
-                      for key, layer_type in spec.rope_tables.items()}
+        if spec.rope_dim is not None:  # MLA: a table for rope_dim channels, rotating each head's first rope_dim
+            self.ropes = {key: PartialRotaryEmbedding(config, spec.rope_dim, max_positions, device, act, backend, layer_type, partial=False)
+                          for key, layer_type in spec.rope_tables.items()}
+        else:
+            self.ropes = {key: rotary_embedding(config, self.head_dim, max_positions, device, act, backend, layer_type, spec.partial_rotary)
+                          for key, layer_type in spec.rope_tables.items()}
         scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
         attns: dict[int | None, PagedAttention] = {}
         for a in spec.layers:
@@ -233,16 +239,17 @@ class DecoderModel:
                 m: MoEWeights = layer.mlp
                 mlp = MoE(m.router, m.gate_up, m.down, m.top_k, m.renormalize, self.linear_backend, act, backend,
                           weights_in_act_dtype=m.weights_in_act_dtype, router_bias=m.router_bias, gate_up_bias=m.gate_up_bias,
-                          down_bias=m.down_bias, clamped_swiglu=m.clamped_swiglu)
+                          down_bias=m.down_bias, clamped_swiglu=m.clamped_swiglu,
+                          routing=Routing(m.scoring, m.choice_bias, m.groups, m.routed_scale))
                 if m.shared is not None:
                     shared = GatedMLP(Linear(m.shared.gate_up, None, self.linear_backend, act),
                                       Linear(m.shared.down, None, self.linear_backend, act), activation)
-                    mlp = SharedExpertMoE(mlp, shared, None if m.shared_gate is None else m.shared_gate.to(act))
+                    mlp = SharedExpertMoE(mlp, shared, None if m.shared_gate is None else m.shared_gate.to(act, copy=True))  # owned: see MoE.router
             opt = self._norm_weight
             self.layers.append(LayerWeights(
                 input_norm=opt(layer.input_norm),
-                qkv=Linear(layer.qkv, layer.qkv_bias, self.linear_backend, act),
-                o=Linear(layer.o, layer.o_bias, self.linear_backend, act),
+                qkv=self._qkv(layer),
+                o=self._o(layer),
                 post_norm=opt(layer.mlp_norm),
                 gate_up=gate_up,
                 down=down,
@@ -350,6 +357,23 @@ class DecoderModel:
         self._fused_guard = (owners, names, objs, tensors, [ptr for *_, ptr in guard if ptr is not None])
         return bound
 
+    def _qkv(self, layer: RawLayer) -> Linear | LatentQKV:
+        if not isinstance(layer.qkv, LatentAttentionWeights):
+            return Linear(layer.qkv, layer.qkv_bias, self.linear_backend, self.act_dtype)
+        m = layer.qkv
+
+        def linear(w, b=None):
+            return Linear(w, b, self.linear_backend, self.act_dtype)
+        return LatentQKV(None if m.q_a is None else linear(m.q_a, m.q_a_bias), self._norm_weight(m.q_a_norm), linear(m.q_b),
+                         linear(m.kv_a, m.kv_a_bias), self._norm_weight(m.kv_a_norm), linear(m.kv_b), self.num_heads, m.rope,
+                         m.nope, m.v_dim, self.norm_fn, self.eps)
+
+    def _o(self, layer: RawLayer) -> Linear | HeadPrefix:
+        o = Linear(layer.o, layer.o_bias, self.linear_backend, self.act_dtype)
+        if isinstance(layer.qkv, LatentAttentionWeights) and layer.qkv.v_dim != self.head_dim:
+            return HeadPrefix(o, self.num_heads, self.head_dim, layer.qkv.v_dim)
+        return o
+
     def _norm_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         if w is None:
             return None
@@ -362,7 +386,8 @@ class DecoderModel:
     @staticmethod
     def _dense_weights(layer: RawLayer) -> list[torch.Tensor]:
         mlp = [layer.mlp.gate_up, layer.mlp.down] if isinstance(layer.mlp, DenseMLP) else []
-        return [layer.qkv, layer.o, *mlp]
+        qkv = [layer.qkv.q_b, layer.qkv.kv_b] if isinstance(layer.qkv, LatentAttentionWeights) else [layer.qkv]
+        return [*qkv, layer.o, *mlp]
 
     @staticmethod
     def _attention(backend: str, scale: float, window: int | None, softcap: float | None,
@@ -541,7 +566,8 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 def _plain_layer(layer: LayerWeights) -> bool:
     """The Llama loop runs the layer as it is: Llama's two norms, a dense MLP, nothing more."""
-    return (layer.gate_up is not None and layer.input_norm is not None and layer.post_norm is not None
+    return (type(layer.qkv) is Linear and type(layer.o) is Linear
+            and layer.gate_up is not None and layer.input_norm is not None and layer.post_norm is not None
             and layer.gate_up.bias is None and layer.down.bias is None and layer.attn.sinks is None
             and layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None and layer.mlp_out_norm is None)
 

@@ -109,6 +109,14 @@ def _weight_names(config: PretrainedConfig) -> Callable[[str], str | None] | Non
     return text_weight_name if getattr(config, "wrapped_by", None) else CHECKPOINT_NAMES.get(config.model_type)
 
 
+def _prediction_layers(config: PretrainedConfig) -> tuple[str, ...]:
+    """Name prefixes of the multi-token-prediction layers that GLM-4.5 and DeepSeek-V3 checkpoints
+    store after the last decoder layer (``num_nextn_predict_layers`` of them): draft heads that
+    transformers does not read either, so neither does the engine (nor casts them)."""
+    first, n = config.num_hidden_layers, int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    return tuple(f"model.layers.{i}." for i in range(first, first + n))
+
+
 def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                     config: PretrainedConfig | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint by the name its family reads (:func:`_weight_names`; an
@@ -117,14 +125,16 @@ def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dt
     files = checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    rename = _weight_names(config if config is not None else load_config(model_dir))
+    config = config if config is not None else load_config(model_dir)
+    rename = _weight_names(config)
+    unread = _prediction_layers(config)
     weights: dict[str, torch.Tensor] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for stored in f.keys():
                     name = rename(stored) if rename else stored
-                    if name is None:
+                    if name is None or name.startswith(unread):
                         continue
                     if name in weights:  # a checkpoint holding one tensor under both naming forms
                         raise ValueError(f"{path}: tensor {stored!r} is stored twice (as {name!r} too)")

@@ -18,6 +18,11 @@ Two paths, chosen by ``kernel_backend``:
 * ``"triton"``: the fused grouped GEMM of :func:`kernels.moe_experts` (:mod:`kernels.fused_moe`) over the stacked weights;
   experts with biases or gpt-oss's clamped SwiGLU take the grouped path above on the device.
 
+DeepSeek-V2/V3 and GLM-4.5 route otherwise (:class:`Routing`): scores by softmax or sigmoid,
+experts picked by the scores plus a per-expert bias (V3's ``e_score_correction_bias``, used for
+the choice only), within the best ``topk_group`` of ``n_group`` expert groups, their weights then
+multiplied by ``routed_scaling_factor``.
+
 gpt-oss: the router has a bias, the experts have biases, and the activation is the clamped
 SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``
 (``clamped_swiglu=(alpha, l)``).
@@ -30,11 +35,51 @@ order per token. In fp32 this matches transformers up to GEMM rounding.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 import kernels
 from qworker.model.linear import Linear
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """How a router turns its logits into ``top_k`` experts and their weights, as transformers'
+    DeepSeek-V2/V3 and GLM-4.5 routers do (the defaults are Mixtral's softmax top-k).
+
+    ``scoring``: "softmax" or "sigmoid" of the fp32 logits. ``choice_bias`` ``[E]``: added to the
+    scores to pick the experts; each picked expert is weighed by its score without it.
+    ``groups``: ``(n, kept, "max" | "top2")``: the experts fall into ``n`` equal groups, each scored
+    by its best expert ("max", V2) or its best two summed ("top2", V3); only the ``kept`` best
+    groups' experts can be picked (V2 zeroes the others' scores, V3 makes them -inf).
+    ``routed_scale``: the weights (after any renormalisation) times this."""
+
+    scoring: str = "softmax"
+    choice_bias: torch.Tensor | None = None
+    groups: tuple[int, int, str] | None = None
+    routed_scale: float = 1.0
+
+    def plain(self) -> bool:
+        """Mixtral's softmax top-k (the default)."""
+        return self.scoring == "softmax" and self.choice_bias is None and self.groups is None and self.routed_scale == 1.0
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.choice_bias is not None and tuple(self.choice_bias.shape) != (num_experts,):
+            raise ValueError(f"the router's choice bias has shape {list(self.choice_bias.shape)}, expected [{num_experts}]")
+        if self.groups is not None:
+            n, kept, score = self.groups
+            if n < 1 or num_experts % n or not 1 <= kept <= n or score not in ("max", "top2"):
+                raise ValueError(f"cannot route {num_experts} experts in n_group={n} groups keeping topk_group={kept}")
+            if score == "top2" and num_experts // n < 2:
+                raise ValueError(f"groups of {num_experts // n} expert(s) cannot be scored by their best two (n_group={n})")
+            if kept * (num_experts // n) < top_k:
+                raise ValueError(f"num_experts_per_tok={top_k} is more than the {kept * (num_experts // n)} experts "
+                                 f"of the topk_group={kept} groups kept")
 
 
 class MoE:
@@ -56,6 +101,7 @@ class MoE:
         gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
         down_bias: torch.Tensor | None = None,  # [E, H]
         clamped_swiglu: tuple[float, float] | None = None,  # gpt-oss's (alpha, limit)
+        routing: Routing = Routing(),
     ):
         E, two_i, H = gate_up.shape
         if router.shape != (E, H) or down.shape != (E, H, two_i // 2) or two_i % 2:
@@ -65,14 +111,19 @@ class MoE:
         if kernel_backend not in ("cpu", "triton"):
             raise ValueError(f"kernel_backend must be 'cpu' or 'triton', got {kernel_backend!r}")
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, two_i // 2
+        routing.check(E, top_k)
         self.top_k = top_k
         self.renormalize = renormalize
+        self.routing = routing
+        self.choice_bias = None if routing.choice_bias is None else routing.choice_bias.float().contiguous()
         self.act_dtype = act_dtype
         self.kernel_backend = kernel_backend
         self.weights_in_act_dtype = weights_in_act_dtype
         # fp32 [E, H] through F.linear, the very call transformers makes in fp32: the same logits to
-        # the bit, so near-ties between experts are settled the same way
-        self.router = router.float().contiguous()
+        # the bit, so near-ties between experts are settled the same way. A copy of its own: a view
+        # into the checkpoint's mmap sits at whatever offset the file gives it, and the GEMM's
+        # rounding follows the address's alignment (the same router in another file gave logits 1 ulp apart)
+        self.router = router.float().clone(memory_format=torch.contiguous_format)
         self.router_bias = None if router_bias is None else router_bias.float().contiguous()
         self.clamped_swiglu = clamped_swiglu
         # the fused Triton kernel runs plain SwiGLU experts without biases; others go through Linear
@@ -92,10 +143,29 @@ class MoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights fp32 [T, K], topk_ids int64 [T, K])`` for ``x`` ``[T, H]``."""
         logits = F.linear(x.float(), self.router, self.router_bias)
-        probs = torch.softmax(logits, dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        r = self.routing
+        if r.plain():
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.renormalize:
+                weights /= weights.sum(dim=-1, keepdim=True)
+            return weights, ids
+        scores = torch.sigmoid(logits) if r.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+        choice = scores if self.choice_bias is None else scores + self.choice_bias
+        if r.groups is not None:
+            n, kept, how = r.groups
+            grouped = choice.view(choice.shape[0], n, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if how == "top2" else grouped.amax(dim=-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, torch.topk(group_scores, kept, dim=-1, sorted=False)[1], True)
+            # V2 zeroes the dropped groups' softmax scores (still above none of the kept ones), V3 drops them
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), 0.0 if how == "max" else -math.inf).view(choice.shape)
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
         if self.renormalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20  # transformers' epsilon (no sum of sigmoids is that small)
+        if r.routed_scale != 1.0:
+            weights *= r.routed_scale
         return weights, ids
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,4 +239,4 @@ class SharedExpertMoE:
         return self.routed(x) + shared
 
 
-__all__ = ["MoE", "SharedExpertMoE"]
+__all__ = ["MoE", "Routing", "SharedExpertMoE"]

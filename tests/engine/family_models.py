@@ -79,6 +79,26 @@ FAMILY_CONFIGS: dict[str, dict] = {
                    tie_word_embeddings=True),  # layers 0 and 2 (transformers' alternating default)
     "gemma3_text": dict(sliding_window=24, query_pre_attn_scalar=16, tie_word_embeddings=True,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # DeepSeek-V3's router (sigmoid, choice bias, 2 of 4 groups by their best two), q/k/v biases, qk norms, rotary on half of each head
+    "glm4_moe": dict(MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
+                     routed_scaling_factor=1.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=0),
+    # MLA with q_proj (V2-Lite), interleaved rotary on 8 of 24 channels, v 16 wide; softmax router, groups by their best expert
+    "deepseek_v2": dict(MOE, n_routed_experts=8, n_shared_experts=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=4,
+                        topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=1.5, q_lora_rank=None, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, num_key_value_heads=4),
+    # MLA with the q_a/q_b pair and YaRN (mscale_all_dim); sigmoid router with a choice bias, 2 of 4 groups
+    "deepseek_v3": dict(MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=4,
+                        topk_group=2, routed_scaling_factor=2.0, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        head_dim=8, v_head_dim=24, num_key_value_heads=4, num_nextn_predict_layers=0,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+    # V3's MLA and router; dense and sparse layers by mlp_layer_types; rotary in halves (rope_interleave off)
+    "glm4_moe_lite": dict(MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, n_group=2, topk_group=1,
+                          routed_scaling_factor=1.8, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8,
+                          v_head_dim=16, num_key_value_heads=4, rope_interleave=False, mlp_layer_types=["dense", "sparse", "dense"]),
+    # Qwen3 attention (windows on layers >= max_window_layers), V3's router without groups
+    "dots1": dict(MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                  norm_topk_prob=True, sliding_window=24, max_window_layers=1, attention_bias=True),
 }
 FAMILIES = sorted(FAMILY_CONFIGS)
 

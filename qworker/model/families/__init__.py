@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (arcee, cohere, exaone4, gemma, glm, gpt2, gpt_neox, gpt_oss, gptj, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi,
+from qworker.model.families import (arcee, cohere, deepseek, exaone4, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi,
                                     phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
@@ -53,6 +53,11 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "gemma3_text": gemma.build,
     "glm": glm.build,
     "glm4": glm.build,
+    "glm4_moe": glm4_moe.build,
+    "glm4_moe_lite": deepseek.build,
+    "dots1": glm4_moe.build,
+    "deepseek_v2": deepseek.build,
+    "deepseek_v3": deepseek.build,
 }
 SUPPORTED = sorted(FAMILIES)
 # model_type -> a checkpoint tensor's name as the family reads it (None: not read), for checkpoints named otherwise

@@ -42,7 +42,13 @@ _ONE_KV_PER_HEAD = ("gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt")
 
 
 def dims(config: PretrainedConfig) -> Dims:
+    """The attention's sizes as the decoder and its KV cache hold them. Under latent attention
+    (:func:`latent_attention`: DeepSeek's MLA) every query head has its own k and v head of the
+    q/k head width (the rotated channels, then the others; v padded to it)."""
     heads = config.num_attention_heads
+    if latent_attention(config):
+        return Dims(hidden=config.hidden_size, num_heads=heads, num_kv_heads=heads,
+                    head_dim=config.qk_rope_head_dim + config.qk_nope_head_dim, vocab=config.vocab_size)
     if config.model_type in _ONE_KV_PER_HEAD:
         kv_heads = 1 if getattr(config, "multi_query", False) else heads
     else:
@@ -54,6 +60,11 @@ def dims(config: PretrainedConfig) -> Dims:
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         vocab=config.vocab_size,
     )
+
+
+def latent_attention(config: PretrainedConfig) -> bool:
+    """Whether the family's attention is DeepSeek's multi-head latent attention (MLA)."""
+    return getattr(config, "kv_lora_rank", None) is not None and hasattr(config, "qk_nope_head_dim")
 
 
 @dataclass(slots=True)
@@ -89,6 +100,32 @@ class MoEWeights:
     # GraniteMoE-Shared: the same without a gate (shared_gate None)
     shared: DenseMLP | None = None
     shared_gate: torch.Tensor | None = None
+    # DeepSeek-V2/V3, GLM-4.5: how the router scores and picks (see qworker.model.moe.Routing)
+    scoring: str = "softmax"  # or "sigmoid"
+    choice_bias: torch.Tensor | None = None  # [E]: added to the scores to pick experts, not to weigh them
+    groups: tuple[int, int, str] | None = None  # (groups, groups kept, "max" | "top2": a group's score)
+    routed_scale: float = 1.0  # the routed experts' weights times this
+
+
+@dataclass(slots=True)
+class LatentAttentionWeights:
+    """DeepSeek's multi-head latent attention (MLA), ``[out, in]``. q is ``q_b(norm(q_a(x)))``, or
+    ``q_b(x)`` without ``q_a`` (V2-Lite's ``q_proj``); ``kv_a(x)`` gives the latent (normed, then
+    ``kv_b`` makes each head's k channels without rotation and its v) and one rotated k part all
+    heads share. Rows are reordered at load so that each head's q starts with its rotated channels
+    (:func:`qworker.model.families.deepseek.build`), the order the decoder's k takes too."""
+
+    q_a: torch.Tensor | None
+    q_a_bias: torch.Tensor | None
+    q_a_norm: torch.Tensor | None
+    q_b: torch.Tensor  # [heads * (rope + nope), q_lora_rank or hidden]
+    kv_a: torch.Tensor  # [kv_lora_rank + rope, hidden]
+    kv_a_bias: torch.Tensor | None
+    kv_a_norm: torch.Tensor  # [kv_lora_rank]
+    kv_b: torch.Tensor  # [heads * (nope + v), kv_lora_rank]: per head its k channels, then its v
+    rope: int
+    nope: int
+    v_dim: int
 
 
 @dataclass(slots=True)
@@ -98,7 +135,7 @@ class RawLayer:
     (zeros where the checkpoint has none; :func:`take_layer_norm`)."""
 
     input_norm: torch.Tensor | None  # None: the branch reads the residual stream as it is (OLMo 2)
-    qkv: torch.Tensor
+    qkv: torch.Tensor | LatentAttentionWeights  # q, k, v fused; or DeepSeek's latent attention
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
@@ -173,6 +210,9 @@ class DecoderSpec:
     # the PEFT module names LoRA adapts in this family: those it has by these names, as separate
     # projections the decoder can wrap (Phi-3's fused qkv_proj has no q_proj; Phi's o is "dense")
     lora_modules: tuple[str, ...] = LORA_MODULES
+    # DeepSeek's MLA: a rope table for a head of this many channels, rotating each head's first
+    # that many (the head itself is wider: dims())
+    rope_dim: int | None = None
 
     def is_plain(self) -> bool:
         """The Llama forward suffices: nothing beyond one window for every layer."""
@@ -180,7 +220,7 @@ class DecoderSpec:
         return (not self.norm_plus_one and self.qk_norm is None and self.clip_qkv is None and self.activation == "silu"
                 and self.embed_scale is None and self.attn_softcap is None and self.final_softcap is None
                 and self.residual_scale is None and self.norm == "rms" and not self.parallel_block and not self.head_bias
-                and self.logit_scale is None and not self.position_embeddings and first.rotary
+                and self.logit_scale is None and not self.position_embeddings and first.rotary and self.rope_dim is None
                 and all(a == first for a in self.layers))
 
 
@@ -210,7 +250,7 @@ def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
 # (q/k/v biases, o bias) of the families whose transformers model fixes them
 _FIXED_BIASES = {"qwen2": (True, False), "qwen2_vl_text": (True, False), "qwen2_5_vl_text": (True, False),
                  "mistral": (False, False), "ministral": (False, False), "mixtral": (False, False), "exaone4": (False, False)}
-_NO_O_BIAS = ("qwen2_moe", "glm", "glm4")  # q/k/v biases as the config says, o never
+_NO_O_BIAS = ("qwen2_moe", "glm", "glm4", "glm4_moe")  # q/k/v biases as the config says, o never
 # q/k/v biases as attention_bias says (True by default), o's as attention_out_bias does
 _SEPARATE_O_BIAS = ("seed_oss",)
 

@@ -163,6 +163,8 @@ def moe_layers(config: PretrainedConfig) -> set[int]:
         step = getattr(config, "decoder_sparse_step", 1) or 1
         dense_only = set(getattr(config, "mlp_only_layers", None) or [])
         return {i for i in range(n) if i not in dense_only and (i + 1) % step == 0}
+    if hasattr(config, "first_k_dense_replace"):  # GLM-4.5, DeepSeek: dense MLPs before that layer
+        return set(range(config.first_k_dense_replace, n))
     return set(range(n))
 
 

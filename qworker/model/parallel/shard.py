@@ -19,12 +19,12 @@ the same ranges whichever process computes them (all ranks call :func:`plan` on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from qworker.model.families.spec import DenseMLP, Dims, MoEWeights, RawLayer
+from qworker.model.families.spec import DenseMLP, Dims, RawLayer
 
 
 def split_even(n: int, parts: int, index: int) -> range:
@@ -116,15 +116,14 @@ class Sharder:
             inter = mlp.down.shape[2]
             r = split_even(inter, self.world, self.rank)
             m = self._move
-            mlp = MoEWeights(m(mlp.router), m(_gate_up_rows(mlp.gate_up, inter, r, 1)), m(_rows(mlp.down, r, 2)), mlp.top_k,
-                             mlp.renormalize, mlp.weights_in_act_dtype,
-                             # the shared expert splits as a dense MLP; its gate stays whole (a scalar per token)
-                             shared=self._dense(mlp.shared) if mlp.shared is not None else None,
-                             shared_gate=m(mlp.shared_gate), router_bias=m(mlp.router_bias),
-                             gate_up_bias=m(_gate_up_rows(mlp.gate_up_bias, inter, r, 1)) if mlp.gate_up_bias is not None else None,
-                             # added once, to the all-reduced sum
-                             down_bias=m(mlp.down_bias) if mlp.down_bias is not None and self.rank == 0 else None,
-                             clamped_swiglu=mlp.clamped_swiglu)
+            # replace(): every routing field carries over (a router built afresh would drop new ones)
+            mlp = replace(mlp, router=m(mlp.router), gate_up=m(_gate_up_rows(mlp.gate_up, inter, r, 1)), down=m(_rows(mlp.down, r, 2)),
+                          # the shared expert splits as a dense MLP; its gate stays whole (a scalar per token)
+                          shared=self._dense(mlp.shared) if mlp.shared is not None else None,
+                          shared_gate=m(mlp.shared_gate), router_bias=m(mlp.router_bias), choice_bias=m(mlp.choice_bias),
+                          gate_up_bias=m(_gate_up_rows(mlp.gate_up_bias, inter, r, 1)) if mlp.gate_up_bias is not None else None,
+                          # added once, to the all-reduced sum
+                          down_bias=m(mlp.down_bias) if mlp.down_bias is not None and self.rank == 0 else None)
         m = self._move
         return RawLayer(
             input_norm=m(raw.input_norm),
@@ -195,6 +194,8 @@ def unsupported(spec) -> str | None:
     """A family feature that needs the whole query width on one rank, or None."""
     if spec.qk_norm == "full":  # OLMoE, OLMo 2/3: RMSNorm over all of q's and k's heads at once
         return "a q/k norm over the full projection width (OLMoE, OLMo 2/3)"
+    if spec.rope_dim is not None:  # only MLA sets it; its latent projections would each need a split of their own
+        return "DeepSeek's multi-head latent attention (MLA)"
     return None
 
 

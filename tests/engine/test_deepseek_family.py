@@ -1,0 +1,116 @@
+"""DeepSeek-V2/V3's latent attention (MLA) and GLM-4.5's checkpoints beyond what every family runs
+(tests/engine/test_model_families.py checks their tokens against transformers): the
+multi-token-prediction layers their checkpoints carry are not read (and refused where the config
+declares none), MLA's KV cache holds per-head k and v of the q/k head width, the CPU bf16 mode
+serves MLA within bf16 rounding of fp32, and what is not supported (tensor parallelism and LoRA
+under MLA, a head_dim other than the rope width) is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qworker.model.batch import Batch, SeqChunk
+from qworker.model.families.spec import dims
+from qworker.model.lora.adapter import LoRAAdapterError, load_lora_adapter
+from qworker.model.latent_attention import HeadPrefix, LatentQKV
+from qworker.model.loader import load_config
+from qworker.model.parallel.build import check_supported
+from qworker.model.runner import ModelRunner
+from tests.engine.family_models import build_family_model, family_config
+from tests.engine.lora_support import make_peft_adapter
+
+IDS = torch.randint(3, 4000, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def _logits(path, dtype: str = "float32") -> list[torch.Tensor]:
+    runner = ModelRunner(path, device="cpu", dtype=dtype)
+    runner.allocate_kv_cache(num_blocks=8, num_cpu_blocks=0, block_size=16)
+    steps = [Batch([SeqChunk(IDS[:39], 0, [0, 1, 2], True)]), Batch([SeqChunk(IDS[39:], 39, [0, 1, 2], True)])]
+    return [runner.execute(step) for step in steps]
+
+
+def _with_prediction_layer(src, dst, declared: int):
+    """``src`` plus a copy of its last layer stored as layer L (a multi-token-prediction layer,
+    with the extra tensors such a layer has), ``num_nextn_predict_layers`` = ``declared``."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    L = config["num_hidden_layers"]
+    (dst / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": declared}))
+    (shard,) = dst.glob("*.safetensors")
+    tensors = load_file(shard)
+    extra = {k.replace(f"layers.{L - 1}.", f"layers.{L}."): v.clone() for k, v in tensors.items() if f"layers.{L - 1}." in k}
+    extra[f"model.layers.{L}.eh_proj.weight"] = torch.randn(64, 128)
+    extra[f"model.layers.{L}.enorm.weight"] = torch.ones(64)
+    save_file({**tensors, **extra}, shard, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_multi_token_prediction_layers_are_not_read(family, family_models, tmp_path):
+    path = family_models.get(family)
+    served = _with_prediction_layer(path, tmp_path / "mtp", declared=1)
+    for got, want in zip(_logits(served), _logits(path)):
+        assert torch.equal(got, want)
+    undeclared = _with_prediction_layer(path, tmp_path / "stray", declared=0)
+    with pytest.raises(ValueError, match="tensors this family does not use: model.layers.3"):
+        ModelRunner(undeclared, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe_lite"])
+def test_latent_attention_caches_per_head_k_and_v_of_the_qk_width(family, family_models):
+    path = family_models.get(family)
+    config = load_config(path)
+    d = dims(config)
+    assert (d.num_kv_heads, d.head_dim) == (config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim)
+    runner = ModelRunner(path, device="cpu", dtype="float32")
+    layer = runner.model.layers[1]
+    assert type(layer.qkv) is LatentQKV
+    # v narrower than the head (V2's test model): o reads each head's first v_dim channels
+    assert (type(layer.o) is HeadPrefix) == (config.v_head_dim != d.head_dim)
+    runner.allocate_kv_cache(num_blocks=4, num_cpu_blocks=0, block_size=16)
+    k_cache, _ = runner.kv.layers[0]
+    assert k_cache.shape[-2:] == (d.num_kv_heads, d.head_dim)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"])
+def test_cpu_bf16_mode_serves_them_within_bf16_rounding(family, family_models):
+    path = family_models.get(family)
+    for bf, f32 in zip(_logits(path, "bfloat16"), _logits(path)):
+        scale = f32.abs().max().item()
+        assert bf.dtype == torch.float32 and torch.isfinite(bf).all()
+        assert (bf - f32).abs().max().item() <= 0.06 * scale
+        top2 = f32.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale
+        assert torch.equal(bf.argmax(-1)[clear], f32.argmax(-1)[clear])
+
+
+def test_tensor_parallelism_under_latent_attention_is_refused():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not supported for deepseek_v3: DeepSeek's multi-head latent attention"):
+        check_supported(family_config("deepseek_v3"), 2)
+    check_supported(family_config("glm4_moe"), 2)  # its attention splits as Llama's
+
+
+def test_lora_under_latent_attention_is_refused_by_name(family_models, tmp_path):
+    path = family_models.get("deepseek_v2")  # V2-Lite's layout has a q_proj: PEFT adapts it
+    adapter = make_peft_adapter(path, tmp_path / "a", rank=4, target_modules=["q_proj"], seed=1)
+    with pytest.raises(LoRAAdapterError, match="targets q_proj, which deepseek_v2 models do not have as a LoRA target"):
+        load_lora_adapter(adapter, load_config(path), max_rank=8)
+
+
+def test_a_head_dim_other_than_the_rope_width_is_refused(tmp_path, model_dir):
+    with pytest.raises(ValueError, match="head_dim 16 differs from qk_rope_head_dim 8"):
+        build_family_model("deepseek_v3", tmp_path / "m", model_dir, head_dim=16)
+        ModelRunner(tmp_path / "m", device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("types", [["dense", "sparse"], ["dense", "moe", "sparse"]])
+def test_mlp_layer_types_that_do_not_list_each_layer_are_refused(types):
+    from qworker.model.families import spec_for
+
+    with pytest.raises(ValueError, match="mlp_layer_types must list 'dense' or 'sparse' for each of the 3 layers"):
+        spec_for(family_config("glm4_moe_lite", mlp_layer_types=types)).take_layer({}, 0)
