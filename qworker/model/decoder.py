@@ -365,8 +365,8 @@ class DecoderModel:
         def linear(w, b=None):
             return Linear(w, b, self.linear_backend, self.act_dtype)
         return LatentQKV(None if m.q_a is None else linear(m.q_a, m.q_a_bias), self._norm_weight(m.q_a_norm), linear(m.q_b),
-                         linear(m.kv_a, m.kv_a_bias), self._norm_weight(m.kv_a_norm), linear(m.kv_b), self.num_heads, m.rope,
-                         m.nope, m.v_dim, self.norm_fn, self.eps)
+                         linear(m.kv_a, m.kv_a_bias), self._norm_weight(m.kv_a_norm), linear(m.kv_b), self.num_heads,
+                         self.head_dim, m.rope, m.nope, m.v_dim, self.norm_fn, self.eps)
 
     def _o(self, layer: RawLayer) -> Linear | HeadPrefix:
         o = Linear(layer.o, layer.o_bias, self.linear_backend, self.act_dtype)

@@ -114,3 +114,21 @@ def test_mlp_layer_types_that_do_not_list_each_layer_are_refused(types):
 
     with pytest.raises(ValueError, match="mlp_layer_types must list 'dense' or 'sparse' for each of the 3 layers"):
         spec_for(family_config("glm4_moe_lite", mlp_layer_types=types)).take_layer({}, 0)
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("deepseek_v2", dict(v_head_dim=40)),  # v wider than q/k (24): q and k padded instead of v
+    ("deepseek_v3", dict(v_head_dim=24, rope_interleave=False, q_lora_rank=None)),  # v exactly as wide; V3 with q_proj
+])
+def test_other_head_widths_match_transformers(family, overrides, tmp_path, model_dir):
+    from qworker import LLM, SamplingParams
+    from tests.engine.family_reference import eager_greedy
+    from tests.engine.hf_reference import assert_greedy_matches
+
+    path = build_family_model(family, tmp_path / "m", model_dir, **overrides)
+    assert dims(load_config(path)).head_dim == max(24, overrides["v_head_dim"])
+    prompts = [IDS[:7], IDS[:40] * 2]
+    outs = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20).generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                                                                        ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert_greedy_matches(o.outputs[0].token_ids, eager_greedy(path, p, 12), f"{family} {overrides}, prompt of {len(p)}")

@@ -43,12 +43,12 @@ _ONE_KV_PER_HEAD = ("gpt2", "gpt_bigcode", "gpt_neox", "gptj", "opt")
 
 def dims(config: PretrainedConfig) -> Dims:
     """The attention's sizes as the decoder and its KV cache hold them. Under latent attention
-    (:func:`latent_attention`: DeepSeek's MLA) every query head has its own k and v head of the
-    q/k head width (the rotated channels, then the others; v padded to it)."""
+    (:func:`latent_attention`: DeepSeek's MLA) every query head has its own k and v head, as wide
+    as the wider of q/k (the rotated channels, then the others) and v (the other padded)."""
     heads = config.num_attention_heads
     if latent_attention(config):
         return Dims(hidden=config.hidden_size, num_heads=heads, num_kv_heads=heads,
-                    head_dim=config.qk_rope_head_dim + config.qk_nope_head_dim, vocab=config.vocab_size)
+                    head_dim=max(config.qk_rope_head_dim + config.qk_nope_head_dim, config.v_head_dim), vocab=config.vocab_size)
     if config.model_type in _ONE_KV_PER_HEAD:
         kv_heads = 1 if getattr(config, "multi_query", False) else heads
     else:
