@@ -45,7 +45,7 @@ from qworker.model.families.spec import (DecoderSpec, DenseMLP, LatentAttentionW
 from qworker.model.latent_attention import HeadPrefix, LatentQKV
 from qworker.model.linear import Linear, cpu_linear_backend
 from qworker.model.moe import MoE, Routing, SharedExpertMoE
-from qworker.model.rope import PartialRotaryEmbedding, RotaryEmbedding, rotary_embedding
+from qworker.model.rope import NoPETemperature, PartialRotaryEmbedding, RotaryEmbedding, rotary_embedding
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,7 @@ class DecoderModel:
         self.swiglu = kernels.silu_and_mul if triton else kernels.silu_and_mul_cpu
         activation = {"silu": self.swiglu, "gelu_tanh": gelu_tanh_and_mul, "gelu": gelu_and_mul}.get(spec.activation)
 
+        nope = no_rope if spec.nope_temperature is None else NoPETemperature(*spec.nope_temperature)
         self.layers = []
         for layer, a in zip(raw, spec.layers):
             gate_up = down = None
@@ -240,7 +241,7 @@ class DecoderModel:
                 mlp = MoE(m.router, m.gate_up, m.down, m.top_k, m.renormalize, self.linear_backend, act, backend,
                           weights_in_act_dtype=m.weights_in_act_dtype, router_bias=m.router_bias, gate_up_bias=m.gate_up_bias,
                           down_bias=m.down_bias, clamped_swiglu=m.clamped_swiglu,
-                          routing=Routing(m.scoring, m.choice_bias, m.groups, m.routed_scale))
+                          routing=Routing(m.scoring, m.choice_bias, m.groups, m.routed_scale), scale_inputs=m.scale_inputs)
                 if m.shared is not None:
                     shared = GatedMLP(Linear(m.shared.gate_up, None, self.linear_backend, act),
                                       Linear(m.shared.down, None, self.linear_backend, act), activation)
@@ -258,7 +259,7 @@ class DecoderModel:
                 attn=attns[a.sliding_window] if layer.sinks is None else self._attention(
                     backend, scale, a.sliding_window, spec.attn_softcap, bf16_products=self.act_dtype != dtype,
                     sinks=layer.sinks.float().contiguous()),
-                rope=self.ropes[a.rope] if a.rotary else no_rope,
+                rope=self.ropes[a.rope] if a.rotary else nope,
                 q_norm=opt(layer.q_norm),
                 k_norm=opt(layer.k_norm),
                 attn_out_norm=opt(layer.attn_out_norm),
@@ -521,7 +522,7 @@ class DecoderModel:
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.reshape(T, self.num_kv_heads, self.head_dim)
-            if qk_norm == "head":  # written back into the qkv buffer, where the rope kernel wants them
+            if qk_norm == "head" and layer.q_norm is not None:  # written back into the qkv buffer, where the rope kernel wants them
                 q.copy_(norm(q, layer.q_norm, eps)[0])
                 k.copy_(norm(k, layer.k_norm, eps)[0])
             elif qk_norm == "head_layer":  # each head its own weight and bias; fp32 throughout, rounded once

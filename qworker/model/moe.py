@@ -23,6 +23,8 @@ experts picked by the scores plus a per-expert bias (V3's ``e_score_correction_b
 the choice only), within the best ``topk_group`` of ``n_group`` expert groups, their weights then
 multiplied by ``routed_scaling_factor``.
 
+Llama 4 weighs each expert's input instead of its output (``scale_inputs``): ``expert(x * w)``.
+
 gpt-oss: the router has a bias, the experts have biases, and the activation is the clamped
 SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``
 (``clamped_swiglu=(alpha, l)``).
@@ -55,7 +57,9 @@ class Routing:
     ``groups``: ``(n, kept, "max" | "top2")``: the experts fall into ``n`` equal groups, each scored
     by its best expert ("max", V2) or its best two summed ("top2", V3); only the ``kept`` best
     groups' experts can be picked (V2 zeroes the others' scores, V3 makes them -inf).
-    ``routed_scale``: the weights (after any renormalisation) times this."""
+    ``routed_scale``: the weights (after any renormalisation) times this. Sigmoid scores with
+    neither a choice bias nor groups (Llama 4) pick by the logits themselves: the same order, but
+    no ties where fp32 sigmoids of large logits round to 1."""
 
     scoring: str = "softmax"
     choice_bias: torch.Tensor | None = None
@@ -102,6 +106,7 @@ class MoE:
         down_bias: torch.Tensor | None = None,  # [E, H]
         clamped_swiglu: tuple[float, float] | None = None,  # gpt-oss's (alpha, limit)
         routing: Routing = Routing(),
+        scale_inputs: bool = False,  # Llama 4: each expert reads x times its weight, its output is not weighed
     ):
         E, two_i, H = gate_up.shape
         if router.shape != (E, H) or down.shape != (E, H, two_i // 2) or two_i % 2:
@@ -126,8 +131,10 @@ class MoE:
         self.router = router.float().clone(memory_format=torch.contiguous_format)
         self.router_bias = None if router_bias is None else router_bias.float().contiguous()
         self.clamped_swiglu = clamped_swiglu
-        # the fused Triton kernel runs plain SwiGLU experts without biases; others go through Linear
-        self.fused = kernel_backend == "triton" and gate_up_bias is None and down_bias is None and clamped_swiglu is None
+        self.scale_inputs = scale_inputs
+        # the fused Triton kernel runs plain SwiGLU experts without biases, weighing outputs; others go through Linear
+        self.fused = (kernel_backend == "triton" and gate_up_bias is None and down_bias is None and clamped_swiglu is None
+                      and not scale_inputs)
         if self.fused:
             # the fused kernel reads the stacked [out, in] weights by expert id
             self.gate_up_w = gate_up.contiguous()
@@ -152,6 +159,8 @@ class MoE:
             return weights, ids
         scores = torch.sigmoid(logits) if r.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores if self.choice_bias is None else scores + self.choice_bias
+        if r.scoring == "sigmoid" and self.choice_bias is None and r.groups is None:
+            choice = logits
         if r.groups is not None:
             n, kept, how = r.groups
             grouped = choice.view(choice.shape[0], n, -1)
@@ -196,6 +205,8 @@ class MoE:
         tokens = order // K
         xs = x.index_select(0, tokens)  # [T*K, H], grouped by expert
         ws = weights.reshape(-1, 1).index_select(0, order)
+        if self.scale_inputs:
+            xs = xs * ws.to(xs.dtype)
         ys = torch.empty((flat.numel(), self.hidden_size), dtype=self.act_dtype, device=x.device)
         if self.clamped_swiglu is not None:
             swiglu = self._clamped_swiglu
@@ -205,7 +216,10 @@ class MoE:
         for e, n in zip(experts, counts):
             seg = slice(at, at + n)
             h = self.down[e](swiglu(self.gate_up[e](xs[seg])))
-            torch.mul(h, ws[seg], out=ys[seg])
+            if self.scale_inputs:
+                ys[seg] = h
+            else:
+                torch.mul(h, ws[seg], out=ys[seg])
             at += n
         out = torch.zeros((x.shape[0], self.hidden_size), dtype=self.act_dtype, device=x.device)
         out.index_add_(0, tokens, ys)

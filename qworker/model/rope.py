@@ -109,3 +109,16 @@ def rotary_embedding(config: PretrainedConfig, head_dim: int, max_positions: int
     if rope.rotary_dim == head_dim:
         return rope
     return PartialRotaryEmbedding(config, head_dim, max_positions, device, dtype, backend, layer_type, partial)
+
+
+class NoPETemperature:
+    """Llama 4's NoPE layers: no rotation, but q scaled by position (attention temperature tuning):
+    ``q * (log1p(floor((p + 1) / floor_scale)) * attn_scale + 1)`` at position ``p`` (1 below
+    ``floor_scale - 1``). Called in the rope's place, with its signature; k is left as it is."""
+
+    def __init__(self, floor_scale: float, attn_scale: float):
+        self.floor_scale, self.attn_scale = float(floor_scale), float(attn_scale)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        q.copy_(q * scales.view(-1, 1, 1).to(q.dtype))

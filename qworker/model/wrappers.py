@@ -1,5 +1,5 @@
 """Image-text checkpoints served as the language model inside them: Gemma 3 (4B and up,
-``gemma3``), Mistral 3 (Mistral Small 3.1 and 3.2, ``mistral3``), LLaVA (``llava``) and Qwen2-VL,
+``gemma3``), Llama 4 (Scout and Maverick, ``llama4``), Mistral 3 (Mistral Small 3.1 and 3.2, ``mistral3``), LLaVA (``llava``) and Qwen2-VL,
 Qwen2.5-VL and Qwen3-VL (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``: their multimodal rope
 gives a text-only prompt's tokens the same position on its three axes, which is plain rope).
 
@@ -23,14 +23,14 @@ from transformers import PretrainedConfig
 
 from qworker.model.families.spec import renamed
 
-WRAPPERS = ("gemma3", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+WRAPPERS = ("gemma3", "llama4", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # the language model's names in the checkpoint (transformers 4 saves the first form, transformers
 # 5 keeps the second in memory) -> the causal-LM names
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 # parts that only images run
 _IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.", "visual.",
-                "model.visual.")
+                "model.visual.", "vision_model.", "model.vision_model.")
 # where PEFT names the language model's decoder layers in an adapter trained on the wrapper
 LORA_LAYER_PREFIXES = ("model.language_model.", "language_model.model.")
 LORA_IMAGE_PARTS = tuple(f"base_model.model.{p}" for p in _IMAGE_PARTS)

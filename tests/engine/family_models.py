@@ -96,6 +96,12 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "glm4_moe_lite": dict(MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, n_group=2, topk_group=1,
                           routed_scaling_factor=1.8, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8,
                           v_head_dim=16, num_key_value_heads=4, rope_interleave=False, mlp_layer_types=["dense", "sparse", "dense"]),
+    # interleaved rotary on layers 0 and 2, layer 1 NoPE with q scaled by position from position 7; weightless q/k norms;
+    # layer 1 a MoE (inputs weighed by sigmoid scores, a shared expert), the others dense MLPs of intermediate_size_mlp
+    "llama4_text": dict(MOE, num_local_experts=4, intermediate_size=32, intermediate_size_mlp=96, interleave_moe_layer_step=2,
+                        no_rope_layers=[1, 0, 1], floor_scale=8, attn_scale=0.5, use_qk_norm=True, attention_chunk_size=512,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     # Qwen3 attention (windows on layers >= max_window_layers), V3's router without groups
     "dots1": dict(MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=1.5,
                   norm_topk_prob=True, sliding_window=24, max_window_layers=1, attention_bias=True),
@@ -156,6 +162,10 @@ IMAGE_TEXT_CONFIGS: dict[str, tuple[str | dict, dict]] = {
     "gemma3": ("gemma3_text", dict(mm_tokens_per_image=4, vision_config=dict(
         model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         image_size=32, patch_size=8))),
+    # Llama 4's vision model and projector (not read), a Llama 4 language model with its MoE and NoPE layers
+    "llama4": ("llama4_text", dict(tie_word_embeddings=False, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8,
+        vision_output_dim=32, projector_input_dim=32, projector_output_dim=64, pixel_shuffle_ratio=0.5))),
     # untied: the head is stored as language_model.lm_head
     "mistral3": ("mistral", dict(tie_word_embeddings=False, vision_config=dict(
         model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,

@@ -47,6 +47,10 @@ def eager_image_text(path):
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    if model.config.model_type == "llama4":
+        # its generate fails on a text-only prompt (transformers 5.24 reads image outputs it never
+        # made); the loaded wrapper's own language model is what a text-only prompt runs
+        model = model.language_model
     model.generation_config.eos_token_id = None  # like ignore_eos
     return model
 

@@ -229,7 +229,7 @@ def test_an_adapter_rows_delta_does_not_depend_on_the_step():
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe", "glm", "glm4", "cohere", "phi", "starcoder2", "stablelm", "nemotron",
-                                    "llama_mlp_bias", "arcee", "gpt_oss", "glm4_moe", "dots1"])
+                                    "llama_mlp_bias", "arcee", "gpt_oss", "glm4_moe", "dots1", "llama4_text"])
 def test_general_forward_families_match_peft(family, family_models, tmp_path):
     """The decoder's general forward (Gemma 3: q/k norms, sandwich norms, the GELU MLP object's
     own projections; Qwen3-MoE: MoE layers beside a dense one, attention LoRA; GLM-4: sandwich
@@ -245,7 +245,7 @@ def test_general_forward_families_match_peft(family, family_models, tmp_path):
                "glm4": ["q_proj", "k_proj", "o_proj", "down_proj"], "phi": ["q_proj", "k_proj", "v_proj"],
                "starcoder2": ["q_proj", "k_proj", "v_proj", "o_proj"], "nemotron": ["q_proj", "v_proj", "o_proj"], "arcee": ["q_proj", "k_proj", "v_proj", "o_proj"],
                "gpt_oss": ["q_proj", "k_proj", "v_proj", "o_proj"], "glm4_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
-               "dots1": ["q_proj", "k_proj", "v_proj", "o_proj"]}.get(family, ALL_MODULES)
+               "dots1": ["q_proj", "k_proj", "v_proj", "o_proj"], "llama4_text": ["q_proj", "k_proj", "v_proj", "o_proj"]}.get(family, ALL_MODULES)
     adapter = make_peft_adapter(model_dir, tmp_path / family, rank=4, alpha=8, seed=9, target_modules=modules, b_std=0.3)
     r = ModelRunner(model_dir, device="cpu", dtype="float32")
     r.allocate_kv_cache(8, 0, BLOCK)

@@ -8,12 +8,14 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (arcee, cohere, deepseek, exaone4, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite, llama, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi,
+from qworker.model.families import (arcee, cohere, deepseek, exaone4, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite, llama, llama4, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi,
                                     phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
+from qworker.model.rope import exact_context
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "llama": llama.build,
+    "llama4_text": llama4.build,
     "mistral": llama.build,
     "ministral": llama.build,
     "granite": granite.build,
@@ -65,6 +67,19 @@ CHECKPOINT_NAMES: dict[str, Callable[[str], str | None]] = {"gpt_neox": gpt_neox
                                                            "gpt_bigcode": gpt2.checkpoint_name, "gptj": gptj.checkpoint_name,
                                                            "opt": opt.checkpoint_name}
 SILU_NAMES = ("silu", "swish")  # transformers' names for x * sigmoid(x)
+
+
+def context_limit(config: PretrainedConfig) -> tuple[int, str] | None:
+    """``(tokens, why)``: the longest sequence this engine serves exactly, where that is shorter
+    than the model's positions (the runner lowers ``max_model_len`` to it), or None."""
+    limits = []
+    exact = exact_context(config)
+    if exact:
+        limits.append((exact, "longrope's short factors"))
+    chunk = getattr(config, "attention_chunk_size", None)
+    if config.model_type == "llama4_text" and chunk and "chunked_attention" in (getattr(config, "layer_types", None) or []):
+        limits.append((int(chunk), "Llama 4's chunked attention is served within its first chunk only"))
+    return min(limits) if limits else None
 
 
 def spec_for(config: PretrainedConfig) -> DecoderSpec:

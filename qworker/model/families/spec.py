@@ -105,6 +105,7 @@ class MoEWeights:
     choice_bias: torch.Tensor | None = None  # [E]: added to the scores to pick experts, not to weigh them
     groups: tuple[int, int, str] | None = None  # (groups, groups kept, "max" | "top2": a group's score)
     routed_scale: float = 1.0  # the routed experts' weights times this
+    scale_inputs: bool = False  # Llama 4: expert(x * weight) instead of expert(x) * weight
 
 
 @dataclass(slots=True)
@@ -210,6 +211,8 @@ class DecoderSpec:
     # the PEFT module names LoRA adapts in this family: those it has by these names, as separate
     # projections the decoder can wrap (Phi-3's fused qkv_proj has no q_proj; Phi's o is "dense")
     lora_modules: tuple[str, ...] = LORA_MODULES
+    # Llama 4: NoPE layers scale q by position, (floor_scale, attn_scale) (qworker.model.rope.NoPETemperature)
+    nope_temperature: tuple[float, float] | None = None
     # DeepSeek's MLA: a rope table for a head of this many channels, rotating each head's first
     # that many (the head itself is wider: dims())
     rope_dim: int | None = None
@@ -221,6 +224,7 @@ class DecoderSpec:
                 and self.embed_scale is None and self.attn_softcap is None and self.final_softcap is None
                 and self.residual_scale is None and self.norm == "rms" and not self.parallel_block and not self.head_bias
                 and self.logit_scale is None and not self.position_embeddings and first.rotary and self.rope_dim is None
+                and self.nope_temperature is None
                 and all(a == first for a in self.layers))
 
 

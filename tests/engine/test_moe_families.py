@@ -1,5 +1,6 @@
-"""DeepSeek-V2/V3's latent attention (MLA) and GLM-4.5's checkpoints beyond what every family runs
-(tests/engine/test_model_families.py checks their tokens against transformers): the
+"""DeepSeek-V2/V3's latent attention (MLA), GLM-4.5's, dots.llm1's and Llama 4's checkpoints
+beyond what every family runs (tests/engine/test_model_families.py checks their tokens against
+transformers): the
 multi-token-prediction layers their checkpoints carry are not read (and refused where the config
 declares none), MLA's KV cache holds per-head k and v of the q/k head width, the CPU bf16 mode
 serves MLA within bf16 rounding of fp32, and what is not supported (tensor parallelism and LoRA
@@ -77,7 +78,7 @@ def test_latent_attention_caches_per_head_k_and_v_of_the_qk_width(family, family
     assert k_cache.shape[-2:] == (d.num_kv_heads, d.head_dim)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "llama4_text"])
 def test_cpu_bf16_mode_serves_them_within_bf16_rounding(family, family_models):
     path = family_models.get(family)
     for bf, f32 in zip(_logits(path, "bfloat16"), _logits(path)):
