@@ -23,6 +23,39 @@ class AttentionMetadata:
     num_decodes: int
 
 
+def chunked_metadata(meta: AttentionMetadata, chunk: int, block_size: int) -> AttentionMetadata:
+    """``meta``'s queries under local attention in chunks of ``chunk`` tokens (Llama 4's rotary
+    layers): a query at position ``p`` sees the keys from ``floor(p / chunk) * chunk`` to ``p``.
+
+    No kernel changes: each sequence's queries are cut where they cross a chunk boundary into
+    virtual sequences whose context starts at their chunk's first token, their block-table rows
+    starting at that token's block (``chunk`` is a multiple of ``block_size``). A decode row stays
+    one sequence, so decodes still come first. ``slot_mapping`` is unchanged: k and v are stored
+    where they always are, and the cache is shared with the layers that attend to everything."""
+    if chunk % block_size:
+        raise ValueError(f"attention chunks of {chunk} tokens need blocks that divide them, got block_size={block_size}")
+    seq_lens, starts = meta.seq_lens.tolist(), meta.query_start_loc.tolist()
+    rows, offsets, lens, query_start = [], [], [], [0]
+    for b, (end, q0, q1) in enumerate(zip(seq_lens, starts, starts[1:])):
+        p = end - (q1 - q0)  # the sequence's first query position
+        while p < end:
+            c0 = p // chunk * chunk
+            stop = min(end, c0 + chunk)
+            rows.append(b)
+            offsets.append(c0 // block_size)
+            lens.append(stop - c0)
+            query_start.append(query_start[-1] + stop - p)
+            p = stop
+    dev, width = meta.block_tables.device, meta.block_tables.shape[1]
+    # row r's table from its chunk's first block on; entries past its length are never read
+    index = (torch.arange(width, device=dev)[None, :] + torch.tensor(offsets, device=dev)[:, None]).clamp_(max=width - 1)
+    tables = meta.block_tables[torch.tensor(rows, device=dev)].gather(1, index)
+    return AttentionMetadata(slot_mapping=meta.slot_mapping, block_tables=tables,
+                             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                             max_query_len=max(b - a for a, b in zip(query_start, query_start[1:])), num_decodes=meta.num_decodes)
+
+
 class PagedAttention:
     def __init__(self, backend: str, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                  bf16_products: bool = False, sinks: torch.Tensor | None = None):

@@ -38,7 +38,7 @@ from kernels.decoder_cpu import DecoderLayers
 from kernels.env import switch
 from kernels import gemm_cpu
 from kernels.greedy_head import BoundedGreedyHead, bounded_head_supported
-from qworker.model.attention import AttentionMetadata, PagedAttention
+from qworker.model.attention import AttentionMetadata, PagedAttention, chunked_metadata
 from qworker.model.families import spec_for
 from qworker.model.families.spec import (DecoderSpec, DenseMLP, LatentAttentionWeights, MoEWeights, RawLayer, dims, no_affine_norm, take,
                                          take_layer_norm)
@@ -107,6 +107,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
+    chunked: bool = False  # attends within DecoderModel.attention_chunk (Llama 4)
 
 
 class DecoderModel:
@@ -223,6 +224,10 @@ class DecoderModel:
         activation = {"silu": self.swiglu, "gelu_tanh": gelu_tanh_and_mul, "gelu": gelu_and_mul}.get(spec.activation)
 
         nope = no_rope if spec.nope_temperature is None else NoPETemperature(*spec.nope_temperature)
+        chunks = {a.chunk for a in spec.layers} - {None}
+        if len(chunks) > 1 or chunks and any(a.chunk and a.sliding_window for a in spec.layers):
+            raise ValueError(f"{config.model_type}: one attention chunk size, without a window, is supported; got {sorted(chunks)}")
+        self.attention_chunk: int | None = chunks.pop() if chunks else None
         self.layers = []
         for layer, a in zip(raw, spec.layers):
             gate_up = down = None
@@ -264,6 +269,7 @@ class DecoderModel:
                 k_norm=opt(layer.k_norm),
                 attn_out_norm=opt(layer.attn_out_norm),
                 mlp_out_norm=opt(layer.mlp_out_norm),
+                chunked=a.chunk is not None,
             ))
             layer.mlp = None  # the [out, in] originals go as each layer is converted
         raw.clear()
@@ -509,6 +515,8 @@ class DecoderModel:
         if self.position_embeddings is not None:  # OPT's rows start at an offset
             h = h + F.embedding(positions + self.spec.position_offset, self.position_embeddings)
         T = h.shape[0]
+        # the chunked layers' view of the step (once a step; the cache is [blocks, block_size, ...])
+        local = chunked_metadata(meta, self.attention_chunk, kv_caches[0][0].shape[1]) if self.attention_chunk else None
         residual = None  # the running sum of the residual stream; h is the latest branch output
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = self._add_norm(h, layer.input_norm, residual)
@@ -529,7 +537,7 @@ class DecoderModel:
                 for t, w in ((q, layer.q_norm), (k, layer.k_norm)):
                     t.copy_(F.layer_norm(t.float(), t.shape[-1:], eps=eps) * w[0].float() + w[1].float())
             layer.rope(positions, q, k)
-            attn = layer.attn(q, k, v, k_cache, v_cache, meta)
+            attn = layer.attn(q, k, v, k_cache, v_cache, local if layer.chunked else meta)
             h = layer.o(attn.reshape(T, self.q_size))
             if layer.attn_out_norm is not None:
                 h = norm(h, layer.attn_out_norm, eps)[0]

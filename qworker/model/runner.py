@@ -85,6 +85,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
         m = self.model
+        chunk = getattr(m, "attention_chunk", None)
+        if chunk and chunk % block_size:  # chunked_metadata starts each chunk's block table at a block
+            raise ValueError(f"block_size={block_size} must divide {self.config.model_type}'s attention_chunk_size={chunk}")
         self.block_size = block_size
         self.kv = KVCache(m.num_layers, num_blocks, num_cpu_blocks, block_size, m.num_kv_heads, m.head_dim, self.device, self.kv_dtype)
 

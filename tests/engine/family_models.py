@@ -96,10 +96,11 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "glm4_moe_lite": dict(MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, n_group=2, topk_group=1,
                           routed_scaling_factor=1.8, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8,
                           v_head_dim=16, num_key_value_heads=4, rope_interleave=False, mlp_layer_types=["dense", "sparse", "dense"]),
-    # interleaved rotary on layers 0 and 2, layer 1 NoPE with q scaled by position from position 7; weightless q/k norms;
+    # interleaved rotary on layers 0 and 2 (attending in chunks of 32), layer 1 NoPE with q scaled by position from position 7;
+    # weightless q/k norms;
     # layer 1 a MoE (inputs weighed by sigmoid scores, a shared expert), the others dense MLPs of intermediate_size_mlp
     "llama4_text": dict(MOE, num_local_experts=4, intermediate_size=32, intermediate_size_mlp=96, interleave_moe_layer_step=2,
-                        no_rope_layers=[1, 0, 1], floor_scale=8, attn_scale=0.5, use_qk_norm=True, attention_chunk_size=512,
+                        no_rope_layers=[1, 0, 1], floor_scale=8, attn_scale=0.5, use_qk_norm=True, attention_chunk_size=32,
                         rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     # Qwen3 attention (windows on layers >= max_window_layers), V3's router without groups

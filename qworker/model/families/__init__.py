@@ -76,9 +76,6 @@ def context_limit(config: PretrainedConfig) -> tuple[int, str] | None:
     exact = exact_context(config)
     if exact:
         limits.append((exact, "longrope's short factors"))
-    chunk = getattr(config, "attention_chunk_size", None)
-    if config.model_type == "llama4_text" and chunk and "chunked_attention" in (getattr(config, "layer_types", None) or []):
-        limits.append((int(chunk), "Llama 4's chunked attention is served within its first chunk only"))
     return min(limits) if limits else None
 
 

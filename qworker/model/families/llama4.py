@@ -7,9 +7,9 @@ checkpoints ``llama4`` serve it: :mod:`qworker.model.wrappers`). What differs fr
 * ``use_qk_norm``: q and k of the rotary layers divided by their RMS over each head, without a
   weight (transformers applies it after rope; a rotation keeps each pair's norm, so before it is
   the same);
-* the rotary layers attend in chunks of ``attention_chunk_size`` (8192) tokens: served up to one
-  chunk (``max_model_len`` is lowered to it: :func:`qworker.model.families.context_limit`), where
-  that is causal attention;
+* the layers ``layer_types`` marks "chunked_attention" (the rotary ones) attend in chunks of
+  ``attention_chunk_size`` (8192) tokens: a query at ``p`` sees keys from
+  ``floor(p / chunk) * chunk`` on (:func:`qworker.model.attention.chunked_metadata`);
 * the layers ``moe_layers`` lists (from ``interleave_moe_layer_step``) are a MoE
   (``feed_forward.router``, ``feed_forward.experts.gate_up_proj`` ``[E, H, 2I]`` and
   ``down_proj`` ``[E, I, H]``, transposed at load) with a shared expert every token takes: the
@@ -25,7 +25,7 @@ import torch
 from transformers import PretrainedConfig
 
 from qworker.model.families.spec import (ATTENTION_LORA, DecoderSpec, LayerAttention, MoEWeights, RawLayer, attention_biases, dims,
-                                         reorder_qk, rotate_halves_not_pairs, take, take_attention, take_dense_mlp)
+                                         layer_types, reorder_qk, rotate_halves_not_pairs, take, take_attention, take_dense_mlp)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -63,6 +63,12 @@ def build(config: PretrainedConfig) -> DecoderSpec:
             layer.q_norm = layer.k_norm = torch.ones(d.head_dim)
         return layer
 
+    types = layer_types(config, ("full_attention", "chunked_attention"))
+    chunk = config.attention_chunk_size
+    if "chunked_attention" in types and not chunk:
+        raise ValueError(f"llama4_text: config.layer_types marks layer {types.index('chunked_attention')} chunked, "
+                         f"but attention_chunk_size is {chunk!r}")
+    layers = [LayerAttention(rotary=bool(r), chunk=chunk if t == "chunked_attention" else None) for r, t in zip(rotary, types)]
     temperature = (config.floor_scale, config.attn_scale) if config.attn_temperature_tuning else None
-    return DecoderSpec(take_layer=take_layer, layers=[LayerAttention(rotary=bool(r)) for r in rotary], qk_norm="head" if qk_norm else None,
+    return DecoderSpec(take_layer=take_layer, layers=layers, qk_norm="head" if qk_norm else None,
                        nope_temperature=temperature, qk_rows=halves, lora_modules=ATTENTION_LORA)

@@ -160,6 +160,8 @@ class LayerAttention:
     sliding_window: int | None = None
     rope: str | None = None
     rotary: bool = True
+    # local attention in chunks: the query at p sees keys from floor(p / chunk) * chunk on (Llama 4)
+    chunk: int | None = None
 
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -223,7 +225,7 @@ class DecoderSpec:
         return (not self.norm_plus_one and self.qk_norm is None and self.clip_qkv is None and self.activation == "silu"
                 and self.embed_scale is None and self.attn_softcap is None and self.final_softcap is None
                 and self.residual_scale is None and self.norm == "rms" and not self.parallel_block and not self.head_bias
-                and self.logit_scale is None and not self.position_embeddings and first.rotary and self.rope_dim is None
+                and self.logit_scale is None and not self.position_embeddings and first.rotary and first.chunk is None and self.rope_dim is None
                 and self.nope_temperature is None
                 and all(a == first for a in self.layers))
 
@@ -426,16 +428,16 @@ def typed_layers(config: PretrainedConfig) -> list[LayerAttention]:
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def layer_types(config: PretrainedConfig) -> list[str]:
+def layer_types(config: PretrainedConfig, known: tuple[str, ...] = LAYER_TYPES) -> list[str]:
     """``config.layer_types`` (every layer full where it has none), checked: one entry per layer,
-    each a type this engine serves."""
+    each a type this engine serves (``known``: the family's)."""
     n = config.num_hidden_layers
     types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
     if len(types) != n:
         raise ValueError(f"{config.model_type}: config.layer_types has {len(types)} entries for {n} layers")
-    unknown = sorted(set(types) - set(LAYER_TYPES))
+    unknown = sorted(set(types) - set(known))
     if unknown:
-        raise ValueError(f"{config.model_type}: unsupported layer type {unknown[0]!r} in config.layer_types; supported: {', '.join(LAYER_TYPES)}")
+        raise ValueError(f"{config.model_type}: unsupported layer type {unknown[0]!r} in config.layer_types; supported: {', '.join(known)}")
     return types
 
 
