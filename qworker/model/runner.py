@@ -16,8 +16,8 @@ from qworker.model.batch import Batch
 from qworker.model.kv_cache import KVCache, bytes_per_block
 from qworker.model.linear import check_cpu_bf16
 from qworker.model.decoder import DecoderModel
-from qworker.model.families import context_limit
 from qworker.model.loader import load_config, load_state_dict, resolve_device, resolve_dtype
+from qworker.model.rope import exact_context
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,11 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is supported on CPU only; use 'auto' on {self.device}")
         self.config = load_config(model_dir)
         model_len = getattr(self.config, "max_position_embeddings", 4096)
-        limit = context_limit(self.config)  # e.g. past it a fixed rope table would serve other tokens
-        model_len = min(model_len, limit[0]) if limit else model_len
+        exact = exact_context(self.config)  # past it a fixed rope table would serve other tokens
+        model_len = min(model_len, exact) if exact else model_len
         if max_model_len and max_model_len > model_len:  # served, but shorter than asked: say so
-            why = f", {limit[1]}" if limit and limit[0] == model_len else ""
             log.warning("max_model_len=%d is past what %s serves exactly (%d positions%s); using %d", max_model_len,
-                        model_dir, model_len, why, model_len)
+                        model_dir, model_len, ", longrope's short factors" if exact and exact == model_len else "", model_len)
         self.max_model_len = min(max_model_len or model_len, model_len)
         if tp is None:
             weights = load_state_dict(model_dir, self.device, self.dtype, self.config)

@@ -11,7 +11,6 @@ from transformers import PretrainedConfig
 from qworker.model.families import (arcee, cohere, deepseek, exaone4, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite, llama, llama4, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi,
                                     phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
-from qworker.model.rope import exact_context
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "llama": llama.build,
@@ -67,16 +66,6 @@ CHECKPOINT_NAMES: dict[str, Callable[[str], str | None]] = {"gpt_neox": gpt_neox
                                                            "gpt_bigcode": gpt2.checkpoint_name, "gptj": gptj.checkpoint_name,
                                                            "opt": opt.checkpoint_name}
 SILU_NAMES = ("silu", "swish")  # transformers' names for x * sigmoid(x)
-
-
-def context_limit(config: PretrainedConfig) -> tuple[int, str] | None:
-    """``(tokens, why)``: the longest sequence this engine serves exactly, where that is shorter
-    than the model's positions (the runner lowers ``max_model_len`` to it), or None."""
-    limits = []
-    exact = exact_context(config)
-    if exact:
-        limits.append((exact, "longrope's short factors"))
-    return min(limits) if limits else None
 
 
 def spec_for(config: PretrainedConfig) -> DecoderSpec:
