@@ -1,11 +1,11 @@
-"""Load a checkpoint of a supported family (:mod:`qworker.model.families`) from safetensors +
-transformers' config."""
+"""Load a checkpoint of a supported family (:mod:`qworker.model.families`) from safetensors (or
+PyTorch's ``pytorch_model.bin``) + transformers' config."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -81,25 +81,68 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files that hold the transformers checkpoint, in transformers' order:
-    ``model.safetensors``, else the shards ``model.safetensors.index.json`` names, else every
-    ``*.safetensors``.
+    """The files that hold the transformers checkpoint, in transformers' order: safetensors
+    (``model.safetensors``, else the shards ``model.safetensors.index.json`` names, else every
+    ``*.safetensors``), else PyTorch's (``pytorch_model.bin``, else the shards
+    ``pytorch_model.bin.index.json`` names), which older uploads have alone.
     Hub folders often carry other formats' files beside the checkpoint (Mistral's
     ``consolidated.safetensors``, with its own tensor names); reading those would fail the load."""
     path = Path(model_dir)
-    if (path / "model.safetensors").exists():
-        return [path / "model.safetensors"]
-    index = path / "model.safetensors.index.json"
-    if index.exists():
+    for single, index_name in (("model.safetensors", "model.safetensors.index.json"), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (path / single).exists():
+            return [path / single]
+        index = path / index_name
+        if index.exists():
+            return _shards(path, index)
+        if single.endswith("safetensors") and any(path.glob("*.safetensors")):
+            return sorted(path.glob("*.safetensors"))
+    return []
+
+
+def _shards(path: Path, index: Path) -> list[Path]:
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise ValueError(f"{index}: not a checkpoint index ({exc})") from None
+    missing = [s for s in shards if not (path / s).exists()]
+    if missing:
+        raise FileNotFoundError(f"{index} names shards that are absent: {', '.join(missing[:3])}")
+    return [path / s for s in shards]
+
+
+def _stored_tensors(path: Path, device: torch.device) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """``(name, read)`` for each tensor of one checkpoint file, read lazily. PyTorch files are
+    unpickled with ``weights_only`` (tensors and plain containers, never code) and memory-mapped
+    where their format allows."""
+    if path.suffix == ".safetensors":
+        def unreadable(exc: Exception) -> ValueError:  # truncated, not safetensors at all, unreadable
+            return ValueError(f"{path}: not a readable safetensors file ({exc})")
+
+        def read(name: str) -> torch.Tensor:
+            try:
+                return f.get_tensor(name)
+            except (SafetensorError, OSError) as exc:
+                raise unreadable(exc) from None
+
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as exc:
-            raise ValueError(f"{index}: not a safetensors index ({exc})") from None
-        missing = [s for s in shards if not (path / s).exists()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards that are absent: {', '.join(missing[:3])}")
-        return [path / s for s in shards]
-    return sorted(path.glob("*.safetensors"))
+            f = safe_open(str(path), framework="pt", device=str(device))
+        except (SafetensorError, OSError) as exc:
+            raise unreadable(exc) from None
+        with f:
+            for name in f.keys():
+                yield name, lambda name=name: read(name)
+        return
+    try:
+        try:
+            state = torch.load(path, map_location=device, weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
+            state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways; each is the file's fault
+        raise ValueError(f"{path}: not a readable PyTorch checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ValueError(f"{path}: not a PyTorch state dict (a mapping of tensor names to tensors)")
+    for name, t in state.items():
+        yield name, lambda t=t: t
 
 
 def _weight_names(config: PretrainedConfig) -> Callable[[str], str | None] | None:
@@ -124,24 +167,20 @@ def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dt
     ``config``: the folder's, as :func:`load_config` gave it (read again when not given)."""
     files = checkpoint_files(model_dir)
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model.bin in {model_dir}")
     config = config if config is not None else load_config(model_dir)
     rename = _weight_names(config)
     unread = _prediction_layers(config)
     weights: dict[str, torch.Tensor] = {}
     for path in files:
-        try:
-            with safe_open(str(path), framework="pt", device=str(device)) as f:
-                for stored in f.keys():
-                    name = rename(stored) if rename else stored
-                    if name is None or name.startswith(unread):
-                        continue
-                    if name in weights:  # a checkpoint holding one tensor under both naming forms
-                        raise ValueError(f"{path}: tensor {stored!r} is stored twice (as {name!r} too)")
-                    t = f.get_tensor(stored)
-                    # only real numbers are cast; anything else (an integer or fp8 export without
-                    # its quantization config) is refused by name when a family takes it
-                    weights[name] = t.to(dtype) if t.dtype in FLOAT_DTYPES else t
-        except (SafetensorError, OSError) as exc:  # truncated, not safetensors at all, unreadable
-            raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+        for stored, read in _stored_tensors(path, device):
+            name = rename(stored) if rename else stored
+            if name is None or name.startswith(unread):
+                continue
+            if name in weights:  # a checkpoint holding one tensor under both naming forms
+                raise ValueError(f"{path}: tensor {stored!r} is stored twice (as {name!r} too)")
+            t = read()
+            # only real numbers are cast; anything else (an integer or fp8 export without
+            # its quantization config) is refused by name when a family takes it
+            weights[name] = t.to(dtype) if t.dtype in FLOAT_DTYPES else t
     return weights
