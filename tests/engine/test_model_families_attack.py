@@ -215,14 +215,15 @@ def test_config_transformers_rejects_is_one_line(models, tmp_path):
 
 
 def test_quantized_checkpoint_is_refused_by_name(models, tmp_path):
-    """An FP8 checkpoint (quantization_config, scale tensors beside float8 weights) was read as a
-    plain one: now one line naming the quantization method."""
-    path = tmp_path / "fp8"
+    """A quantized checkpoint (GPTQ: packed integer weights with scales) was read as a plain one:
+    now one line naming the quantization method (fine-grained FP8 is dequantized at load:
+    tests/engine/test_fp8_checkpoints.py)."""
+    path = tmp_path / "gptq"
     shutil.copytree(models("llama_window_key"), path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quantized checkpoints are not supported \\(quantization_config: fp8\\)"):
+    with pytest.raises(ValueError, match="quantized checkpoints are not supported \\(quantization_config: gptq\\)"):
         ModelRunner(str(path), dtype="float32")
 
 
