@@ -63,6 +63,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        # counts and byte sizes are whole numbers (vLLM's swap_space is GiB as a float: 4.0 here
+        # would be 4 bytes, and 1.5 crashed the block allocator)
+        for name in ("block_size", "kv_cache_memory", "cpu_kv_cache_memory", "swap_space", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "grammar_cache_size", "grammar_cache_bytes", "grammar_compile_workers", "max_loras",
+                     "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be a whole number{' of bytes' if 'memory' in name or name in ('swap_space', 'grammar_cache_bytes') else ''}, "
+                                 f"got {value!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

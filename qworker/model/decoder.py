@@ -248,8 +248,8 @@ class DecoderModel:
                           down_bias=m.down_bias, clamped_swiglu=m.clamped_swiglu,
                           routing=Routing(m.scoring, m.choice_bias, m.groups, m.routed_scale), scale_inputs=m.scale_inputs)
                 if m.shared is not None:
-                    shared = GatedMLP(Linear(m.shared.gate_up, None, self.linear_backend, act),
-                                      Linear(m.shared.down, None, self.linear_backend, act), activation)
+                    shared = GatedMLP(Linear(m.shared.gate_up, _cast(m.shared.up_bias, act), self.linear_backend, act),
+                                      Linear(m.shared.down, _cast(m.shared.down_bias, act), self.linear_backend, act), activation)
                     mlp = SharedExpertMoE(mlp, shared, None if m.shared_gate is None else m.shared_gate.to(act, copy=True))  # owned: see MoE.router
             opt = self._norm_weight
             self.layers.append(LayerWeights(
@@ -373,7 +373,7 @@ class DecoderModel:
             return Linear(w, b, self.linear_backend, self.act_dtype)
         return LatentQKV(None if m.q_a is None else linear(m.q_a, m.q_a_bias), self._norm_weight(m.q_a_norm), linear(m.q_b),
                          linear(m.kv_a, m.kv_a_bias), self._norm_weight(m.kv_a_norm), linear(m.kv_b), self.num_heads,
-                         self.head_dim, m.rope, m.nope, m.v_dim, self.norm_fn, self.eps)
+                         self.head_dim, m.rope, m.nope, m.v_dim, self.norm_fn, m.norm_eps)
 
     def _o(self, layer: RawLayer) -> Linear | HeadPrefix:
         o = Linear(layer.o, layer.o_bias, self.linear_backend, self.act_dtype)

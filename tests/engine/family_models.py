@@ -128,6 +128,8 @@ def _randomize(model: torch.nn.Module, gemma: bool, gen: torch.Generator, hidden
     hidden = hidden or model.config.hidden_size
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if p.numel() == 0:  # DeepSeek's zero-width shared expert (n_shared_experts=0)
+                continue
             if "embed" in name:  # Gemma multiplies embeddings by sqrt(hidden): start them that much smaller
                 std = 0.5 * (hidden**-0.5 if gemma else 1.0)
                 p.copy_(torch.randn(p.shape, generator=gen) * std)

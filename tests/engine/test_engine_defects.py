@@ -329,3 +329,12 @@ def test_detokenizers_do_not_share_the_event_loops_tokenizer(tiny_model_dir):
     e.add_request("a", [5, 6, 7], greedy(2))
     assert e.requests["a"].seqs[0].detokenizer.tokenizer is not e.tokenizer
     assert outputs(run(e)["a"]) == solo(tiny_model_dir, [5, 6, 7], greedy(2))
+
+
+@pytest.mark.parametrize("field,value", [("swap_space", 1.5), ("swap_space", 4.0), ("kv_cache_memory", 1e8), ("max_num_seqs", True)])
+def test_counts_and_byte_sizes_must_be_whole_numbers(field, value):
+    """helper-95: a float swap_space (vLLM's is GiB as a float) crashed the block allocator."""
+    from qworker.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=f"{field} must be a whole number"):
+        EngineConfig(model="-", **{field: value})

@@ -133,3 +133,38 @@ def test_other_head_widths_match_transformers(family, overrides, tmp_path, model
                                                                                                         ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert_greedy_matches(o.outputs[0].token_ids, eager_greedy(path, p, 12), f"{family} {overrides}, prompt of {len(p)}")
+
+
+@pytest.mark.parametrize("family,overrides", [
+    # helper-95: the shared experts' biases were dropped (V2's mlp_bias puts them on every MLP)
+    ("deepseek_v2", dict(mlp_bias=True, first_k_dense_replace=0)),
+    # helper-95: the latent norms took rms_norm_eps; transformers builds them with RMSNorm's 1e-6
+    ("deepseek_v3", dict(rms_norm_eps=0.5)),
+    ("glm4_moe_lite", dict(rms_norm_eps=0.5)),
+    # helper-95: refused, though transformers runs them: zero-width shared experts, a stray mlp_bias
+    ("deepseek_v3", dict(n_shared_experts=0)),
+    ("glm4_moe", dict(n_shared_experts=0)),
+    ("deepseek_v3", dict(mlp_bias=True)),
+])
+def test_configs_transformers_runs_match_it(family, overrides, tmp_path, model_dir):
+    from qworker import LLM, SamplingParams
+    from tests.engine.family_reference import eager_greedy, eager_last_logits
+    from tests.engine.hf_reference import assert_greedy_matches
+
+    path = build_family_model(family, tmp_path / "m", model_dir, **overrides)
+    prompts = [IDS[:9], IDS + IDS[:30]]
+    outs = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20).generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                                                                        ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert_greedy_matches(o.outputs[0].token_ids, eager_greedy(path, p, 12), f"{family} {overrides}, prompt of {len(p)}")
+    logits = _logits(path)[0]
+    torch.testing.assert_close(logits[0], eager_last_logits(path, IDS[:39]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_neox"])
+def test_enable_lora_on_a_family_without_lora_targets_is_refused_at_start(family, family_models):
+    """helper-95: an MLA model with enable_lora failed deep in the LoRA wrappers (AttributeError)."""
+    from qworker import LLM
+
+    with pytest.raises(ValueError, match=f"enable_lora is not supported for {family} models: they have no LoRA target"):
+        LLM(str(family_models.get(family)), dtype="float32", kv_cache_memory=8 << 20, enable_lora=True)

@@ -35,6 +35,10 @@ from qworker.model.families.spec import (DecoderSpec, LatentAttentionWeights, Mo
                                          take_experts, uniform_layers)
 
 
+# transformers builds q_a_layernorm and kv_a_layernorm without an eps: its RMSNorm default, whatever rms_norm_eps says
+LATENT_NORM_EPS = 1e-6
+
+
 def _mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -89,7 +93,7 @@ def take_latent_attention(w: Weights, p: str, config: PretrainedConfig, interlea
     latent = LatentAttentionWeights(
         q_a=q_a, q_a_bias=q_a_bias, q_a_norm=q_a_norm, q_b=_rope_first(q_b, H, nope, rope, interleaved),
         kv_a=kv_a, kv_a_bias=kv_a_bias, kv_a_norm=take(w, f"{a}kv_a_layernorm.weight", (r,)),
-        kv_b=take(w, f"{a}kv_b_proj.weight", (H * (nope + v), r)), rope=rope, nope=nope, v_dim=v)
+        kv_b=take(w, f"{a}kv_b_proj.weight", (H * (nope + v), r)), rope=rope, nope=nope, v_dim=v, norm_eps=LATENT_NORM_EPS)
     return {"qkv": latent, "qkv_bias": None, "o": take(w, f"{a}o_proj.weight", (hidden, H * v)),
             "o_bias": take(w, f"{a}o_proj.bias", (hidden,)) if bias else None}
 
@@ -113,6 +117,9 @@ def routed_moe(w: Weights, p: str, config: PretrainedConfig, hidden: int, v3_rou
                      groups=groups, routed_scale=float(config.routed_scaling_factor))
     if config.n_shared_experts:
         moe.shared = take_dense_mlp(w, f"{p}mlp.shared_experts.", hidden, inter * config.n_shared_experts, mlp_bias)
+    else:  # transformers still builds (and saves) a zero-width shared expert, which adds nothing
+        for name in [n for n in w if n.startswith(f"{p}mlp.shared_experts.") and w[n].numel() == 0]:
+            w.pop(name)
     return moe
 
 
@@ -136,7 +143,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
     v3 = config.model_type != "deepseek_v2"  # V3's router and optional rope interleave
     interleaved = bool(getattr(config, "rope_interleave", True)) if v3 else True
-    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    mlp_bias = not v3 and bool(getattr(config, "mlp_bias", False))  # V3's and GLM-4.7-Flash's MLPs never have biases
 
     def take_layer(w, i):
         p = f"model.layers.{i}."

@@ -127,6 +127,7 @@ class LatentAttentionWeights:
     rope: int
     nope: int
     v_dim: int
+    norm_eps: float  # the latent norms' (transformers builds them with RMSNorm's default, not rms_norm_eps)
 
 
 @dataclass(slots=True)

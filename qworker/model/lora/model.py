@@ -31,6 +31,9 @@ class LoRAModel:
     def __init__(self, model, max_loras: int, max_rank: int):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
+        if not model.spec.lora_modules:  # every adapter would be refused: say so once, at start-up
+            raise ValueError(f"enable_lora is not supported for {model.config.model_type} models: they have no LoRA target "
+                             "(see README, LoRA targets)")
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
