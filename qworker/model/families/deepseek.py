@@ -31,8 +31,8 @@ import math
 import torch
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, LatentAttentionWeights, MoEWeights, RawLayer, Weights, dims, take, take_dense_mlp,
-                                         take_experts, uniform_layers)
+from qworker.model.families.spec import (DecoderSpec, LatentAttentionWeights, MoEWeights, RawLayer, Weights, dims, rotate_halves_not_pairs,
+                                         take, take_dense_mlp, take_experts, uniform_layers)
 
 
 # transformers builds q_a_layernorm and kv_a_layernorm without an eps: its RMSNorm default, whatever rms_norm_eps says
@@ -54,19 +54,12 @@ def attention_scale(config: PretrainedConfig) -> float:
     return scale
 
 
-def _halves(t: torch.Tensor) -> torch.Tensor:
-    """Rows of a rotated part on interleaved pairs (2j, 2j+1) -> evens, then odds (rotate-half form)."""
-    return torch.cat([t[0::2], t[1::2]])
-
-
 def _rope_first(t: torch.Tensor, heads: int, nope: int, rope: int, interleaved: bool) -> torch.Tensor:
     """Per head ``[nope | rope]`` rows -> ``[rope | nope]`` (the rope rows as halves where
-    ``interleaved``)."""
+    ``interleaved``: :func:`~qworker.model.families.spec.rotate_halves_not_pairs`)."""
     per_head = t.reshape(heads, nope + rope, *t.shape[1:])
-    rot = per_head[:, nope:]
-    if interleaved:
-        rot = torch.cat([rot[:, 0::2], rot[:, 1::2]], dim=1)
-    return torch.cat([rot, per_head[:, :nope]], dim=1).reshape(t.shape)
+    t = torch.cat([per_head[:, nope:], per_head[:, :nope]], dim=1).reshape(t.shape)
+    return rotate_halves_not_pairs(t, nope + rope, rope) if interleaved else t
 
 
 def take_latent_attention(w: Weights, p: str, config: PretrainedConfig, interleaved: bool) -> dict:
@@ -88,8 +81,8 @@ def take_latent_attention(w: Weights, p: str, config: PretrainedConfig, interlea
     kv_a = take(w, f"{a}kv_a_proj_with_mqa.weight", (r + rope, hidden))
     kv_a_bias = take(w, f"{a}kv_a_proj_with_mqa.bias", (r + rope,)) if bias else None
     if interleaved:  # the shared rotated key's rows (after the latent's) as halves
-        kv_a = torch.cat([kv_a[:r], _halves(kv_a[r:])])
-        kv_a_bias = None if kv_a_bias is None else torch.cat([kv_a_bias[:r], _halves(kv_a_bias[r:])])
+        kv_a = torch.cat([kv_a[:r], rotate_halves_not_pairs(kv_a[r:], rope, rope)])
+        kv_a_bias = None if kv_a_bias is None else torch.cat([kv_a_bias[:r], rotate_halves_not_pairs(kv_a_bias[r:], rope, rope)])
     latent = LatentAttentionWeights(
         q_a=q_a, q_a_bias=q_a_bias, q_a_norm=q_a_norm, q_b=_rope_first(q_b, H, nope, rope, interleaved),
         kv_a=kv_a, kv_a_bias=kv_a_bias, kv_a_norm=take(w, f"{a}kv_a_layernorm.weight", (r,)),
