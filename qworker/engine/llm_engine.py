@@ -43,6 +43,7 @@ from qworker.engine.structured.outputs import StepMasks, StructuredOutputs
 from qworker.engine.transient_thread import in_transient_thread
 from qworker.host_memory import available_memory
 from qworker.model.parallel.errors import ExecutorFailed
+from qworker.model.loader import load_config
 from qworker.model.runner import ModelRunner
 
 __all__ = ["Capacity", "LLMEngine", "Prompt"]
@@ -95,6 +96,7 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig) -> None:
         self.config = config
+        load_config(config.model)  # config.json's faults in one line naming it (the tokenizer reads it too)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)  # before the weights: fail fast
         if config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group: the followers start here
             from qworker.model.parallel.leader import ParallelRunner

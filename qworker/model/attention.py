@@ -32,7 +32,7 @@ def chunked_metadata(meta: AttentionMetadata, chunk: int, block_size: int) -> At
     starting at that token's block (``chunk`` is a multiple of ``block_size``). A decode row stays
     one sequence, so decodes still come first. ``slot_mapping`` is unchanged: k and v are stored
     where they always are, and the cache is shared with the layers that attend to everything."""
-    if chunk % block_size:
+    if chunk < 1 or chunk % block_size:
         raise ValueError(f"attention chunks of {chunk} tokens need blocks that divide them, got block_size={block_size}")
     seq_lens, starts = meta.seq_lens.tolist(), meta.query_start_loc.tolist()
     rows, offsets, lens, query_start = [], [], [], [0]

@@ -288,6 +288,13 @@ class DecoderModel:
         elif fusable and dtype == torch.float32:
             self.fused_layers = self._bind_fused_layers()
 
+    def reach_positions(self, positions: int) -> None:
+        """Rope tables covering positions ``[0, positions)``, called before each step (they grow on
+        demand: :meth:`RotaryEmbedding.reach`); the one-call C loop is bound again to grown ones."""
+        grew = [rope.reach(positions) for rope in self.ropes.values()]
+        if any(grew) and self.fused_layers is not None:
+            self.fused_layers = self._bind_fused_layers()
+
     def _bounded_greedy_head(self, shard) -> BoundedGreedyHead | None:
         """The LM head's exact shortcut for argmax-only rows (:mod:`kernels.greedy_head`): for fp32
         weights on the CPU packed in panels, a whole (unsharded) model and no logit soft-capping or

@@ -86,9 +86,9 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
     """The files that hold the transformers checkpoint, in transformers' order: safetensors
-    (``model.safetensors``, else the shards ``model.safetensors.index.json`` names, else every
-    ``*.safetensors``), else PyTorch's (``pytorch_model.bin``, else the shards
-    ``pytorch_model.bin.index.json`` names), which older uploads have alone.
+    (``model.safetensors``, else the shards ``model.safetensors.index.json`` names), else PyTorch's
+    (``pytorch_model.bin``, else the shards ``pytorch_model.bin.index.json`` names), which older
+    uploads have alone; else every ``*.safetensors`` (shards without their index).
     Hub folders often carry other formats' files beside the checkpoint (Mistral's
     ``consolidated.safetensors``, with its own tensor names); reading those would fail the load."""
     path = Path(model_dir)
@@ -98,9 +98,7 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
         index = path / index_name
         if index.exists():
             return _shards(path, index)
-        if single.endswith("safetensors") and any(path.glob("*.safetensors")):
-            return sorted(path.glob("*.safetensors"))
-    return []
+    return sorted(path.glob("*.safetensors"))
 
 
 def _shards(path: Path, index: Path) -> list[Path]:

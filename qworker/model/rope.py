@@ -71,17 +71,37 @@ def exact_context(config: PretrainedConfig) -> int | None:
 
 
 class RotaryEmbedding:
+    """cos/sin tables by position, built for the first :data:`FIRST_ROWS` positions and grown (by
+    doubling, up to ``max_positions``) when a step reaches past them (:meth:`reach`): a model
+    with a 10M-token context (Llama 4 Scout) would otherwise spend 10 GB on tables at start-up.
+    A position's row is the same whatever the table's length (elementwise products and cos/sin)."""
+
+    FIRST_ROWS = 1 << 16
+
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, device, dtype, backend: str = "cpu",
                  layer_type: str | None = None, partial: bool = True):
-        inv_freq, scale = inverse_frequencies(config, head_dim, layer_type, partial)
-        self.rotary_dim = 2 * inv_freq.shape[0]
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)
-        self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
+        self._inv_freq, self._scale = inverse_frequencies(config, head_dim, layer_type, partial)
+        self._device, self._dtype = device, dtype
+        self.rotary_dim = 2 * self._inv_freq.shape[0]
+        self.max_positions = max_positions
+        self._build(min(max_positions, self.FIRST_ROWS))
         # in place: the C kernel on CPU, the Triton kernel with the Triton backend
         self._apply = kernels.rotary_embedding_cpu_ if backend == "cpu" else kernels.rotary_embedding
+
+    def _build(self, rows: int) -> None:
+        freqs = torch.outer(torch.arange(rows, dtype=torch.float32), self._inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = (emb.cos() * self._scale).to(device=self._device, dtype=self._dtype)
+        self.sin = (emb.sin() * self._scale).to(device=self._device, dtype=self._dtype)
+
+    def reach(self, positions: int) -> bool:
+        """Tables covering positions ``[0, positions)`` (at most ``max_positions``); True when they
+        were rebuilt (their tensors are new: whoever bound the old ones must bind these)."""
+        rows = self.cos.shape[0]
+        if positions <= rows or rows >= self.max_positions:
+            return False
+        self._build(min(self.max_positions, max(positions, 2 * rows)))
+        return True
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` in place."""

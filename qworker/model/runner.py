@@ -98,6 +98,7 @@ class ModelRunner:
         assert self.kv is not None
         self.kv.apply(batch.swap_out, batch.swap_in, batch.copy)
         input_ids, positions, meta, logits_indices, argmax_rows = self._prepare(batch)
+        self.model.reach_positions(max((c.start_pos + len(c.token_ids) for c in batch.chunks), default=0))
         if self.lora is None:
             return self.model.forward(input_ids, positions, self.kv.layers, meta, logits_indices, argmax_rows)
         chunks = batch.chunks

@@ -81,3 +81,18 @@ def test_a_block_size_that_does_not_divide_the_chunk_is_refused(tmp_path, model_
     path = build_family_model("llama4_text", tmp_path / "m", model_dir)  # chunks of 32
     with pytest.raises(ValueError, match="block_size=64 must divide llama4_text's attention_chunk_size=32"):
         LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=64)
+
+
+@pytest.mark.parametrize("chunk,why", [(-32, "attention_chunk_size is -32 \\(a positive number of tokens\\)"),
+                                       (32.0, "config.json: .*attention_chunk_size")])
+def test_a_malformed_chunk_size_is_refused_in_one_line(tmp_path, model_dir, chunk, why):
+    """helper-96: -32 passed every check and the first step looped until memory ran out; 32.0 failed
+    in the tokenizer's load with transformers' multi-line validation error."""
+    import json
+
+    path = build_family_model("llama4_text", tmp_path / "m", model_dir)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "attention_chunk_size": chunk}))
+    with pytest.raises(ValueError, match=why) as info:
+        LLM(str(path), dtype="float32", kv_cache_memory=8 << 20)
+    assert "\n" not in str(info.value)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from safetensors.torch import save_file
+
 from qworker.model.batch import Batch, SeqChunk
 from qworker.model.loader import checkpoint_files
 from qworker.model.runner import ModelRunner
@@ -93,3 +95,12 @@ def test_a_folder_without_weights_names_both_formats(as_safetensors, tmp_path):
         shutil.copy(as_safetensors / name, path / name)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors or pytorch_model.bin in"):
         ModelRunner(path, device="cpu", dtype="float32")
+
+
+def test_pytorch_files_win_over_a_stray_safetensors_file(as_safetensors, tmp_path):
+    """helper-96: a Mistral-style consolidated.safetensors beside pytorch_model.bin was read instead
+    (transformers reads pytorch_model.bin; the glob of every *.safetensors is the last resort)."""
+    path = _as_pytorch(as_safetensors, tmp_path / "pt")
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, path / "consolidated.safetensors")
+    assert checkpoint_files(path) == [path / "pytorch_model.bin"]
+    assert torch.equal(_logits(path), _logits(as_safetensors))

@@ -65,9 +65,9 @@ def build(config: PretrainedConfig) -> DecoderSpec:
 
     types = layer_types(config, ("full_attention", "chunked_attention"))
     chunk = config.attention_chunk_size
-    if "chunked_attention" in types and not chunk:
+    if "chunked_attention" in types and not (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0):
         raise ValueError(f"llama4_text: config.layer_types marks layer {types.index('chunked_attention')} chunked, "
-                         f"but attention_chunk_size is {chunk!r}")
+                         f"but attention_chunk_size is {chunk!r} (a positive number of tokens)")
     layers = [LayerAttention(rotary=bool(r), chunk=chunk if t == "chunked_attention" else None) for r, t in zip(rotary, types)]
     temperature = (config.floor_scale, config.attn_scale) if config.attn_temperature_tuning else None
     return DecoderSpec(take_layer=take_layer, layers=layers, qk_norm="head" if qk_norm else None,
