@@ -73,14 +73,14 @@ def load_config(model_dir: str | Path) -> PretrainedConfig:
                          f"(and the image-text {', '.join(WRAPPERS)}, served as their language model)")
     quant = raw.get("quantization_config") or getattr(config, "quantization_config", None)
     method = (quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")) if quant else None
-    config.fp8 = method == "fp8"
-    if config.fp8:  # fine-grained FP8 (DeepSeek-V3, Qwen3-FP8): dequantized as it is loaded (qworker.model.fp8)
-        config.fp8_block = fp8.block_size(quant if isinstance(quant, dict) else quant.to_dict(), f"{model_dir}/config.json")
+    # FP8 (fine-grained, or compressed-tensors' float-quantized): dequantized as it is loaded (qworker.model.fp8)
+    as_dict = quant if isinstance(quant, dict) else getattr(quant, "to_dict", dict)()
+    config.fp8 = fp8.scheme(as_dict, f"{model_dir}/config.json") if quant else None
     # gpt-oss's released MXFP4 experts are dequantized as they are read (qworker.model.families.gpt_oss)
-    elif quant and not (config.model_type == "gpt_oss" and method == "mxfp4"):
+    if quant and config.fp8 is None and not (config.model_type == "gpt_oss" and method == "mxfp4"):
         # packed or scaled weights would be read as plain ones (or fail deep in the loader)
         raise ValueError(f"{model_dir}: quantized checkpoints are not supported (quantization_config: {method}); "
-                         "use the unquantized weights (fine-grained FP8 and gpt-oss's MXFP4 are dequantized at load)")
+                         "use the unquantized weights (FP8 and gpt-oss's MXFP4 are dequantized at load)")
     return config
 
 
@@ -173,7 +173,7 @@ def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dt
     config = config if config is not None else load_config(model_dir)
     rename = _weight_names(config)
     unread = _prediction_layers(config)
-    fp8_scales = getattr(config, "fp8", False)
+    scheme = getattr(config, "fp8", None)
     weights: dict[str, torch.Tensor] = {}
     for path in files:
         for stored, read in _stored_tensors(path, device):
@@ -186,8 +186,8 @@ def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dt
             # only real numbers are cast (an FP8 checkpoint's scales stay fp32 until its weights are
             # dequantized); anything else (an integer or fp8 export without its quantization
             # config) is refused by name when a family takes it
-            keep = t.dtype not in FLOAT_DTYPES or fp8_scales and name.endswith(fp8.SCALE_SUFFIX)
+            keep = t.dtype not in FLOAT_DTYPES or scheme is not None and name.endswith("weight" + scheme.suffix)
             weights[name] = t if keep else t.to(dtype)
-    if fp8_scales:
-        fp8.dequantize_weights(weights, config.fp8_block, dtype)
+    if scheme is not None:
+        fp8.dequantize_weights(weights, scheme, dtype)
     return weights

@@ -1,9 +1,10 @@
-"""Fine-grained FP8 checkpoints (DeepSeek-V3/R1's and Qwen3-FP8's format: float8_e4m3fn weights with
-an fp32 scale per block, :mod:`qworker.model.fp8`), dequantized at load: greedy tokens equal
+"""FP8 checkpoints (:mod:`qworker.model.fp8`), dequantized at load. Fine-grained FP8 (DeepSeek-V3/R1's
+and Qwen3-FP8's format: float8_e4m3fn weights with an fp32 scale per block): greedy tokens equal
 transformers' own dequantized model (``FineGrainedFP8Config(dequantize=True)``); with partial
 blocks (which transformers' loader refuses and DeepSeek's 576-row projection has), the same logits
-as a plain checkpoint holding the weights dequantized here by hand; malformed ones refused in one
-line."""
+as a plain checkpoint holding the weights dequantized here by hand. compressed-tensors'
+float-quantized FP8 (per tensor, channel or block; the package is not installed here, so the
+reference is the hand-dequantized checkpoint). Malformed ones refused in one line."""
 
 from __future__ import annotations
 
@@ -25,8 +26,13 @@ from tests.engine.hf_reference import assert_greedy_matches
 PROMPTS = [list(range(300, 305)), list(range(1000, 1060))]
 
 
-def _quantized(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` ``[..., out, in]`` as e4m3 with an fp32 scale per block (amax / 448, partial blocks at the ends)."""
+def _quantized(weight: torch.Tensor, block: tuple[int, int] | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[..., out, in]`` as e4m3 with an fp32 scale per block (amax / 448, partial blocks
+    at the ends), per "channel" (``[..., out, 1]``) or per "tensor" (``[1]``)."""
+    if block in ("channel", "tensor"):
+        amax = weight.abs().amax(dim=-1, keepdim=True) if block == "channel" else weight.abs().amax().reshape(1)
+        scale = (amax / 448.0).clamp(min=1e-12)
+        return (weight / scale).to(torch.float8_e4m3fn), scale
     rows, cols = weight.shape[-2:]
     nb = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
     padded = torch.zeros(*weight.shape[:-2], nb[0] * block[0], nb[1] * block[1])
@@ -37,7 +43,9 @@ def _quantized(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     return (weight / expanded).to(torch.float8_e4m3fn), scale
 
 
-def _by_hand(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def _by_hand(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | str) -> torch.Tensor:
+    if block in ("channel", "tensor"):
+        return q.float() * scale
     rows, cols = q.shape[-2:]
     return q.float() * scale.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :rows, :cols]
 
@@ -46,22 +54,32 @@ def _is_projection(name: str, t: torch.Tensor) -> bool:
     return t.dim() >= 2 and name.endswith("weight") and not any(s in name for s in ("embed", "lm_head", "norm", "mlp.gate.weight"))
 
 
-def fp8_copy(src: Path, dst: Path, block: tuple[int, int], plain: Path | None = None) -> Path:
-    """``src`` with every projection in FP8 (``dst``); ``plain``: the same model with those weights
+def fp8_copy(src: Path, dst: Path, block: tuple[int, int] | str, plain: Path | None = None, compressed_tensors: bool = False) -> Path:
+    """``src`` with every projection in FP8 (``dst``): fine-grained FP8, or compressed-tensors'
+    (``block`` a pair, "channel" or "tensor"); ``plain``: the same model with those weights
     dequantized by hand, stored in fp32."""
+    suffix = "_scale" if compressed_tensors else "_scale_inv"
     shutil.copytree(src, dst)
     (shard,) = dst.glob("*.safetensors")
     quantized, dequantized = {}, {}
     for name, t in load_file(shard).items():
         if _is_projection(name, t):
             q, s = _quantized(t.float(), block)
-            quantized[name], quantized[f"{name}_scale_inv"] = q, s
+            quantized[name], quantized[name + suffix] = q, s
             dequantized[name] = _by_hand(q, s, block)
         else:
             quantized[name] = dequantized[name] = t
     save_file(quantized, shard, metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    if compressed_tensors:
+        weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False,
+                   "strategy": block if isinstance(block, str) else "block", "block_structure": None if isinstance(block, str) else list(block)}
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                                         "quantization_status": "compressed", "kv_cache_scheme": None, "config_groups": {"group_0": {
+                                             "targets": ["Linear"], "weights": weights, "output_activations": None,
+                                             "input_activations": {"type": "float", "num_bits": 8, "dynamic": True, "strategy": "token"}}}}
+    else:
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}
     (dst / "config.json").write_text(json.dumps(config))
     if plain is not None:
         shutil.copytree(src, plain)
@@ -106,8 +124,29 @@ def test_partial_blocks_serve_the_weights_dequantized_by_hand(family_models, tmp
     assert torch.equal(_logits(path, dtype), _logits(plain, dtype))
 
 
+@pytest.mark.parametrize("strategy", ["channel", "tensor", (16, 24)])
+def test_compressed_tensors_fp8_serves_the_weights_dequantized_by_hand(family_models, tmp_path, strategy):
+    plain = tmp_path / "plain"
+    path = fp8_copy(family_models.get("qwen3_moe"), tmp_path / "fp8", strategy, plain=plain, compressed_tensors=True)
+    assert torch.equal(_logits(path, "float32"), _logits(plain, "float32"))
+
+
+@pytest.mark.parametrize("group,why", [
+    (dict(weights={"type": "int", "num_bits": 4, "strategy": "group"}), "only 8-bit float weights per tensor, channel or block"),
+    (dict(weights={"type": "float", "num_bits": 8, "strategy": "channel"}, input_activations={"type": "float", "num_bits": 8, "dynamic": False}),
+     "static activation scales are not supported"),
+])
+def test_compressed_tensors_schemes_not_served_are_refused(family_models, tmp_path, group, why):
+    path = fp8_copy(family_models.get("llama"), tmp_path / "m", "channel", compressed_tensors=True)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"].update(group)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=why):
+        ModelRunner(path, device="cpu", dtype="float32")
+
+
 @pytest.mark.parametrize("change,why", [
-    ("no_scales", "quantization_config says fp8, but the checkpoint holds no FP8 weight scales"),
+    ("no_scales", "quantization_config says FP8, but the checkpoint holds no FP8 weight scales"),
     ("bad_scale_shape", "_scale_inv. has shape \\[2, 2\\], expected \\[8, 8\\]"),
     ("scale_without_weight", "without its weight"),
     ("fp8_without_scale", "is stored as FP8 without its scale"),
