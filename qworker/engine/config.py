@@ -82,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.swap_space < 0:
             raise ValueError("swap_space must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (or unset: the model's context), got {self.max_model_len}")
         if self.grammar_cache_size < 1 or self.grammar_compile_workers < 1 or not self.grammar_compile_timeout > 0 or self.grammar_cache_bytes < 0:
             raise ValueError("grammar_cache_size and grammar_compile_workers must be >= 1, grammar_compile_timeout > 0, grammar_cache_bytes >= 0")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -290,10 +290,14 @@ class DecoderModel:
 
     def reach_positions(self, positions: int) -> None:
         """Rope tables covering positions ``[0, positions)``, called before each step (they grow on
-        demand: :meth:`RotaryEmbedding.reach`); the one-call C loop is bound again to grown ones."""
+        demand: :meth:`RotaryEmbedding.reach`). The one-call C loop is bound again to grown tables
+        where it still ran the model as built; where anything had wrapped or replaced what it
+        bound (LoRA, tensor parallelism's all-reduce, a benchmark's timers) it is dropped, since
+        binding the wrappers would read their plain weights and skip what they add."""
+        usable = self.fused_layers is not None and self._fused_guard_holds()
         grew = [rope.reach(positions) for rope in self.ropes.values()]
         if any(grew) and self.fused_layers is not None:
-            self.fused_layers = self._bind_fused_layers()
+            self.fused_layers = self._bind_fused_layers() if usable else None
 
     def _bounded_greedy_head(self, shard) -> BoundedGreedyHead | None:
         """The LM head's exact shortcut for argmax-only rows (:mod:`kernels.greedy_head`): for fp32
@@ -448,14 +452,16 @@ class DecoderModel:
         turned off (``fused_cpu_forward``), a projection wrapped or replaced
         since the model was built (LoRA, tensor parallelism, a benchmark's timers), any tensor it
         bound replaced or moved (see ``_fused_guard``), or inputs it does not cover."""
-        if not self.fused_cpu_forward:
-            return None
-        owners, names, objs, tensors, ptrs = self._fused_guard
-        # map() over the ~400 entries: a generator here cost ~0.5 ms a step (1% of a bf16 run)
-        if not all(map(operator.is_, map(getattr, owners, names), objs)) or list(map(torch.Tensor.data_ptr, tensors)) != ptrs:
+        if not self.fused_cpu_forward or not self._fused_guard_holds():
             return None
         return self.fused_layers.run(h, positions, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, meta.num_decodes)
+
+    def _fused_guard_holds(self) -> bool:
+        """Every object and tensor the C loop bound is still where it was (see ``_fused_guard``)."""
+        owners, names, objs, tensors, ptrs = self._fused_guard
+        # map() over the ~400 entries: a generator here cost ~0.5 ms a step (1% of a bf16 run)
+        return all(map(operator.is_, map(getattr, owners, names), objs)) and list(map(torch.Tensor.data_ptr, tensors)) == ptrs
 
     @torch.inference_mode()
     def _forward_cpu_bf16(

@@ -96,7 +96,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, s: Scheme, dtype: torc
         if tuple(scale.shape) != expected:
             raise ValueError(f"tensor {scale_name!r} has shape {list(scale.shape)}, expected {list(expected)} "
                              f"(blocks of {s.block[0]}x{s.block[1]} over {list(weight.shape)})")
-        scale = scale.float().repeat_interleave(s.block[0], dim=-2)[..., :rows, :].repeat_interleave(s.block[1], dim=-1)[..., :cols]
+        # a block larger than the weight is the whole weight: expand by at most its size
+        b0, b1 = min(s.block[0], rows), min(s.block[1], cols)
+        scale = scale.float().repeat_interleave(b0, dim=-2)[..., :rows, :].repeat_interleave(b1, dim=-1)[..., :cols]
     elif scale.numel() == 1:
         scale = scale.float().reshape(())
     elif tuple(scale.shape) == (*weight.shape[:-1], 1):  # one per output row

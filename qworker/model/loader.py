@@ -12,7 +12,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from qworker.model import fp8
-from qworker.model.families import CHECKPOINT_NAMES, FAMILIES, SUPPORTED
+from qworker.model.families import CHECKPOINT_NAMES, FAMILIES, KEEP_FP32, SUPPORTED
 from qworker.model.wrappers import WRAPPERS, is_wrapper, text_config, text_weight_name
 
 try:  # transformers 5.x validates configs strictly through huggingface_hub; older hubs lack the type
@@ -174,6 +174,7 @@ def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dt
     rename = _weight_names(config)
     unread = _prediction_layers(config)
     scheme = getattr(config, "fp8", None)
+    fp32 = KEEP_FP32.get(config.model_type, ())
     weights: dict[str, torch.Tensor] = {}
     for path in files:
         for stored, read in _stored_tensors(path, device):
@@ -187,7 +188,7 @@ def load_state_dict(model_dir: str | Path, device: torch.device, dtype: torch.dt
             # dequantized); anything else (an integer or fp8 export without its quantization
             # config) is refused by name when a family takes it
             keep = t.dtype not in FLOAT_DTYPES or scheme is not None and name.endswith("weight" + scheme.suffix)
-            weights[name] = t if keep else t.to(dtype)
+            weights[name] = t if keep else t.float() if name.endswith(fp32) else t.to(dtype)
     if scheme is not None:
         fp8.dequantize_weights(weights, scheme, dtype)
     return weights

@@ -338,3 +338,12 @@ def test_counts_and_byte_sizes_must_be_whole_numbers(field, value):
 
     with pytest.raises(ValueError, match=f"{field} must be a whole number"):
         EngineConfig(model="-", **{field: value})
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_max_model_len_below_one_is_refused(value):
+    """helper-98: -5 crashed in the rope table's arange; 0 silently meant the model's default."""
+    from qworker.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        EngineConfig(model="-", max_model_len=value)

@@ -34,6 +34,7 @@ def _quantized(weight: torch.Tensor, block: tuple[int, int] | str) -> tuple[torc
         scale = (amax / 448.0).clamp(min=1e-12)
         return (weight / scale).to(torch.float8_e4m3fn), scale
     rows, cols = weight.shape[-2:]
+    block = (min(block[0], rows), min(block[1], cols))  # a block past the weight's edge covers it all
     nb = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
     padded = torch.zeros(*weight.shape[:-2], nb[0] * block[0], nb[1] * block[1])
     padded[..., :rows, :cols] = weight
@@ -47,6 +48,7 @@ def _by_hand(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | str)
     if block in ("channel", "tensor"):
         return q.float() * scale
     rows, cols = q.shape[-2:]
+    block = (min(block[0], rows), min(block[1], cols))
     return q.float() * scale.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :rows, :cols]
 
 
@@ -181,3 +183,10 @@ def test_malformed_fp8_checkpoints_are_refused_in_one_line(family_models, tmp_pa
         (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=why):
         ModelRunner(path, device="cpu", dtype="float32")
+
+
+def test_a_block_larger_than_the_weight_is_a_scale_for_all_of_it(family_models, tmp_path):
+    """helper-98: a weight_block_size of 2^28 expanded each scale to rows x 2^28 floats (64 GB)."""
+    plain = tmp_path / "plain"
+    path = fp8_copy(family_models.get("llama"), tmp_path / "fp8", (1 << 28, 1 << 28), plain=plain)
+    assert torch.equal(_logits(path, "float32"), _logits(plain, "float32"))

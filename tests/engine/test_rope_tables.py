@@ -50,3 +50,57 @@ def test_a_ten_million_token_context_starts_with_small_tables(tmp_path, model_di
     assert runner.max_model_len == 10_485_760
     assert runner.model.rope.cos.shape[0] == RotaryEmbedding.FIRST_ROWS  # 4 MB, not 670 MB
     shutil.rmtree(path)
+
+
+def _steps(runner: ModelRunner, n: int, lora_slot: int = -1, run=None) -> list[torch.Tensor]:
+    """A 40-token prefill and ``n`` teacher-forced decode steps (tokens 600, 601, ...)."""
+    run = run or (lambda batch: runner.execute(batch))
+    blocks = list(range(16))
+    out = [run(Batch([SeqChunk(list(PROMPT), 0, blocks, True, lora_slot=lora_slot)]))]
+    for i in range(n):
+        out.append(run(Batch([SeqChunk([600 + i], len(PROMPT) + i, blocks, True, decode=True, lora_slot=lora_slot)])))
+    return out
+
+
+def test_growth_keeps_lora_on(tmp_path, model_dir, monkeypatch):
+    """helper-97: after a table grew, the C loop was bound again through the LoRA wrappers (their
+    plain weights): every LoRA request then ran the base model, silently."""
+    from qworker.model.lora.adapter import load_lora_adapter
+    from tests.engine.lora_support import ALL_MODULES, make_peft_adapter
+
+    path = build_family_model("llama", tmp_path / "m", model_dir)
+    adapter = make_peft_adapter(path, tmp_path / "a", rank=8, alpha=16, seed=1, target_modules=ALL_MODULES)
+
+    def runner() -> ModelRunner:
+        r = ModelRunner(path, device="cpu", dtype="float32")
+        r.allocate_kv_cache(num_blocks=16, num_cpu_blocks=0, block_size=16)
+        r.enable_lora(max_loras=1, max_rank=8)
+        r.set_lora(0, load_lora_adapter(adapter, r.config, 8))
+        return r
+
+    whole = _steps(runner(), 20, lora_slot=0)
+    monkeypatch.setattr(RotaryEmbedding, "FIRST_ROWS", 32)
+    grown = _steps(runner(), 20, lora_slot=0)
+    for step, (a, b) in enumerate(zip(whole, grown)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+
+
+def test_growth_keeps_the_tensor_parallel_all_reduce(family_models, monkeypatch):
+    """helper-97: the same rebinding read RowParallel's plain shard weights, so each rank's C loop
+    ran its shard without the all-reduce."""
+    from qworker.model.parallel.build import TPRank
+    from tests.engine.test_tensor_parallel_shards import ThreadGroup, run_ranks
+
+    path = family_models.get("llama")
+    whole = ModelRunner(path, "cpu", "float32")
+    whole.allocate_kv_cache(16, 0, 16)
+    want = _steps(whole, 12)
+    monkeypatch.setattr(RotaryEmbedding, "FIRST_ROWS", 32)
+    group = ThreadGroup(2)
+    ranks = [ModelRunner(path, "cpu", "float32", tp=TPRank(r, 2, group.all_reduce_for(r))) for r in range(2)]
+    for r in ranks:
+        r.allocate_kv_cache(16, 0, 16)
+    got = _steps(ranks[0], 12, run=lambda batch: run_ranks(ranks, batch)[0])
+    assert ranks[0].model.rope.cos.shape[0] > 32
+    for step, (a, b) in enumerate(zip(want, got)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")

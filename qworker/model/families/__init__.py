@@ -65,6 +65,11 @@ SUPPORTED = sorted(FAMILIES)
 CHECKPOINT_NAMES: dict[str, Callable[[str], str | None]] = {"gpt_neox": gpt_neox.checkpoint_name, "gpt2": gpt2.checkpoint_name,
                                                            "gpt_bigcode": gpt2.checkpoint_name, "gptj": gptj.checkpoint_name,
                                                            "opt": opt.checkpoint_name}
+# tensors transformers keeps in fp32 whatever the model dtype (its _keep_in_fp32_modules_strict), by
+# name suffix: the loader reads them in fp32, so a bf16 model's router picks the experts transformers does
+_ROUTER_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+KEEP_FP32: dict[str, tuple[str, ...]] = {"deepseek_v2": ("mlp.gate.weight",),
+                                         **dict.fromkeys(("deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"), _ROUTER_FP32)}
 SILU_NAMES = ("silu", "swish")  # transformers' names for x * sigmoid(x)
 
 
