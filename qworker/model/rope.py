@@ -141,4 +141,4 @@ class NoPETemperature:
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
-        q.copy_(q * scales.view(-1, 1, 1).to(q.dtype))
+        q.copy_(q * scales.view(-1, 1, 1))  # an fp32 product, rounded once to q's dtype (as transformers)
