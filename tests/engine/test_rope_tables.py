@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from qworker.model.batch import Batch, SeqChunk
@@ -104,3 +105,23 @@ def test_growth_keeps_the_tensor_parallel_all_reduce(family_models, monkeypatch)
     assert ranks[0].model.rope.cos.shape[0] > 32
     for step, (a, b) in enumerate(zip(want, got)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "deepseek_v3", "llama4_text"])
+def test_growth_in_every_table_of_a_family(family, family_models, monkeypatch):
+    """Several tables (Gemma 3's per layer type), partial rotary (Phi-3, DeepSeek's MLA), NoPE and
+    chunked layers (Llama 4): each table grows alike and the logits are those of whole tables."""
+    path = family_models.get(family)
+
+    def runner() -> ModelRunner:
+        r = ModelRunner(path, device="cpu", dtype="float32")
+        r.allocate_kv_cache(num_blocks=16, num_cpu_blocks=0, block_size=16)
+        return r
+
+    whole = _steps(runner(), 30)
+    monkeypatch.setattr(RotaryEmbedding, "FIRST_ROWS", 16)
+    r = runner()
+    grown = _steps(r, 30)
+    assert all(rope.cos.shape[0] >= 70 for rope in r.model.ropes.values())
+    for step, (a, b) in enumerate(zip(whole, grown)):
+        assert torch.equal(a, b), f"{family} step {step}"
