@@ -134,17 +134,17 @@ def _stored_tensors(path: Path, device: torch.device) -> Iterator[tuple[str, Cal
             for name in f.keys():
                 yield name, lambda name=name: read(name)
         return
-    try:
+    try:  # to host memory: each tensor moves to the device as it is read (not the ones never read)
         try:
-            state = torch.load(path, map_location=device, weights_only=True, mmap=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
-            state = torch.load(path, map_location=device, weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways; each is the file's fault
         raise ValueError(f"{path}: not a readable PyTorch checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise ValueError(f"{path}: not a PyTorch state dict (a mapping of tensor names to tensors)")
     for name, t in state.items():
-        yield name, lambda t=t: t
+        yield name, lambda t=t: t.to(device)
 
 
 def _weight_names(config: PretrainedConfig) -> Callable[[str], str | None] | None:
