@@ -8,8 +8,9 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (arcee, cohere, deepseek, exaone4, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite, llama, llama4, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi,
-                                    phi3, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
+from qworker.model.families import (arcee, cohere, deepseek, exaone4, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite, llama,
+                                    llama4, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi, phi3, qwen3, qwen3_moe, smollm3, stablelm,
+                                    starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
