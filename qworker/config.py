@@ -29,6 +29,8 @@ def parse_size(value: str | int | None) -> int | None:
     if not m:
         raise ValueError(f"not a size: {value!r}")
     unit = (m.group(2) or "").lower().removesuffix("b")
+    if not unit and "." in m.group(1):  # vLLM's swap_space=4.0 means GiB: here it would be 4 bytes
+        raise ValueError(f"not a size: {value!r} (a byte count is a whole number; a fraction needs a unit, as 1.5GiB)")
     return int(float(m.group(1)) * _UNITS[unit])
 
 

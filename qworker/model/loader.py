@@ -4,6 +4,7 @@ PyTorch's ``pytorch_model.bin``) + transformers' config."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -135,10 +136,12 @@ def _stored_tensors(path: Path, device: torch.device) -> Iterator[tuple[str, Cal
                 yield name, lambda name=name: read(name)
         return
     try:  # to host memory: each tensor moves to the device as it is read (not the ones never read)
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about old pickle protocols: the refusal below is the one line
+            warnings.simplefilter("ignore")
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - unpickling fails in many ways; each is the file's fault
         raise ValueError(f"{path}: not a readable PyTorch checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):

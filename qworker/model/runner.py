@@ -37,6 +37,8 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is supported on CPU only; use 'auto' on {self.device}")
         self.config = load_config(model_dir)
         model_len = getattr(self.config, "max_position_embeddings", 4096)
+        if isinstance(model_len, bool) or not isinstance(model_len, int) or model_len < 2:  # a prompt token and its answer
+            raise ValueError(f"{model_dir}/config.json: max_position_embeddings must be a whole number >= 2, got {model_len!r}")
         exact = exact_context(self.config)  # past it a fixed rope table would serve other tokens
         model_len = min(model_len, exact) if exact else model_len
         if max_model_len and max_model_len > model_len:  # served, but shorter than asked: say so

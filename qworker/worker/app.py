@@ -368,7 +368,9 @@ class Worker:
         from qworker.engine.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        async for _ in self.engine.generate("qworker-warm-up", self.engine.encode("warm-up"), params):
+        # a model whose context is shorter than the text still warms up (one token and the answer fit)
+        prompt = self.engine.encode("warm-up")[:max(1, self.engine.max_model_len - 1)]
+        async for _ in self.engine.generate("qworker-warm-up", prompt, params):
             pass
         self.warmed_up = True
 

@@ -104,3 +104,18 @@ def test_pytorch_files_win_over_a_stray_safetensors_file(as_safetensors, tmp_pat
     save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, path / "consolidated.safetensors")
     assert checkpoint_files(path) == [path / "pytorch_model.bin"]
     assert torch.equal(_logits(path), _logits(as_safetensors))
+
+
+def test_a_plain_pickle_is_refused_without_torchs_warnings(as_safetensors, tmp_path):
+    """helper-99: torch warned about the old pickle protocol in two lines before the one-line refusal."""
+    import pickle
+    import warnings
+
+    path = _as_pytorch(as_safetensors, tmp_path / "pt")
+    _RunsCode.marker = str(tmp_path / "code-ran")
+    (path / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": _RunsCode()}, protocol=4))
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError, match="not a readable PyTorch checkpoint"):
+        warnings.simplefilter("always")
+        ModelRunner(path, device="cpu", dtype="float32")
+    assert not [w for w in caught if "pickle" in str(w.message).lower()]
+    assert not (tmp_path / "code-ran").exists()

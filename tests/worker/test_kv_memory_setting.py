@@ -125,3 +125,38 @@ def test_switches_read_yes_and_no_words(monkeypatch) -> None:
     for raw, want in (("", True), ("1", True), ("on", True), ("YES", True), ("0", False), ("false", False), (" off ", False)):
         monkeypatch.setenv("QWORKER_CPU_FUSED_FORWARD", raw)
         assert switch("QWORKER_CPU_FUSED_FORWARD") is want, raw
+
+
+@pytest.mark.parametrize("var,value", [("QWORKER_SWAP_SPACE", "4.0"), ("QWORKER_SWAP_SPACE", "1.5"), ("QWORKER_SWAP_SPACE", "0.5b"),
+                                       ("QWORKER_GRAMMAR_CACHE_BYTES", "1.5")])
+def test_a_byte_count_with_a_fraction_and_no_unit_is_refused(var: str, value: str) -> None:
+    """helper-99: these were truncated to whole bytes (4.0, vLLM's 4 GiB of swap, became 4 bytes;
+    0.5 turned swapping off without a word)."""
+    with pytest.raises(ValidationError) as e:
+        WorkerSettings.from_env({var: value})
+    line = WorkerSettings.explain(e.value)
+    assert var in line and "a fraction needs a unit" in line and "\n" not in line
+    assert WorkerSettings.from_env({var: "1.5GiB"}).model_dump()[var.removeprefix("QWORKER_").lower()] == int(1.5 * GiB)
+
+
+@pytest.mark.parametrize("positions", [0, 1, 2])
+def test_a_model_context_of_under_two_positions_is_one_line_and_two_still_warms_up(positions, tiny_model_dir, tmp_path) -> None:
+    """helper-99: max_position_embeddings 0 or 2 crashed the worker's warm-up (a 3-token prompt)
+    with a 120-line traceback. Now under 2 is refused by name (exit 2); 2 warms up on one token."""
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWORKER_")}
+    env.update({"QWORKER_MODEL": str(path), "QWORKER_HTTP_PORT": "-1", "QWORKER_BOOTSTRAP_SERVERS": "127.0.0.1:1", "QWORKER_DEVICE": "cpu",
+                "QWORKER_KV_CACHE_MEMORY": "64MiB"})
+    r = subprocess.run([sys.executable, "-m", "qworker.cli", "run"], cwd=REPO, env=env, capture_output=True, timeout=180)
+    err = r.stderr.decode().strip()
+    assert "Traceback" not in err and "InvalidRequestError" not in err, err
+    if positions == 2:  # past the warm-up: it stops only at the broker no one listens on
+        assert r.returncode == 2 and err.splitlines()[-1].startswith("qworker: cannot reach Kafka at '127.0.0.1:1'"), err
+    else:
+        assert r.returncode == 2 and len(err.splitlines()) == 1 and "max_position_embeddings must be a whole number >= 2" in err, err
