@@ -294,9 +294,13 @@ class DecoderModel:
         where it still ran the model as built; where anything had wrapped or replaced what it
         bound (LoRA, tensor parallelism's all-reduce, a benchmark's timers) it is dropped, since
         binding the wrappers would read their plain weights and skip what they add."""
+        short = [rope for rope in self.ropes.values() if not rope.covers(positions)]
+        if not short:  # every step but a few: nothing to check
+            return
         usable = self.fused_layers is not None and self._fused_guard_holds()
-        grew = [rope.reach(positions) for rope in self.ropes.values()]
-        if any(grew) and self.fused_layers is not None:
+        for rope in short:
+            rope.reach(positions)
+        if self.fused_layers is not None:
             self.fused_layers = self._bind_fused_layers() if usable else None
 
     def _bounded_greedy_head(self, shard) -> BoundedGreedyHead | None:

@@ -94,14 +94,16 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * self._scale).to(device=self._device, dtype=self._dtype)
         self.sin = (emb.sin() * self._scale).to(device=self._device, dtype=self._dtype)
 
-    def reach(self, positions: int) -> bool:
-        """Tables covering positions ``[0, positions)`` (at most ``max_positions``); True when they
-        were rebuilt (their tensors are new: whoever bound the old ones must bind these)."""
+    def covers(self, positions: int) -> bool:
+        """Whether the tables hold positions ``[0, positions)`` (or all ``max_positions`` there are)."""
         rows = self.cos.shape[0]
-        if positions <= rows or rows >= self.max_positions:
-            return False
-        self._build(min(self.max_positions, max(positions, 2 * rows)))
-        return True
+        return positions <= rows or rows >= self.max_positions
+
+    def reach(self, positions: int) -> None:
+        """Tables covering positions ``[0, positions)`` (at most ``max_positions``), rebuilt where
+        they did not (their tensors are then new: whoever bound the old ones must bind these)."""
+        if not self.covers(positions):
+            self._build(min(self.max_positions, max(positions, 2 * self.cos.shape[0])))
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` in place."""
