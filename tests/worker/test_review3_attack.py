@@ -346,6 +346,7 @@ async def test_a_delivery_retry_is_logged_with_its_job_id(tmp_path: Path, caplog
             pub = Publisher(producer, lambda: False)
             await pub.deliver(s.completions_topic, "warm", b"{}")  # metadata known before the freeze
             os.kill(broker.proc.pid, signal.SIGSTOP)
+            _wait_stopped(broker.proc.pid)  # every thread of it, before the delivery starts (a CI run raced it once)
             try:
                 with caplog.at_level(logging.WARNING, logger="qworker.worker.publisher"):
                     task = asyncio.create_task(pub.deliver(s.completions_topic, "job-stuck", b"{}"))
@@ -361,6 +362,19 @@ async def test_a_delivery_retry_is_logged_with_its_job_id(tmp_path: Path, caplog
             await producer.stop()
     finally:
         stop_broker(broker)
+
+
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/*/stat)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in Path(f"/proc/{pid}/task").iterdir()]
+        if all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
 
 
 def _catches(pid: int, signum: int) -> bool:
