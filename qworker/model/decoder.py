@@ -414,8 +414,7 @@ class DecoderModel:
     @staticmethod
     def _attention(backend: str, scale: float, window: int | None, softcap: float | None,
                    bf16_products: bool = False, sinks: torch.Tensor | None = None) -> PagedAttention:
-        options = {k: v for k, v in (("sliding_window", window), ("softcap", softcap), ("sinks", sinks)) if v is not None}
-        return PagedAttention(backend, scale=scale, bf16_products=bf16_products, **options)
+        return PagedAttention(backend, scale=scale, sliding_window=window, softcap=softcap, bf16_products=bf16_products, sinks=sinks)
 
     @torch.inference_mode()
     def forward(

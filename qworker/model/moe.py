@@ -158,9 +158,10 @@ class MoE:
                 weights /= weights.sum(dim=-1, keepdim=True)
             return weights, ids
         scores = torch.sigmoid(logits) if r.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-        choice = scores if self.choice_bias is None else scores + self.choice_bias
-        if r.scoring == "sigmoid" and self.choice_bias is None and r.groups is None:
-            choice = logits
+        if self.choice_bias is not None:
+            choice = scores + self.choice_bias
+        else:  # sigmoid alone (Llama 4) picks by the logits: no ties where fp32 sigmoids round to 1
+            choice = logits if r.scoring == "sigmoid" and r.groups is None else scores
         if r.groups is not None:
             n, kept, how = r.groups
             grouped = choice.view(choice.shape[0], n, -1)
