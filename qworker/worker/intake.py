@@ -23,7 +23,7 @@ from qworker.telemetry.job import JobTelemetry
 from qworker.worker import consumer as kc
 from qworker.worker.decode import Decoded, Invalid, Unparseable, Valid, decode
 from qworker.worker.dlq import dlq_headers, with_original
-from qworker.worker.jobs import JobState, cancelled_completion, error_message, log_fields
+from qworker.worker.jobs import JobState, cancelled_completion, deadline_error, error_message, log_fields
 from qworker.worker.offsets import record_fingerprint
 from qworker.worker.wire import answer_headers
 from qworker.worker.wire import shape as answer_shape
@@ -286,7 +286,7 @@ class Intake:
                 st.lora = r.lora
                 st.tele.set_lora(r.lora.lora_name)
         if job.deadline is not None and time.time() > job.deadline:
-            return error_message(st, "deadline_exceeded", f"deadline {job.deadline} passed before the job started", retryable=False)
+            return deadline_error(st, f"deadline {job.deadline} passed before the job started")
         return None
 
     def safe_precheck(self, st: JobState) -> BaseModel | None:

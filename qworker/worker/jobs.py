@@ -119,6 +119,14 @@ def error_message(state_or_id: JobState | str, code: str, message: str, retryabl
     return JobError(job_id=state_or_id, attempt=attempt, run_id=run_id, error=ErrorInfo(code=code, message=message, retryable=retryable), metadata=metadata)
 
 
+def deadline_error(state: JobState, message: str) -> JobError:
+    """``deadline_exceeded`` for a job that never started, at attempt 0, below every answer: a
+    record delivered again after a rebalance (its first answer given, its offset not yet
+    committed) usually arrives past its deadline, and its error must not outrank that answer
+    under "highest attempt wins". Where the job had no answer, this is the only one."""
+    return error_message(state, "deadline_exceeded", message, retryable=False).model_copy(update={"attempt": 0})
+
+
 def cancelled_completion(state: JobState, model: str, now: float | None = None) -> Completion:
     """A job cancelled before it reached the engine."""
     now = time.time() if now is None else now
@@ -255,7 +263,7 @@ class JobRunner:
             code = getattr(last, "error_code", None) if last is not None else None
             err = getattr(last, "error", None) if last is not None else None
             if code == "deadline_exceeded":
-                return error_message(state, "deadline_exceeded", err or f"deadline {job.deadline} passed before the engine started the job", retryable=False)
+                return deadline_error(state, err or f"deadline {job.deadline} passed before the engine started the job")
             if code == "invalid_structured_output":  # its grammar failed in the engine (not validated at admission)
                 return error_message(state, code, err or "the structured-output spec did not compile", retryable=False)
             if code == "invalid_lora":  # the engine could not load the job's adapter (its files changed since validation)
