@@ -553,6 +553,9 @@ class DecoderModel:
                 for t, w in ((q, layer.q_norm), (k, layer.k_norm)):
                     t.copy_(F.layer_norm(t.float(), t.shape[-1:], eps=eps) * w[0].float() + w[1].float())
             layer.rope(positions, q, k)
+            if qk_norm == "head_after_rope":  # Hunyuan norms the rotated q and k
+                q.copy_(norm(q, layer.q_norm, eps)[0])
+                k.copy_(norm(k, layer.k_norm, eps)[0])
             attn = layer.attn(q, k, v, k_cache, v_cache, local if layer.chunked else meta)
             h = layer.o(attn.reshape(T, self.q_size))
             if layer.attn_out_norm is not None:

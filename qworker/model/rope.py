@@ -43,6 +43,10 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int, layer_type: str
     if dim % 2 or dim <= 0:  # rotation pairs channels: transformers fails on such a table too
         raise ValueError(f"{config.model_type}: partial_rotary_factor {params['partial_rotary_factor']} gives {dim} rotary channels "
                          f"of a {head_dim}-channel head; rotary pairs need an even, positive number")
+    if params["rope_type"] == "dynamic" and params.get("alpha") and config.model_type.startswith("hunyuan"):
+        # Hunyuan's NTK-alpha: a static base theta * alpha ** (d / (d - 2)) (its rotary class
+        # reads rope_type "dynamic" with an alpha so, never as dynamic NTK scaling)
+        params = {**params, "rope_type": "default", "rope_theta": params["rope_theta"] * params["alpha"] ** (dim / (dim - 2))}
     if params["rope_type"] == "default":
         # float32 like the reference implementation, so greedy outputs match it bit for bit
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim

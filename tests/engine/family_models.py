@@ -106,6 +106,20 @@ FAMILY_CONFIGS: dict[str, dict] = {
     # Qwen3 attention (windows on layers >= max_window_layers), V3's router without groups
     "dots1": dict(MOE, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=1.5,
                   norm_topk_prob=True, sliding_window=24, max_window_layers=1, attention_bias=True),
+    "cwm": dict(sliding_window=24, layer_types=["full_attention", "sliding_attention", "sliding_attention"], mlp_bias=True),
+    "helium": dict(attention_bias=True, mlp_bias=True),  # rotary on interleaved pairs; no window
+    "ernie4_5": dict(use_bias=True, tie_word_embeddings=True),  # interleaved rotary, biases on every projection; no window
+    # interleaved rotary; layers 1 and 2 MoE (softmax router, a choice bias, a shared expert); biases, an LM-head bias
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=48, moe_num_shared_experts=1, moe_layer_start_index=1,
+                         use_bias=True, tie_word_embeddings=False),
+    # q/k norms after the rotation; Hunyuan's NTK-alpha rope base; biases on the attention projections
+    "hunyuan_v1_dense": dict(attention_bias=True, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, intermediate_size=48),  # a MoE with a shared MLP in every layer
+    # full-width q/k norms, rotary on 8 of 16 channels; a sigmoid router with a choice bias in every layer
+    "minimax_m2": dict(MOE, num_local_experts=4, intermediate_size=48, rotary_dim=8),
+    "flex_olmo": dict(MOE, num_experts=4, norm_topk_prob=True),  # OLMo 2's layer with OLMoE's MoE; no window
+    "vaultgemma": dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                       tie_word_embeddings=True),  # Gemma 2 without the output norms; layers 0 and 2 slide
 }
 FAMILIES = sorted(FAMILY_CONFIGS)
 
@@ -130,7 +144,9 @@ def _randomize(model: torch.nn.Module, gemma: bool, gen: torch.Generator, hidden
         for name, p in model.named_parameters():
             if p.numel() == 0:  # DeepSeek's zero-width shared expert (n_shared_experts=0)
                 continue
-            if "embed" in name:  # Gemma multiplies embeddings by sqrt(hidden): start them that much smaller
+            if name.endswith("e_score_correction_bias"):  # a router's choice bias (ERNIE 4.5 MoE stores it [1, E])
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "embed" in name:  # Gemma multiplies embeddings by sqrt(hidden): start them that much smaller
                 std = 0.5 * (hidden**-0.5 if gemma else 1.0)
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif p.dim() >= 2:  # [out, in] linears and [E, ...] stacked experts
@@ -141,6 +157,9 @@ def _randomize(model: torch.nn.Module, gemma: bool, gen: torch.Generator, hidden
             else:  # a norm weight; a normed q is scaled up like q_proj (Gemma uses 1 + w)
                 mean = 3.0 if "q_norm" in name else 1.0
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (mean - 1.0 if gemma else mean))
+        for name, b in model.named_buffers():  # DeepSeek-V3's and MiniMax-M2's choice bias is a buffer (zeros by default)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
 
 
 def build_family_model(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
@@ -150,7 +169,7 @@ def build_family_model(model_type: str, out: Path, tokenizer_dir: Path, seed: in
     config = family_config(model_type, **overrides)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, model_type.startswith("gemma"), torch.Generator().manual_seed(seed))
+    _randomize(model, "gemma" in model_type, torch.Generator().manual_seed(seed))
     model.eval().save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tokenizer_dir) / name, out / name)

@@ -229,13 +229,15 @@ def test_an_adapter_rows_delta_does_not_depend_on_the_step():
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe", "glm", "glm4", "cohere", "phi", "starcoder2", "stablelm", "nemotron",
-                                    "llama_mlp_bias", "arcee", "gpt_oss", "glm4_moe", "dots1", "llama4_text"])
+                                    "llama_mlp_bias", "arcee", "gpt_oss", "glm4_moe", "dots1", "llama4_text", "hunyuan_v1_dense", "ernie4_5",
+                                    "helium"])
 def test_general_forward_families_match_peft(family, family_models, tmp_path):
     """The decoder's general forward (Gemma 3: q/k norms, sandwich norms, the GELU MLP object's
     own projections; Qwen3-MoE: MoE layers beside a dense one, attention LoRA; GLM-4: sandwich
     norms; GLM, GLM-4 and Cohere: q/k rows reordered at load, so q/k's B rows too; Cohere, Phi:
     parallel blocks; Phi, StarCoder 2: LayerNorm, non-gated MLPs, biases; StableLM: per-head q/k
-    norms) with an adapter and the base model in one prefill batch, then one decode step."""
+    norms; Hunyuan: q/k norms after the rotation; ERNIE 4.5, Helium: interleaved rotary, q/k rows
+    reordered) with an adapter and the base model in one prefill batch, then one decode step."""
     model_dir = family_models.get(family)
     # PEFT would put MLP targets of a MoE model on its experts' parameters (target_parameters), which
     # the loader refuses: attention only there; GLM fuses gate and up

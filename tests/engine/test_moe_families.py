@@ -62,6 +62,23 @@ def test_multi_token_prediction_layers_are_not_read(family, family_models, tmp_p
         ModelRunner(undeclared, device="cpu", dtype="float32")
 
 
+def test_ernie_prediction_tensors_are_not_read(family_models, tmp_path):
+    """ERNIE 4.5 checkpoints store their multi-token-prediction parts as ``model.mtp_*`` (which
+    transformers skips): served as the model without them; any other stray tensor is still refused."""
+    path = family_models.get("ernie4_5_moe")
+    served = shutil.copytree(path, tmp_path / "mtp")
+    (shard,) = served.glob("*.safetensors")
+    tensors = load_file(shard)
+    mtp = {"model.mtp_block.0.self_attn.q_proj.weight": torch.randn(64, 64), "model.mtp_emb_norm.0.weight": torch.ones(64),
+           "model.mtp_linear_proj.0.weight": torch.randn(64, 128)}
+    save_file({**tensors, **mtp}, shard, metadata={"format": "pt"})
+    for got, want in zip(_logits(served), _logits(path)):
+        assert torch.equal(got, want)
+    save_file({**tensors, "model.extra_norm.weight": torch.ones(64)}, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="tensors this family does not use: model.extra_norm.weight"):
+        ModelRunner(served, device="cpu", dtype="float32")
+
+
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe_lite"])
 def test_latent_attention_caches_per_head_k_and_v_of_the_qk_width(family, family_models):
     path = family_models.get(family)
@@ -86,7 +103,8 @@ def _hf_last_logits(path, dtype: torch.dtype) -> torch.Tensor:
         return model(torch.tensor([IDS[:39]])).logits[0, -1].float()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "llama4_text"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "llama4_text", "ernie4_5_moe",
+                                    "hunyuan_v1_moe", "minimax_m2"])
 def test_cpu_bf16_mode_serves_them_within_bf16_rounding(family, family_models):
     """Within 6% of the logits' scale of fp32, or within 1.5x of transformers' own bf16 model's
     distance from its fp32 one where bf16 rounding flips near-tie expert picks (on these random
@@ -187,7 +205,18 @@ def test_enable_lora_on_a_family_without_lora_targets_is_refused_at_start(family
         LLM(str(family_models.get(family)), dtype="float32", kv_cache_memory=8 << 20, enable_lora=True)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "dots1", "deepseek_v2"])
+# family -> (its router's tensors in layer 1, a shared expert's tensor of layer 1, read in the model dtype)
+ROUTERS = {
+    "deepseek_v3": (["mlp.gate.weight", "mlp.gate.e_score_correction_bias"], "mlp.shared_experts.gate_proj.weight"),
+    "glm4_moe": (["mlp.gate.weight", "mlp.gate.e_score_correction_bias"], "mlp.shared_experts.gate_proj.weight"),
+    "dots1": (["mlp.gate.weight", "mlp.gate.e_score_correction_bias"], "mlp.shared_experts.gate_proj.weight"),
+    "deepseek_v2": (["mlp.gate.weight"], "mlp.shared_experts.gate_proj.weight"),
+    "ernie4_5_moe": (["mlp.gate.weight", "mlp.moe_statics.e_score_correction_bias"], "mlp.shared_experts.gate_proj.weight"),
+    "hunyuan_v1_moe": (["mlp.gate.wg.weight"], "mlp.shared_mlp.gate_proj.weight"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(ROUTERS))
 def test_the_router_is_read_in_fp32_for_a_bf16_model(family, family_models):
     """helper-97: the loader cast every tensor to bf16, and V3's choice bias (kept in fp32 by
     transformers, as the gate) lost the bits that decide near picks (1.3% of tokens took other experts)."""
@@ -195,8 +224,7 @@ def test_the_router_is_read_in_fp32_for_a_bf16_model(family, family_models):
 
     path = family_models.get(family)
     weights = load_state_dict(path, torch.device("cpu"), torch.bfloat16)
-    layer = "model.layers.1.mlp.gate."
-    assert weights[layer + "weight"].dtype == torch.float32
-    if family != "deepseek_v2":
-        assert weights[layer + "e_score_correction_bias"].dtype == torch.float32
-    assert weights["model.layers.1.mlp.shared_experts.gate_proj.weight"].dtype == torch.bfloat16
+    router, shared = ROUTERS[family]
+    for name in router:
+        assert weights[f"model.layers.1.{name}"].dtype == torch.float32, name
+    assert weights[f"model.layers.1.{shared}"].dtype == torch.bfloat16

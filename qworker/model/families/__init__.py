@@ -8,9 +8,9 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (arcee, cohere, deepseek, exaone4, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite, llama,
-                                    llama4, mixtral, nemotron, olmo, olmo2, olmoe, opt, phi, phi3, qwen3, qwen3_moe, smollm3, stablelm,
-                                    starcoder2)
+from qworker.model.families import (arcee, cohere, deepseek, exaone4, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite,
+                                    hunyuan, llama, llama4, minimax_m2, mixtral, nemotron, olmo, olmo2, olmoe, opt, pair_rotary, phi, phi3,
+                                    qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
@@ -26,6 +26,15 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "qwen2_vl_text": llama.build,  # the language models of Qwen2-VL and Qwen2.5-VL (qworker.model.wrappers)
     "qwen2_5_vl_text": llama.build,
     "seed_oss": llama.build,
+    "cwm": llama.build,
+    "helium": pair_rotary.build,
+    "ernie4_5": pair_rotary.build,
+    "ernie4_5_moe": pair_rotary.build,
+    "hunyuan_v1_dense": hunyuan.build,
+    "hunyuan_v1_moe": hunyuan.build,
+    "minimax_m2": minimax_m2.build,
+    "flex_olmo": olmo2.build,
+    "vaultgemma": gemma.build,
     "arcee": arcee.build,
     "qwen2_moe": qwen3_moe.build,
     "qwen3": qwen3.build,
@@ -65,11 +74,13 @@ SUPPORTED = sorted(FAMILIES)
 # model_type -> a checkpoint tensor's name as the family reads it (None: not read), for checkpoints named otherwise
 CHECKPOINT_NAMES: dict[str, Callable[[str], str | None]] = {"gpt_neox": gpt_neox.checkpoint_name, "gpt2": gpt2.checkpoint_name,
                                                            "gpt_bigcode": gpt2.checkpoint_name, "gptj": gptj.checkpoint_name,
-                                                           "opt": opt.checkpoint_name}
+                                                           "opt": opt.checkpoint_name, "ernie4_5": pair_rotary.checkpoint_name,
+                                                           "ernie4_5_moe": pair_rotary.checkpoint_name}
 # tensors transformers keeps in fp32 whatever the model dtype (its _keep_in_fp32_modules_strict), by
 # name suffix: the loader reads them in fp32, so a bf16 model's router picks the experts transformers does
 _ROUTER_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-KEEP_FP32: dict[str, tuple[str, ...]] = {"deepseek_v2": ("mlp.gate.weight",),
+KEEP_FP32: dict[str, tuple[str, ...]] = {"deepseek_v2": ("mlp.gate.weight",), "hunyuan_v1_moe": ("mlp.gate.wg.weight",),
+                                         "ernie4_5_moe": ("mlp.gate.weight", "e_score_correction_bias"),
                                          **dict.fromkeys(("deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1"), _ROUTER_FP32)}
 SILU_NAMES = ("silu", "swish")  # transformers' names for x * sigmoid(x)
 

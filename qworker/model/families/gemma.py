@@ -9,6 +9,7 @@
   ``layer_types`` (Gemma: ``head_dim ** -0.5``, no window);
 * Gemma 2: attention-score and final-logit soft-capping (``c * tanh(x / c)``); Gemma 3: the
   final-logit one only (its attention ignores ``attn_logit_softcapping``);
+* VaultGemma: Gemma 2 without the norms on the attention and MLP outputs;
 * Gemma 3: RMSNorm (1 + w) over each head of q and k; the sliding layers take their rope from
   ``rope_parameters["sliding_attention"]`` (``rope_local_base_freq``, 10k), the full ones from
   ``rope_parameters["full_attention"]``.
@@ -28,6 +29,7 @@ ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
     gemma1, gemma3 = config.model_type == "gemma", config.model_type == "gemma3_text"
+    vault = config.model_type == "vaultgemma"  # Gemma 2 without the two output norms
     if getattr(config, "use_bidirectional_attention", False):
         # transformers attends both ways then (EmbeddingGemma): not a decoder this engine can serve
         raise ValueError(f"{config.model_type} with use_bidirectional_attention (an embedding model such as EmbeddingGemma) "
@@ -43,6 +45,9 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         layer_norm = lambda name: take(w, f"{p}{name}.weight", (d.hidden,))  # noqa: E731
         if gemma1:
             return RawLayer(input_norm=layer_norm("input_layernorm"), mlp_norm=layer_norm("post_attention_layernorm"),
+                            mlp=take_dense_mlp(w, f"{p}mlp.", d.hidden, config.intermediate_size), **attn)
+        if vault:
+            return RawLayer(input_norm=layer_norm("input_layernorm"), mlp_norm=layer_norm("pre_feedforward_layernorm"),
                             mlp=take_dense_mlp(w, f"{p}mlp.", d.hidden, config.intermediate_size), **attn)
         layer = RawLayer(
             input_norm=layer_norm("input_layernorm"),

@@ -1,7 +1,8 @@
-"""Llama, Mistral, Ministral, Qwen2 and Seed-OSS: the plain decoder (Llama's and Seed-OSS's MLP
-biases where ``mlp_bias``; Seed-OSS's o bias as ``attention_out_bias`` says). Mistral's ``sliding_window`` applies to
-every layer; Ministral's and Qwen2's only where ``config.layer_types`` says "sliding_attention"
-(transformers sets Qwen2's from ``use_sliding_window`` and ``max_window_layers``)."""
+"""Llama, Mistral, Ministral, Qwen2, Seed-OSS and CWM: the plain decoder (Llama's, Seed-OSS's
+and CWM's MLP biases where ``mlp_bias``; Seed-OSS's o bias as ``attention_out_bias`` says; CWM
+has no attention biases). Mistral's ``sliding_window`` applies to every layer; Ministral's,
+Qwen2's and CWM's only where ``config.layer_types`` says "sliding_attention" (transformers sets
+Qwen2's from ``use_sliding_window`` and ``max_window_layers``, CWM's one full layer in four)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from qworker.model.families.spec import DecoderSpec, attention_biases, dims, lla
 
 def build(config: PretrainedConfig) -> DecoderSpec:
     d = dims(config)
-    if config.model_type in ("qwen2", "ministral", "qwen2_vl_text", "qwen2_5_vl_text"):
+    if config.model_type in ("qwen2", "ministral", "qwen2_vl_text", "qwen2_5_vl_text", "cwm"):
         layers = typed_layers(config)
     elif config.model_type == "mistral":  # one window for every layer (None when the config has none)
         layers = uniform_layers(config, getattr(config, "sliding_window", None))

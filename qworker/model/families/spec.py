@@ -176,7 +176,8 @@ class DecoderSpec:
     take_layer: Callable[[Weights, int], RawLayer]
     layers: list[LayerAttention]
     norm_plus_one: bool = False  # Gemma's RMSNorm (Nemotron's LayerNorm) multiplies by (1 + w): folded into w at load
-    # "head": RMSNorm over head_dim per head (Qwen3, Gemma 3); "full": over q/k's width (OLMoE);
+    # "head": RMSNorm over head_dim per head (Qwen3, Gemma 3); "head_after_rope": the same on the
+    # rotated q and k (Hunyuan); "full": over q/k's width (OLMoE);
     # "head_layer": LayerNorm over head_dim with a weight and bias per head ([2, heads, head_dim]: Cohere, StableLM)
     qk_norm: str | None = None
     clip_qkv: float | None = None  # OLMoE: q, k (after their norms) and v clamped to [-c, c]
@@ -256,8 +257,9 @@ def _finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
 
 # (q/k/v biases, o bias) of the families whose transformers model fixes them
 _FIXED_BIASES = {"qwen2": (True, False), "qwen2_vl_text": (True, False), "qwen2_5_vl_text": (True, False),
-                 "mistral": (False, False), "ministral": (False, False), "mixtral": (False, False), "exaone4": (False, False)}
-_NO_O_BIAS = ("qwen2_moe", "glm", "glm4", "glm4_moe")  # q/k/v biases as the config says, o never
+                 "mistral": (False, False), "ministral": (False, False), "mixtral": (False, False), "exaone4": (False, False),
+                 "cwm": (False, False), "minimax_m2": (False, False)}
+_NO_O_BIAS = ("qwen2_moe", "glm", "glm4", "glm4_moe", "helium")  # q/k/v biases as the config says, o never
 # q/k/v biases as attention_bias says (True by default), o's as attention_out_bias does
 _SEPARATE_O_BIAS = ("seed_oss",)
 
@@ -324,7 +326,7 @@ def checkpoint_names(prefixes: tuple[tuple[str, str], ...], mask_buffers: tuple[
     return checkpoint_name
 
 
-_MLP_BIAS_FAMILIES = ("llama", "granite", "smollm3", "seed_oss", "arcee", "nemotron")  # whose transformers MLP reads mlp_bias
+_MLP_BIAS_FAMILIES = ("llama", "granite", "smollm3", "seed_oss", "arcee", "nemotron", "helium", "cwm")  # whose transformers MLP reads mlp_bias
 
 
 def mlp_bias(config: PretrainedConfig) -> bool:
@@ -363,10 +365,12 @@ def llama_layer(w: Weights, i: int, d: Dims, intermediate: int, mlp: Callable[[W
     )
 
 
-def post_norm_layer(w: Weights, i: int, d: Dims, intermediate: int, qk_norm: str, biases: tuple[bool, bool]) -> RawLayer:
-    """OLMo 2's layout (EXAONE 4's too): no norm before attention or the MLP; each branch's output
-    normed (``post_attention_layernorm``, ``post_feedforward_layernorm``) before its residual add;
-    q and k normed over their full width (``qk_norm`` "full") or over each head ("head")."""
+def post_norm_layer(w: Weights, i: int, d: Dims, intermediate: int, qk_norm: str, biases: tuple[bool, bool],
+                    mlp: Callable[[Weights, str], DenseMLP | MoEWeights] | None = None) -> RawLayer:
+    """OLMo 2's layout (EXAONE 4's and FlexOlmo's too): no norm before attention or the MLP; each
+    branch's output normed (``post_attention_layernorm``, ``post_feedforward_layernorm``) before
+    its residual add; q and k normed over their full width (``qk_norm`` "full") or over each head
+    ("head"). ``mlp``: reads the layer's MLP another way (FlexOlmo's MoE)."""
     p = f"model.layers.{i}."
     q_width, k_width = (d.q_size, d.kv_size) if qk_norm == "full" else (d.head_dim, d.head_dim)
     return RawLayer(
@@ -376,7 +380,7 @@ def post_norm_layer(w: Weights, i: int, d: Dims, intermediate: int, qk_norm: str
         mlp_out_norm=take(w, f"{p}post_feedforward_layernorm.weight", (d.hidden,)),
         q_norm=take(w, f"{p}self_attn.q_norm.weight", (q_width,)),
         k_norm=take(w, f"{p}self_attn.k_norm.weight", (k_width,)),
-        mlp=take_dense_mlp(w, f"{p}mlp.", d.hidden, intermediate),
+        mlp=mlp(w, p) if mlp else take_dense_mlp(w, f"{p}mlp.", d.hidden, intermediate),
         **take_attention(w, p, d, biases),
     )
 
