@@ -50,6 +50,9 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
+    # the prompt length of the sequence that wrote it (set when registered): its positions from
+    # there on were written by decode rows, the earlier ones by the prefill kernel
+    decoded_from: int = 0
 
 
 class NoFreeBlocksError(RuntimeError):

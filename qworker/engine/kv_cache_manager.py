@@ -92,14 +92,20 @@ class KVCacheManager:
         return self._cached_chain(seq, (len(seq.token_ids) - 1) // self.block_size)  # never the last token
 
     def _cached_chain(self, seq: Sequence, max_blocks: int) -> list[Block]:
-        """Cached device blocks holding ``seq``'s first full blocks, up to ``max_blocks``."""
+        """Cached device blocks holding ``seq``'s first full blocks, up to ``max_blocks``.
+
+        A sequence coming back after a recompute preemption asks for its outputs' blocks too;
+        those positions are decode rows for it, so a block is taken there only if its writer
+        computed them as decode rows as well (its own earlier blocks, or another job's output):
+        one whose writer's prompt reached into them (another job whose prompt repeats this one's
+        prompt and output) was written by the prefill kernel, which rounds otherwise."""
         if not self.enable_prefix_caching:
             return []
-        bs = self.block_size
+        bs, prompt = self.block_size, seq.num_prompt_tokens
         chain: list[Block] = []
-        for h in seq.full_block_hashes(bs, max_blocks):
+        for i, h in enumerate(seq.full_block_hashes(bs, max_blocks)):
             block = self.pool.lookup(h)
-            if block is None:
+            if block is None or ((i + 1) * bs > prompt and block.decoded_from > max(prompt, i * bs)):
                 break
             chain.append(block)
         return chain
@@ -169,6 +175,7 @@ class KVCacheManager:
         for i in range(num_full):
             block = seq.block_table[i]
             if block.block_hash is None and self.pool.register(block, hashes[i]) is block:
+                block.decoded_from = seq.num_prompt_tokens
                 self._registered.append(block)
 
     def take_registered(self) -> list[Block]:

@@ -57,7 +57,9 @@ class Routing:
     ``groups``: ``(n, kept, "max" | "top2")``: the experts fall into ``n`` equal groups, each scored
     by its best expert ("max", V2) or its best two summed ("top2", V3); only the ``kept`` best
     groups' experts can be picked (V2 zeroes the others' scores, V3 makes them -inf).
-    ``routed_scale``: the weights (after any renormalisation) times this. Sigmoid scores with
+    ``routed_scale``: the weights (after any renormalisation) times this. ``renormalize_floor``:
+    renormalised weights divide by ``max(sum, floor)`` (ERNIE 4.5's ``moe_norm_min``; 0: by the
+    sum plus transformers' 1e-20, as DeepSeek-V3). Sigmoid scores with
     neither a choice bias nor groups (Llama 4) pick by the logits themselves: the same order, but
     no ties where fp32 sigmoids of large logits round to 1."""
 
@@ -65,10 +67,12 @@ class Routing:
     choice_bias: torch.Tensor | None = None
     groups: tuple[int, int, str] | None = None
     routed_scale: float = 1.0
+    renormalize_floor: float = 0.0
 
     def plain(self) -> bool:
         """Mixtral's softmax top-k (the default)."""
-        return self.scoring == "softmax" and self.choice_bias is None and self.groups is None and self.routed_scale == 1.0
+        return (self.scoring == "softmax" and self.choice_bias is None and self.groups is None and self.routed_scale == 1.0
+                and self.renormalize_floor == 0.0)
 
     def check(self, num_experts: int, top_k: int) -> None:
         if self.scoring not in ("softmax", "sigmoid"):
@@ -172,7 +176,9 @@ class MoE:
             choice = grouped.masked_fill(~keep.unsqueeze(-1), 0.0 if how == "max" else -math.inf).view(choice.shape)
         ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
-        if self.renormalize:
+        if self.renormalize and r.renormalize_floor > 0:
+            weights /= weights.sum(dim=-1, keepdim=True).clamp(min=r.renormalize_floor)
+        elif self.renormalize:
             weights /= weights.sum(dim=-1, keepdim=True) + 1e-20  # transformers' epsilon (no sum of sigmoids is that small)
         if r.routed_scale != 1.0:
             weights *= r.routed_scale

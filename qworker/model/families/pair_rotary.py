@@ -9,7 +9,7 @@ rotate halves (j, j + D/2), so each head's q and k rows are reordered at load
   is a multiple of ``moe_layer_interval`` hold a MoE (the rest a dense MLP of
   ``intermediate_size``): a softmax router over ``moe_num_experts``, experts picked by the
   probabilities plus ``e_score_correction_bias`` and weighed by the probabilities alone,
-  renormalised; ``moe_num_shared_experts`` shared experts as one MLP that every token takes; an
+  renormalised (divided by their sum, at least ``moe_norm_min``); ``moe_num_shared_experts`` shared experts as one MLP that every token takes; an
   LM-head bias where ``use_bias``. The router is kept in fp32 (as transformers keeps it).
 """
 
@@ -42,7 +42,8 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         E, inter = config.moe_num_experts, config.moe_intermediate_size
         gate_up, down = take_experts(w, f"{p}mlp.experts.", E, d.hidden, inter)
         block = MoEWeights(take(w, f"{p}mlp.gate.weight", (E, d.hidden)), gate_up, down, config.moe_k, renormalize=True,
-                           weights_in_act_dtype=True, choice_bias=ernie_choice_bias(w, p, E))
+                           weights_in_act_dtype=True, choice_bias=ernie_choice_bias(w, p, E),
+                           renormalize_floor=float(getattr(config, "moe_norm_min", 0.0) or 0.0))
         if config.moe_num_shared_experts:
             block.shared = take_dense_mlp(w, f"{p}mlp.shared_experts.", d.hidden, inter * config.moe_num_shared_experts, use_bias)
         return block

@@ -105,6 +105,7 @@ class MoEWeights:
     choice_bias: torch.Tensor | None = None  # [E]: added to the scores to pick experts, not to weigh them
     groups: tuple[int, int, str] | None = None  # (groups, groups kept, "max" | "top2": a group's score)
     routed_scale: float = 1.0  # the routed experts' weights times this
+    renormalize_floor: float = 0.0  # ERNIE 4.5: renormalised weights divide by max(sum, this) (moe_norm_min)
     scale_inputs: bool = False  # Llama 4: expert(x * weight) instead of expert(x) * weight
 
 
