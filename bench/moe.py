@@ -13,7 +13,9 @@ Each round feeds new random tokens (so a decode step's experts change from round
 do from step to step), and the default stack is deep enough that the dense layers' weights
 (6 x 24 MiB) do not stay in a 32 MiB last-level cache between rounds any more than the experts' do.
 Also timed: the same experts through :func:`kernels.moe_experts_ref` (transformers' eager loop:
-one expert at a time, ``F.linear`` on the checkpoint layout), to show what the Linear backends buy.
+one expert at a time, ``F.linear`` on the checkpoint layout), to show what the Linear backends buy,
+and, where fp32 panels experts run as one C call (:mod:`kernels.moe_cpu`), the same layers through
+their Python grouped path ("moe grouped": two GEMM calls per active expert).
 
 Expect MoE to match dense at batch 1 (both read top_k experts' worth of weights) and to fall behind
 as the batch grows: a decode step of B tokens touches up to min(E, B * top_k) experts, so at large
@@ -46,6 +48,17 @@ class DenseMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(kernels.silu_and_mul_cpu(self.gate_up(x)))
+
+
+class GroupedMoE:
+    """The same MoE layer through its Python grouped path (two Linear calls per active expert),
+    which the fused C call (kernels.moe_cpu) replaces for fp32 panels experts."""
+
+    def __init__(self, moe: MoE):
+        self.moe = moe
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe._grouped(x, *self.moe.route(x))
 
 
 class EagerMoE:
@@ -89,6 +102,8 @@ def main(argv=None) -> dict:
     act = torch.float32
     moes = [MoE(r, gu, d, K, True, backend, act, "cpu") for r, (gu, d) in zip(routers, experts)]
     paths = {"moe": moes, "dense": [DenseMLP(gu, d, backend) for gu, d in dense_w]}
+    if moes[0].packed is not None:  # the one-call kernel runs "moe": its Python grouped path beside it
+        paths["moe grouped"] = [GroupedMoE(m) for m in moes]
     if not args.no_eager:
         paths["moe eager loop"] = [EagerMoE(m, gu, d) for m, (gu, d) in zip(moes, experts)]
     if args.no_eager:

@@ -153,6 +153,8 @@ _SIGNATURES = {
     # x, ldx, packed w, bias, y, ldy, M, N, K, threads, mc, group, kc (kernels/gemm_cpu.py)
     "qw_gemm_f32": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I64, _I64, _I64], ctypes.c_int),
     "qw_gemm_f32_isa": ([], ctypes.c_int),
+    # x, T, H, I, E, topk, ids, weights, gate_up addresses, down addresses, out, threads, SwiGLU row fn (csrc/moe_cpu.c)
+    "qw_moe_f32": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32, _P], ctypes.c_int),
     # x, ldx, x_bf16, packed bf16 w, bias, bias_bf16, y, ldy, y_bf16, M, N, K, threads, mc, group, kc (csrc/gemm_bf16.c)
     "qw_gemm_bf16": ([_P, _I64, _I32, _P, _P, _I32, _P, _I64, _I32, _I64, _I64, _I64, _I32, _I64, _I64, _I64], ctypes.c_int),
     "qw_gemm_bf16_isa": ([], ctypes.c_int),

@@ -106,6 +106,9 @@ static void silu_mul_row(const float *restrict g, const float *restrict u, float
     }
 }
 
+/* One row of qw_silu_mul_f32 (gate g, up u), for kernels that run it inside their own parallel region. */
+QW_WIDE void qw_silu_mul_f32_row(const float *g, const float *u, float *o, int I) { silu_mul_row(g, u, o, I); }
+
 QW_WIDE void qw_silu_mul_f32(const float *gate_up, float *out, int64_t T, int I, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= QW_PAR_ELEMS)
     for (int64_t t = 0; t < T; t++) silu_mul_row(gate_up + t * 2 * I, gate_up + t * 2 * I + I, out + t * I, I);

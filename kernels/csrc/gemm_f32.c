@@ -334,6 +334,25 @@ static void gemm_range(const float *x, int64_t ldx, const float *wp, const float
 #define QW_X_BLOCK_BYTES (128 * 1024)  /* x rows per block: MC * KC * 4 bytes <= this */
 #define QW_W_GROUP_BYTES (1024 * 1024) /* panels per group (L3-resident): group * K * 64 bytes <= this */
 
+/* The blocking qw_gemm_f32 runs an M x K product with (0 = the default of each knob). */
+static void blocking(int64_t M, int64_t K, int64_t *mc, int64_t *group, int64_t *kc) {
+    if (*kc <= 0) { /* balanced K blocks of at most QW_K_BLOCK */
+        const int64_t nk = (K + QW_K_BLOCK - 1) / QW_K_BLOCK;
+        *kc = nk > 0 ? (K + nk - 1) / nk : 1;
+    }
+    if (*kc > K) *kc = K > 0 ? K : 1;
+    if (*mc <= 0) {
+        *mc = QW_X_BLOCK_BYTES / (*kc * 4);
+        *mc = *mc < MR_MAIN ? MR_MAIN : *mc / MR_MAIN * MR_MAIN;
+    }
+    if (*group <= 0) {
+        *group = QW_W_GROUP_BYTES / (K > 0 ? K * NR * 4 : 4);
+        if (*group < 1) *group = 1;
+    }
+    const int np = panels_for_rows(M < MR_MAIN ? M : MR_MAIN);
+    if (*group % np) *group += np - *group % np; /* whole kernel steps per group */
+}
+
 /*
  * y[M, N] (rows ldy apart) = x[M, K] (rows ldx apart) @ W^T (+ bias[N] when not NULL), W packed
  * as wp above. mc (rows per x block), group (panels per weight group) and kc (K per block) are
@@ -344,21 +363,8 @@ int qw_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias,
     if (M < 0 || N < 0 || K < 0 || (M > 0 && (ldx < K || ldy < N))) return -1;
     if (M == 0 || N == 0) return 0;
     const int64_t npanels = (N + NR - 1) / NR;
-    if (kc <= 0) { /* balanced K blocks of at most QW_K_BLOCK */
-        const int64_t nk = (K + QW_K_BLOCK - 1) / QW_K_BLOCK;
-        kc = nk > 0 ? (K + nk - 1) / nk : 1;
-    }
-    if (kc > K) kc = K > 0 ? K : 1;
-    if (mc <= 0) {
-        mc = QW_X_BLOCK_BYTES / (kc * 4);
-        mc = mc < MR_MAIN ? MR_MAIN : mc / MR_MAIN * MR_MAIN;
-    }
-    if (group <= 0) {
-        group = QW_W_GROUP_BYTES / (K > 0 ? K * NR * 4 : 4);
-        if (group < 1) group = 1;
-    }
+    blocking(M, K, &mc, &group, &kc);
     const int np = panels_for_rows(M < MR_MAIN ? M : MR_MAIN);
-    if (group % np) group += np - group % np; /* whole kernel steps per group */
     const int64_t units = (npanels + np - 1) / np;
     int nt = num_threads < 1 ? 1 : num_threads;
     /* below ~64k FLOP the fork/join costs more than it saves */
@@ -390,6 +396,17 @@ int qw_gemm_f32(const float *x, int64_t ldx, const float *wp, const float *bias,
         gemm_range(x, ldx, wp, bias, y, ldy, N, K, m0, m1, p0, p1, mc, group, kc);
     }
     return 0;
+}
+
+/* Panels p0..p1 of qw_gemm_f32's product (no bias, default blocking), on the calling thread: for
+ * callers that share out the work in a parallel region of their own (csrc/moe_cpu.c). Every output
+ * is computed as qw_gemm_f32 computes it, so the bits are the same. */
+void qw_gemm_f32_panels(const float *x, int64_t ldx, const float *wp, float *y, int64_t ldy, int64_t M, int64_t N,
+                        int64_t K, int64_t p0, int64_t p1) {
+    if (M <= 0 || N <= 0) return;
+    int64_t mc = 0, group = 0, kc = 0;
+    blocking(M, K, &mc, &group, &kc);
+    gemm_range(x, ldx, wp, NULL, y, ldy, N, K, 0, M, p0, p1, mc, group, kc);
 }
 
 /* The build's vector ISA: 2 = AVX-512, 1 = AVX2+FMA, 0 = generic C (tests check the dispatch). */

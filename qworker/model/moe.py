@@ -14,7 +14,10 @@ Two paths, chosen by ``kernel_backend``:
   :class:`~qworker.model.linear.Linear` backend (oneDNN packed weights where they win, one
   ``Linear`` per expert projection built at load), the SwiGLU in the C kernel between them; the
   weighted outputs are scatter-added back with ``index_add_``. A decode step of batch ``B`` thus
-  runs ``min(E, B * top_k)`` small GEMM pairs instead of a per-token loop.
+  runs ``min(E, B * top_k)`` small GEMM pairs instead of a per-token loop. fp32 experts on the
+  panels GEMM without biases (every fp32 MoE family but gpt-oss and Llama 4) run the same steps
+  in one C call instead (:mod:`kernels.moe_cpu`: one OpenMP region, not two GEMM calls per
+  active expert), with the same bits.
 * ``"triton"``: the fused grouped GEMM of :func:`kernels.moe_experts` (:mod:`kernels.fused_moe`) over the stacked weights;
   experts with biases or gpt-oss's clamped SwiGLU take the grouped path above on the device.
 
@@ -44,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.moe_cpu import PackedExperts
 from qworker.model.linear import Linear
 
 
@@ -150,6 +154,12 @@ class MoE:
             self.gate_up = [Linear(gate_up[e], bias(gate_up_bias, e), linear_backend, act_dtype) for e in range(E)]
             self.down = [Linear(down[e], bias(down_bias, e), linear_backend, act_dtype) for e in range(E)]
             self.gate_up_w = self.down_w = None
+        # fp32 panels experts with plain SwiGLU and no biases: the grouped path in one C call (same bits)
+        self.packed = None
+        if (not self.fused and linear_backend == "panels" and act_dtype == torch.float32 and gate_up.dtype == torch.float32
+                and gate_up_bias is None and down_bias is None and clamped_swiglu is None and not scale_inputs):
+            packed = PackedExperts([lin.weight for lin in self.gate_up], [lin.weight for lin in self.down], H, two_i // 2)
+            self.packed = packed if packed.available() else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights fp32 [T, K], topk_ids int64 [T, K])`` for ``x`` ``[T, H]``."""
@@ -186,6 +196,8 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self.packed(x, ids, weights)
         if self.fused:
             # the kernel computes in the weights' dtype (fp32 accumulation), as Linear does
             out = kernels.moe_experts(x.to(self.gate_up_w.dtype), self.gate_up_w, self.down_w, weights, ids,
