@@ -118,6 +118,11 @@ FAMILY_CONFIGS: dict[str, dict] = {
     # full-width q/k norms, rotary on 8 of 16 channels; a sigmoid router with a choice bias in every layer
     "minimax_m2": dict(MOE, num_local_experts=4, intermediate_size=48, rotary_dim=8),
     "flex_olmo": dict(MOE, num_experts=4, norm_topk_prob=True),  # OLMo 2's layer with OLMoE's MoE; no window
+    # the new decoder architecture (40B/180B): q/k/v by KV group, two norms a layer (ln_attn, ln_mlp), a parallel block
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=96, layer_norm_epsilon=1e-5),
+    "falcon_7b": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, ffn_hidden_size=96),  # multi-query, one norm
+    "falcon_sequential": dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True, ffn_hidden_size=96,
+                              tie_word_embeddings=False),  # q/k/v per head, biases, post_attention_layernorm
     "vaultgemma": dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                        tie_word_embeddings=True),  # Gemma 2 without the output norms; layers 0 and 2 slide
 }
@@ -125,13 +130,17 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 
 
 # test variants of a family: key in FAMILY_CONFIGS -> the model_type it is
-VARIANTS = {"llama_mlp_bias": "llama", "opt_no_affine": "opt", "stablelm_parallel": "stablelm", "gpt_neox_sequential": "gpt_neox", "gpt_bigcode_mha": "gpt_bigcode"}
+VARIANTS = {"falcon_7b": "falcon", "falcon_sequential": "falcon", "llama_mlp_bias": "llama", "opt_no_affine": "opt", "stablelm_parallel": "stablelm", "gpt_neox_sequential": "gpt_neox", "gpt_bigcode_mha": "gpt_bigcode"}
 
 
 def family_config(model_type: str, **overrides):
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return AutoConfig.for_model(VARIANTS.get(model_type, model_type), **{**BASE, **FAMILY_CONFIGS[model_type], **overrides})
+    kind = VARIANTS.get(model_type, model_type)
+    # a BASE field the family derives itself (Falcon's head_dim property) is not passed
+    base = {k: v for k, v in BASE.items() if not isinstance(getattr(CONFIG_MAPPING[kind], k, None), property)}
+    return AutoConfig.for_model(kind, **{**base, **FAMILY_CONFIGS[model_type], **overrides})
 
 
 def _randomize(model: torch.nn.Module, gemma: bool, gen: torch.Generator, hidden: int | None = None) -> None:

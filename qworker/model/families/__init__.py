@@ -8,7 +8,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from qworker.model.families import (arcee, cohere, deepseek, exaone4, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite,
+from qworker.model.families import (arcee, cohere, deepseek, exaone4, falcon, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite,
                                     hunyuan, llama, llama4, minimax_m2, mixtral, nemotron, olmo, olmo2, olmoe, opt, pair_rotary, phi, phi3,
                                     qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
@@ -56,6 +56,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "gpt2": gpt2.build,
     "gpt_bigcode": gpt2.build,
     "gptj": gptj.build,
+    "falcon": falcon.build,
     "gpt_oss": gpt_oss.build,
     "opt": opt.build,
     "nemotron": nemotron.build,
@@ -74,8 +75,8 @@ SUPPORTED = sorted(FAMILIES)
 # model_type -> a checkpoint tensor's name as the family reads it (None: not read), for checkpoints named otherwise
 CHECKPOINT_NAMES: dict[str, Callable[[str], str | None]] = {"gpt_neox": gpt_neox.checkpoint_name, "gpt2": gpt2.checkpoint_name,
                                                            "gpt_bigcode": gpt2.checkpoint_name, "gptj": gptj.checkpoint_name,
-                                                           "opt": opt.checkpoint_name, "ernie4_5": pair_rotary.checkpoint_name,
-                                                           "ernie4_5_moe": pair_rotary.checkpoint_name}
+                                                           "opt": opt.checkpoint_name, "falcon": falcon.checkpoint_name,
+                                                           "ernie4_5": pair_rotary.checkpoint_name, "ernie4_5_moe": pair_rotary.checkpoint_name}
 # tensors transformers keeps in fp32 whatever the model dtype (its _keep_in_fp32_modules_strict), by
 # name suffix: the loader reads them in fp32, so a bf16 model's router picks the experts transformers does
 _ROUTER_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")

@@ -51,6 +51,9 @@ def dims(config: PretrainedConfig) -> Dims:
                     head_dim=max(config.qk_rope_head_dim + config.qk_nope_head_dim, config.v_head_dim), vocab=config.vocab_size)
     if config.model_type in _ONE_KV_PER_HEAD:
         kv_heads = 1 if getattr(config, "multi_query", False) else heads
+    elif config.model_type == "falcon":  # KV groups in the new architecture, else multi-query or one per head
+        new_arch = getattr(config, "new_decoder_architecture", False)
+        kv_heads = config.num_kv_heads if new_arch else 1 if getattr(config, "multi_query", True) else heads
     else:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return Dims(
