@@ -25,6 +25,8 @@ class PackedExperts:
     """``E`` experts' panels-packed fp32 weights (``gate_up`` ``[2I, H]``, ``down`` ``[H, I]``, as
     :func:`kernels.gemm_cpu.pack_weight` packs them), held so their addresses stay valid."""
 
+    MAX_TOP_K = 64  # experts per token the kernel takes (csrc/moe_cpu.c sorts each token's pairs on its stack)
+
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], hidden: int, intermediate: int):
         if len(gate_up) != len(down) or not gate_up:
             raise ValueError(f"{len(gate_up)} gate_up and {len(down)} down weights: one of each per expert")

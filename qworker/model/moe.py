@@ -157,7 +157,8 @@ class MoE:
         # fp32 panels experts with plain SwiGLU and no biases: the grouped path in one C call (same bits)
         self.packed = None
         if (not self.fused and linear_backend == "panels" and act_dtype == torch.float32 and gate_up.dtype == torch.float32
-                and gate_up_bias is None and down_bias is None and clamped_swiglu is None and not scale_inputs):
+                and gate_up_bias is None and down_bias is None and clamped_swiglu is None and not scale_inputs
+                and top_k <= PackedExperts.MAX_TOP_K):
             packed = PackedExperts([lin.weight for lin in self.gate_up], [lin.weight for lin in self.down], H, two_i // 2)
             self.packed = packed if packed.available() else None
 

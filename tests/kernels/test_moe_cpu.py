@@ -81,3 +81,14 @@ def test_biased_or_clamped_experts_keep_the_grouped_path():
     assert MoE(*args, clamped_swiglu=(1.702, 7.0)).packed is None
     assert MoE(*args, scale_inputs=True).packed is None
     assert MoE(*args).packed is not None
+
+
+def test_more_than_64_experts_per_token_keep_the_grouped_path():
+    """helper-104: top-k 65 of 80 experts took the kernel, which refuses more than 64 a token:
+    every forward raised."""
+    gen = torch.Generator().manual_seed(2)
+    moe = MoE(torch.randn(80, 32, generator=gen), torch.randn(80, 32, 32, generator=gen), torch.randn(80, 32, 16, generator=gen), 65, True,
+              "panels", torch.float32, "cpu")
+    assert moe.packed is None
+    x = torch.randn(3, 32, generator=gen)
+    assert torch.equal(moe(x), moe._grouped(x, *moe.route(x)))

@@ -9,8 +9,9 @@ rotate halves (j, j + D/2), so each head's q and k rows are reordered at load
   is a multiple of ``moe_layer_interval`` hold a MoE (the rest a dense MLP of
   ``intermediate_size``): a softmax router over ``moe_num_experts``, experts picked by the
   probabilities plus ``e_score_correction_bias`` and weighed by the probabilities alone,
-  renormalised (divided by their sum, at least ``moe_norm_min``); ``moe_num_shared_experts`` shared experts as one MLP that every token takes; an
-  LM-head bias where ``use_bias``. The router is kept in fp32 (as transformers keeps it).
+  renormalised (divided by their sum, at least ``moe_norm_min``); ``moe_num_shared_experts``
+  shared experts as one MLP that every token takes; an LM-head bias where ``use_bias``. The
+  router is kept in fp32 (as transformers keeps it).
 """
 
 from __future__ import annotations

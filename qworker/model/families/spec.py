@@ -330,7 +330,8 @@ def checkpoint_names(prefixes: tuple[tuple[str, str], ...], mask_buffers: tuple[
     return checkpoint_name
 
 
-_MLP_BIAS_FAMILIES = ("llama", "granite", "smollm3", "seed_oss", "arcee", "nemotron", "helium", "cwm")  # whose transformers MLP reads mlp_bias
+# whose transformers MLP reads mlp_bias
+_MLP_BIAS_FAMILIES = ("llama", "granite", "smollm3", "seed_oss", "arcee", "nemotron", "helium", "cwm")
 
 
 def mlp_bias(config: PretrainedConfig) -> bool:
