@@ -82,7 +82,14 @@ class Intake:
             await self.skip_refused(room)
             return
         w.partitions.resets.note_ends()
+        w.partitions.note_log_ends()
         await self.handle_records([(tp, rec) for tp, records in batches.items() for rec in records], w.partitions.epoch)
+
+    def attach(self, holder: JobState, tp: TopicPartition, rec: Any) -> None:
+        """A record carrying the id of a job in flight: answered by that run, committed with it."""
+        holder.waiters.append((tp, rec.offset))
+        holder.waiter_records[tp, rec.offset] = (rec.key, rec.headers)
+        self.w.stats.duplicates += 1
 
     async def handle_records(self, records: list[tuple[TopicPartition, Any]], epoch: int) -> None:
         """Decode and register each record; then tokenize the new jobs off the event loop. The
@@ -198,6 +205,14 @@ class Intake:
             tele = self.job_telemetry("", tp, rec, now)
             answers.publish_side(w.settings.dlq_topic, rec.key, rec.value, headers, [(tp, rec.offset)], tele, ("dlq", d.code))
             return None
+        if isinstance(d, Invalid) and d.job_id in reg.jobs:
+            # the id of a job in flight: attached to that run and answered by it, as a valid copy
+            # would be; its own error would outrank the run's answer (helper-103)
+            self.attach(reg.jobs[d.job_id], tp, rec)
+            if d.dead_letter:  # still kept byte for byte for an operator
+                copy = with_original(rec.headers, dlq_headers(d.dead_letter, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp))
+                answers.publish_side(w.settings.dlq_topic, rec.key, rec.value, copy, [])
+            return None
         if isinstance(d, Invalid):
             w.stats.errors += 1
             msg = error_message(d.job_id, d.code, d.message, retryable=False, metadata=d.metadata, attempt=reg.attempts.next(d.job_id, w.generation))
@@ -215,13 +230,12 @@ class Intake:
         job = d.job
         holder = reg.jobs.get(job.id)
         if holder is not None:
-            holder.waiters.append((tp, rec.offset))
-            holder.waiter_records[tp, rec.offset] = (rec.key, rec.headers)
-            w.stats.duplicates += 1
+            self.attach(holder, tp, rec)
             return None
         ts = rec.timestamp / 1000 if rec.timestamp and rec.timestamp > 0 else now
         st = JobState(job=job, tp=tp, offset=rec.offset, produced_at=min(ts, now), received_at=now, wire=d.wire)
         st.attempt = reg.attempts.next(job.id, w.generation)
+        st.maybe_answered = w.partitions.maybe_answered_before(tp, rec.offset)
         st.tele = self.job_telemetry(job.id, tp, rec, now)
         if job.id in w.cancels:
             answers.finish_now(st, cancelled_completion(st, st.model_name(w.model_name)))

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from qworker.messages import Choice, Completion, ErrorInfo, Job, JobError, Timings, Usage, dumps, wire_logprob
+from qworker.messages import Choice, Completion, ErrorInfo, Job, JobError, Timings, Usage, wire_logprob
 from qworker.openai_batch.requests import OpenAIRequest
 from qworker.telemetry.genai import CHAT, TEXT_COMPLETION
 from qworker.telemetry.job import NULL_JOB
@@ -45,6 +45,9 @@ class JobState:
     tele: Any = NULL_JOB  # qworker.telemetry.job.JobTelemetry: spans, metrics, outcome log line
     wire: OpenAIRequest | None = None  # came as an OpenAI batch request line: answer in its shapes
     lora: Any = None  # engine LoRARequest the job runs under (None: the base model)
+    # its record was in the log when this pod took the partition: another pod may have answered it
+    # (Partitions.maybe_answered_before); a deadline error then ranks below that answer
+    maybe_answered: bool = True
 
     @property
     def prompt_len(self) -> int:
@@ -120,11 +123,14 @@ def error_message(state_or_id: JobState | str, code: str, message: str, retryabl
 
 
 def deadline_error(state: JobState, message: str) -> JobError:
-    """``deadline_exceeded`` for a job that never started, at attempt 0, below every answer: a
-    record delivered again after a rebalance (its first answer given, its offset not yet
-    committed) usually arrives past its deadline, and its error must not outrank that answer
-    under "highest attempt wins". Where the job had no answer, this is the only one."""
-    return error_message(state, "deadline_exceeded", message, retryable=False).model_copy(update={"attempt": 0})
+    """``deadline_exceeded`` for a job that never started. A record that may have been answered by
+    the partition's previous owner (``state.maybe_answered``: delivered again after a rebalance,
+    its first answer given but its offset not yet committed) usually arrives past its deadline:
+    its error gets attempt 0, below every answer, so that it cannot outrank that answer under
+    "highest attempt wins" (where there was none, it is the only one). A record new since this
+    pod took the partition (a resubmitted id's) keeps its attempt, above earlier answers."""
+    err = error_message(state, "deadline_exceeded", message, retryable=False)
+    return err.model_copy(update={"attempt": 0}) if state.maybe_answered else err
 
 
 def cancelled_completion(state: JobState, model: str, now: float | None = None) -> Completion:

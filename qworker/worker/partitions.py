@@ -49,6 +49,9 @@ class Partitions:
         self.joined = False  # the consumer joined its group (it may own no partition)
         self.revoked: set[TopicPartition] = set()
         self.resets = LogResets(self)
+        # each partition's log end when this pod took it (None until its first fetch): the records
+        # below it may have been answered by the previous owner (their offsets not yet committed)
+        self.log_ends: dict[TopicPartition, int | None] = {}
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Commit what is done before ownership may move. Jobs keep running until we learn, in
@@ -72,7 +75,9 @@ class Partitions:
         if lost:
             self.abandon(lost)
         restarted = await self.check_kept(assigned)
-        await self.resets.on_assigned(assigned - set(self.tracker.partitions()), restarted)
+        taken = assigned - set(self.tracker.partitions())
+        self.log_ends.update(dict.fromkeys(taken))  # their ends come with their first fetch (note_log_ends)
+        await self.resets.on_assigned(taken, restarted)
         if w.pauser is not None and w.pauser.paused:
             w.consumer.pause(*assigned)  # a rebalance clears pauses
         log.info("assigned %s (generation %d)", sorted(f"{tp.topic}/{tp.partition}" for tp in assigned), self.generation)
@@ -113,6 +118,22 @@ class Partitions:
             restarted.add(tp)
         return restarted
 
+    def note_log_ends(self) -> None:
+        """After each poll: the log end of each partition taken since, from the first fetch that
+        reports its high watermark (ListOffsets under-reports on some brokers: Tansu's after a
+        batched produce). Until then every record there counts as possibly answered before."""
+        for tp in [tp for tp in self.log_ends if self.log_ends[tp] is None]:
+            end = self.w.consumer.highwater(tp)
+            if end is not None:
+                self.log_ends[tp] = end
+
+    def maybe_answered_before(self, tp: TopicPartition, offset: int) -> bool:
+        """Whether the record at ``offset`` was in ``tp``'s log when this pod took the partition
+        (or that is not known): a previous owner may have answered it, its offset not committed
+        yet. A record that arrived later is new to every pod (a resubmitted id's, say)."""
+        end = self.log_ends.get(tp)
+        return end is None or offset < end
+
     def start_afresh(self, tp: TopicPartition, why: str) -> None:
         """Forget what we saw of ``tp``'s log: its jobs in flight still answer but mark no offset."""
         log.warning("%s/%d: %s; starting the partition afresh", tp.topic, tp.partition, why)
@@ -147,6 +168,7 @@ class Partitions:
                 heir = JobState(job=st.job, tp=tp, offset=off, produced_at=st.produced_at, received_at=st.received_at, waiters=rest, prompt_ids=st.prompt_ids, params=st.params,
                                 wire=st.wire, lora=st.lora, structured_validated=st.structured_validated, waiter_records=st.waiter_records)
                 heir.attempt = reg.attempts.next(st.job.id, self.generation)  # for an answer before its run
+                heir.maybe_answered = self.maybe_answered_before(tp, off)
                 assert w.telemetry is not None
                 # the heir's trace continues its own record's (the producer's traceparent in its headers)
                 key, headers = st.waiter_records.get((tp, off), (st.job.id, None))

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable

@@ -1,0 +1,79 @@
+"""Which answer wins under the README's "highest attempt wins": a job's real answer must not be
+outranked by an error about another delivery of its id.
+
+* A record answered by one pod and delivered again to the next past its deadline (helper-100:
+  after a rebalance, its offset held back by a longer job before it in the partition): the second
+  delivery's ``deadline_exceeded`` ranks below every answer. A resubmission of the id (a new
+  record, after the pod took the partition) still outranks the earlier answer (helper-104).
+* An invalid record with the id of a job in flight (helper-103) is attached to that run, as a
+  valid copy is: its own error had the higher attempt and overruled the run's completion."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from qworker.worker import Worker
+from qworker.worker.client import submit
+
+from .conftest import Results, wait_committed
+from .test_defects import partition_of
+from .test_flow import engines, job, one_torch_thread, started  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def same_partition_id(s, as_id: str, stem: str) -> str:
+    return next(f"{stem}-{i}" for i in range(1000) if partition_of(s, f"{stem}-{i}") == partition_of(s, as_id))
+
+
+async def test_a_redelivery_past_its_deadline_does_not_outrank_the_answer_given(topics, results: Results, engines) -> None:
+    eng = await engines()
+    first = await started(topics, eng)
+    short = same_partition_id(topics, "long", "short")
+    try:
+        # "long" holds the partition's commit back while "short", after it, is answered
+        deadline = time.time() + 8
+        await submit(topics, [job("long", max_tokens=1500), job(short, max_tokens=3, deadline=deadline)])
+        await results.wait(lambda: short in results.completions, 30, "short answered")
+        assert "long" not in results.completions
+    finally:
+        await first.stop(drain_timeout_s=0.1)  # "long" is abandoned: neither offset is committed
+    [answer] = results.completions[short]
+    assert answer["type"] == "completion" and answer["status"] == "ok"
+    await asyncio.sleep(max(0.0, deadline + 0.2 - time.time()))
+    second = Worker(topics, eng)
+    await second.start()
+    try:
+        # the next pod reads both records again; "short"'s deadline has passed by now
+        await results.wait(lambda: len(results.completions[short]) == 2, 60, "short delivered again")
+        again = results.completions[short][1]
+        assert again["type"] == "error" and again["error"]["code"] == "deadline_exceeded"
+        assert max(results.completions[short], key=lambda a: a["attempt"]) is answer, (answer["attempt"], again["attempt"])
+        # a resubmission of the id, past its deadline: a new record, whose answer is the newest
+        await submit(topics, [job(short, max_tokens=3, deadline=time.time() - 1)])
+        await results.wait(lambda: len(results.completions[short]) == 3, 30, "the resubmission answered")
+        newest = results.completions[short][2]
+        assert newest["error"]["code"] == "deadline_exceeded"
+        assert max(results.completions[short], key=lambda a: a["attempt"]) is newest
+    finally:
+        await second.stop(drain_timeout_s=0.1)
+
+
+async def test_an_invalid_copy_of_a_job_in_flight_is_answered_by_its_run(topics, results: Results, engines) -> None:
+    eng = await engines()
+    w = await started(topics, eng)
+    try:
+        await submit(topics, [job("busy", max_tokens=60)])
+        await results.wait(lambda: "busy" in w.jobs and w.jobs["busy"].admitted, 30, "busy running")
+        # a record the schema refuses, with the id in flight
+        await submit(topics, [{"id": "busy", "prompt": "x", "sampling": {"max_tokens": "five"}}])
+        await results.wait(lambda: "busy" in results.completions, 60, "busy answered")
+        await wait_committed(topics)
+        [answer] = results.completions["busy"]
+        assert answer["type"] == "completion" and answer["status"] == "ok"
+        assert w.stats.duplicates == 1
+    finally:
+        await w.stop()
