@@ -246,7 +246,7 @@ class DecoderModel:
                 mlp = MoE(m.router, m.gate_up, m.down, m.top_k, m.renormalize, self.linear_backend, act, backend,
                           weights_in_act_dtype=m.weights_in_act_dtype, router_bias=m.router_bias, gate_up_bias=m.gate_up_bias,
                           down_bias=m.down_bias, clamped_swiglu=m.clamped_swiglu,
-                          routing=Routing(m.scoring, m.choice_bias, m.groups, m.routed_scale, m.renormalize_floor),
+                          routing=Routing(m.scoring, m.choice_bias, m.groups, m.routed_scale, m.renormalize_floor, m.jitter_eps),
                           scale_inputs=m.scale_inputs)
                 if m.shared is not None:
                     shared = GatedMLP(Linear(m.shared.gate_up, _cast(m.shared.up_bias, act), self.linear_backend, act),

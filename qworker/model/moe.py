@@ -61,7 +61,10 @@ class Routing:
     ``groups``: ``(n, kept, "max" | "top2")``: the experts fall into ``n`` equal groups, each scored
     by its best expert ("max", V2) or its best two summed ("top2", V3); only the ``kept`` best
     groups' experts can be picked (V2 zeroes the others' scores, V3 makes them -inf).
-    ``routed_scale``: the weights (after any renormalisation) times this. ``renormalize_floor``:
+    ``scoring`` "sparsemixer" (Phi-3.5-MoE, top-2, as it runs at inference): the best expert by
+    logit, weighed by the softmax over the logits within ``2 * jitter_eps`` of the best (relative
+    to ``max(|logit|, best)``); then the best of the others, weighed the same way over the
+    others. ``routed_scale``: the weights (after any renormalisation) times this. ``renormalize_floor``:
     renormalised weights divide by ``max(sum, floor)`` (ERNIE 4.5's ``moe_norm_min``; 0: by the
     sum plus transformers' 1e-20, as DeepSeek-V3). Sigmoid scores with
     neither a choice bias nor groups (Llama 4) pick by the logits themselves: the same order, but
@@ -72,6 +75,7 @@ class Routing:
     groups: tuple[int, int, str] | None = None
     routed_scale: float = 1.0
     renormalize_floor: float = 0.0
+    jitter_eps: float = 0.0
 
     def plain(self) -> bool:
         """Mixtral's softmax top-k (the default)."""
@@ -79,8 +83,10 @@ class Routing:
                 and self.renormalize_floor == 0.0)
 
     def check(self, num_experts: int, top_k: int) -> None:
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"router scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.scoring not in ("softmax", "sigmoid", "sparsemixer"):
+            raise ValueError(f"router scoring must be 'softmax', 'sigmoid' or 'sparsemixer', got {self.scoring!r}")
+        if self.scoring == "sparsemixer" and (top_k != 2 or self.choice_bias is not None or self.groups is not None):
+            raise ValueError("SparseMixer routing picks 2 experts, without a choice bias or groups")
         if self.choice_bias is not None and tuple(self.choice_bias.shape) != (num_experts,):
             raise ValueError(f"the router's choice bias has shape {list(self.choice_bias.shape)}, expected [{num_experts}]")
         if self.groups is not None:
@@ -172,6 +178,8 @@ class MoE:
             if self.renormalize:
                 weights /= weights.sum(dim=-1, keepdim=True)
             return weights, ids
+        if r.scoring == "sparsemixer":
+            return _sparsemixer(logits, r.jitter_eps)
         scores = torch.sigmoid(logits) if r.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
         if self.choice_bias is not None:
             choice = scores + self.choice_bias
@@ -251,6 +259,22 @@ class MoE:
         gate, up = gate_up.chunk(2, dim=-1)
         gate = gate.clamp(max=limit)
         return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _sparsemixer(logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseMixer's two picks at inference, as transformers' Phi-3.5-MoE computes them: each the
+    maximum of the logits left (the first pick's set to -inf for the second), weighed by its share
+    of a softmax over the logits not more than ``2 * jitter_eps`` below that maximum, relative to
+    ``max(|logit|, maximum)``."""
+    weights, ids = [], []
+    left = logits
+    for _ in range(2):
+        best, pick = left.max(dim=-1, keepdim=True)
+        far = ((best - logits) / logits.abs().clamp(min=best)) > 2 * jitter_eps
+        weights.append(torch.softmax(left.masked_fill(far, -math.inf), dim=-1).gather(-1, pick))
+        ids.append(pick)
+        left = left.scatter(-1, pick, -math.inf)
+    return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
 
 class SharedExpertMoE:

@@ -55,6 +55,8 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int, layer_type: str
 
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
     inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"), **kwargs)
+    if config.model_type == "phimoe":  # Phi-3.5-MoE scales cos/sin by its own short_mscale, not the rope's factor
+        scale = params["short_mscale"]
     return inv_freq.float(), scale
 
 

@@ -123,6 +123,12 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "falcon_7b": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, ffn_hidden_size=96),  # multi-query, one norm
     "falcon_sequential": dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True, ffn_hidden_size=96,
                               tie_word_embeddings=False),  # q/k/v per head, biases, post_attention_layernorm
+    # LayerNorm, biases on q/k/v/o and the head, a window on every layer, SparseMixer top-2 (a wide band: several
+    # experts in each pick's softmax), longrope's short factors with short_mscale
+    "phimoe": dict(MOE, num_local_experts=4, sliding_window=24, attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3,
+                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                                    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], "short_mscale": 1.1, "long_mscale": 1.25,
+                                    "original_max_position_embeddings": 1024}),
     "vaultgemma": dict(sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                        tie_word_embeddings=True),  # Gemma 2 without the output norms; layers 0 and 2 slide
 }

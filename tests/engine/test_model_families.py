@@ -159,7 +159,7 @@ def test_greedy_matches_with_forks_and_ngram_speculation(family_models, model_ty
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe", "granitemoeshared", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe",
-                                        "flex_olmo"])
+                                        "flex_olmo", "phimoe"])
 def test_fused_expert_checkpoints_load_as_the_original_layout(family_models, model_type, tmp_path):
     """transformers 5 saves experts stacked (``mlp.experts.gate_up_proj`` / ``down_proj``, Mixtral's
     block renamed ``mlp``) with ``save_original_format=False``: such a checkpoint was refused

@@ -114,7 +114,7 @@ def _hf_row_logits(path, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "llama4_text", "ernie4_5_moe",
-                                    "hunyuan_v1_moe", "minimax_m2"])
+                                    "hunyuan_v1_moe", "minimax_m2", "phimoe"])
 def test_cpu_bf16_mode_serves_them_within_bf16_rounding(family, family_models):
     """Over ten prompt positions, the bf16 logits' median distance from fp32 is within 6% of the
     logits' scale, or within 1.5x of transformers' own bf16 model's median distance from its fp32

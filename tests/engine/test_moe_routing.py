@@ -94,3 +94,22 @@ def test_routing_a_config_cannot_describe_is_one_clear_error(groups, top_k, why)
     with pytest.raises(ValueError, match=why):
         MoE(torch.randn(E, H, generator=gen), torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen), top_k, False,
             "matmul", torch.float32, "cpu", routing=Routing("softmax", None, groups))
+
+
+@pytest.mark.parametrize("jitter_eps", [0.01, 0.3, 2.0])
+def test_sparsemixer_matches_transformers(jitter_eps):
+    """Phi-3.5-MoE's SparseMixer top-2 at inference, against transformers' own function: the same
+    experts and the same weights, to the bit (ties in the logits included)."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    gen = torch.Generator().manual_seed(int(jitter_eps * 100))
+    router = torch.randn(E, H, generator=gen)
+    router[5] = router[3]  # experts 3 and 5 tie on every token
+    moe = MoE(router, torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen), 2, False,
+              "matmul", torch.float32, "cpu", routing=Routing("sparsemixer", jitter_eps=jitter_eps))
+    x = torch.randn(200, H, generator=gen)
+    logits = torch.nn.functional.linear(x, moe.router)
+    hf_weights, hf_ids = sparsemixer(logits, jitter_eps, training=False)
+    weights, ids = moe.route(x)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+    assert ((ids == 3) | (ids == 5)).all(dim=-1).any(), "no token picked the tied pair"

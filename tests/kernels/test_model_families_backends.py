@@ -21,7 +21,7 @@ VOCAB = 512
 # per-head q/k norms and NoPE layers (EXAONE 4; SmolLM3's NoPE is the same hook), q/k norms after the
 # rotation (Hunyuan), interleaved rotary with a softmax router's choice bias (ERNIE 4.5 MoE), a sigmoid
 # router with full-width q/k norms and partial rotary (MiniMax-M2)
-CASES = ["gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "phi3", "olmo3", "granite", "qwen2_moe", "exaone4", "glm4", "phi", "stablelm", "cohere2", "starcoder2", "gpt_neox", "nemotron", "gpt2", "gpt_bigcode", "granitemoeshared", "llama_mlp_bias", "olmo", "gptj", "opt", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "dots1", "llama4_text", "hunyuan_v1_dense", "ernie4_5_moe", "minimax_m2", "falcon"]
+CASES = ["gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "phi3", "olmo3", "granite", "qwen2_moe", "exaone4", "glm4", "phi", "stablelm", "cohere2", "starcoder2", "gpt_neox", "nemotron", "gpt2", "gpt_bigcode", "granitemoeshared", "llama_mlp_bias", "olmo", "gptj", "opt", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "dots1", "llama4_text", "hunyuan_v1_dense", "ernie4_5_moe", "minimax_m2", "falcon", "phimoe"]
 
 
 @pytest.fixture(scope="module")

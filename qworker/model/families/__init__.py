@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 
 from qworker.model.families import (arcee, cohere, deepseek, exaone4, falcon, gemma, glm, glm4_moe, gpt2, gpt_neox, gpt_oss, gptj, granite,
                                     hunyuan, llama, llama4, minimax_m2, mixtral, nemotron, olmo, olmo2, olmoe, opt, pair_rotary, phi, phi3,
-                                    qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
+                                    phimoe, qwen3, qwen3_moe, smollm3, stablelm, starcoder2)
 from qworker.model.families.spec import DecoderSpec
 
 FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
@@ -41,6 +41,7 @@ FAMILIES: dict[str, Callable[[PretrainedConfig], DecoderSpec]] = {
     "qwen3_vl_text": qwen3.build,  # Qwen3-VL's language model
     "qwen3_moe": qwen3_moe.build,
     "mixtral": mixtral.build,
+    "phimoe": phimoe.build,
     "olmoe": olmoe.build,
     "olmo": olmo.build,
     "olmo2": olmo2.build,

@@ -109,6 +109,7 @@ class MoEWeights:
     groups: tuple[int, int, str] | None = None  # (groups, groups kept, "max" | "top2": a group's score)
     routed_scale: float = 1.0  # the routed experts' weights times this
     renormalize_floor: float = 0.0  # ERNIE 4.5: renormalised weights divide by max(sum, this) (moe_norm_min)
+    jitter_eps: float = 0.0  # Phi-3.5-MoE's SparseMixer: the logit band each pick's softmax keeps (scoring "sparsemixer")
     scale_inputs: bool = False  # Llama 4: expert(x * weight) instead of expert(x) * weight
 
 
