@@ -1,7 +1,8 @@
 """Image-text checkpoints served as the language model inside them: Gemma 3 (4B and up,
-``gemma3``), Llama 4 (Scout and Maverick, ``llama4``), Mistral 3 (Mistral Small 3.1 and 3.2, ``mistral3``), LLaVA (``llava``) and Qwen2-VL,
-Qwen2.5-VL and Qwen3-VL (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``: their multimodal rope
-gives a text-only prompt's tokens the same position on its three axes, which is plain rope).
+``gemma3``), Llama 4 (Scout and Maverick, ``llama4``), Mistral 3 (Mistral Small 3.1 and 3.2,
+``mistral3``), LLaVA (``llava``), Aya Vision (``aya_vision``), InternVL 3 (``internvl``) and
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``: their multimodal
+rope gives a text-only prompt's tokens the same position on its three axes, which is plain rope).
 
 Such a folder holds a vision tower, a projector and a language model of a family this engine
 serves (``config.text_config``). Jobs carry text only, and a text-only prompt never runs the
@@ -23,7 +24,7 @@ from transformers import PretrainedConfig
 
 from qworker.model.families.spec import renamed
 
-WRAPPERS = ("gemma3", "llama4", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+WRAPPERS = ("aya_vision", "gemma3", "internvl", "llama4", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # the language model's names in the checkpoint (transformers 4 saves the first form, transformers
 # 5 keeps the second in memory) -> the causal-LM names
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),

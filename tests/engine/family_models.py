@@ -211,6 +211,13 @@ IMAGE_TEXT_CONFIGS: dict[str, tuple[str | dict, dict]] = {
     "llava": ("llama", dict(tie_word_embeddings=True, vision_config=dict(
         model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
         image_size=32, patch_size=8, projection_dim=16))),
+    # Aya Vision: a Command R7B (cohere2) language model under a SigLIP tower
+    "aya_vision": ("cohere2", dict(tie_word_embeddings=True, downsample_factor=2, vision_config=dict(
+        model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8))),
+    # InternVL 3: a Qwen2 language model under InternViT
+    "internvl": ("qwen2", dict(tie_word_embeddings=True, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=[32, 32], patch_size=[8, 8]))),
     # multimodal rope over the text model's 8 frequency pairs (text-only prompts: plain rope)
     "qwen2_5_vl": (dict(BASE, model_type="qwen2_5_vl_text", rope_parameters=MROPE), dict(tie_word_embeddings=False, vision_config=dict(
         depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0]))),
