@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, MoEWeights, attention_biases, dims, llama_layer, take, take_experts, uniform_layers
+from qworker.model.families.mixtral import take_block
+from qworker.model.families.spec import DecoderSpec, MoEWeights, attention_biases, dims, llama_layer, take, take_full_qk_norms, uniform_layers
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -19,17 +20,11 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     E = config.num_local_experts
 
     def mlp(w, p):
-        # transformers 5's fused layout (see take_experts) names the block "mlp", as Mixtral's does
-        p += "mlp." if f"{p}mlp.experts.gate_up_proj" in w else "block_sparse_moe."
-        gate_up, down = take_experts(w, f"{p}experts.", E, d.hidden, config.intermediate_size, names=("w1", "w3", "w2"))
-        return MoEWeights(take(w, f"{p}gate.weight", (E, d.hidden)), gate_up, down, config.num_experts_per_tok, renormalize=True,
-                          weights_in_act_dtype=False, scoring="sigmoid", choice_bias=take(w, f"{p}e_score_correction_bias", (E,)))
+        block, gate_up, down = take_block(w, p, E, d.hidden, config.intermediate_size)
+        return MoEWeights(take(w, f"{block}gate.weight", (E, d.hidden)), gate_up, down, config.num_experts_per_tok, renormalize=True,
+                          weights_in_act_dtype=False, scoring="sigmoid", choice_bias=take(w, f"{block}e_score_correction_bias", (E,)))
 
     def take_layer(w, i):
-        layer = llama_layer(w, i, d, config.intermediate_size, mlp, biases=attention_biases(config))
-        p = f"model.layers.{i}.self_attn."
-        layer.q_norm = take(w, f"{p}q_norm.weight", (d.q_size,))
-        layer.k_norm = take(w, f"{p}k_norm.weight", (d.kv_size,))
-        return layer
+        return take_full_qk_norms(w, i, d, llama_layer(w, i, d, config.intermediate_size, mlp, biases=attention_biases(config)))
 
     return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), qk_norm="full", partial_rotary=True)

@@ -6,7 +6,18 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, MoEWeights, attention_biases, dims, llama_layer, take, take_experts, uniform_layers
+import torch
+
+from qworker.model.families.spec import (DecoderSpec, MoEWeights, Weights, attention_biases, dims, llama_layer, take, take_experts,
+                                         uniform_layers)
+
+
+def take_block(w: Weights, p: str, num_experts: int, hidden: int, intermediate: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """Layer ``p``'s Mixtral-style experts: ``(the block's prefix, gate_up, down)``. transformers
+    5's fused layout (see take_experts) names the block "mlp", as other families do; the original
+    checkpoints ``block_sparse_moe`` with ``w1``/``w3``/``w2`` per expert."""
+    block = f"{p}mlp." if f"{p}mlp.experts.gate_up_proj" in w else f"{p}block_sparse_moe."
+    return (block, *take_experts(w, f"{block}experts.", num_experts, hidden, intermediate, names=("w1", "w3", "w2")))
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -14,10 +25,8 @@ def build(config: PretrainedConfig) -> DecoderSpec:
     E = config.num_local_experts
 
     def mlp(w, p):
-        # transformers 5's fused layout (see take_experts) names the block "mlp", as other families do
-        p += "mlp." if f"{p}mlp.experts.gate_up_proj" in w else "block_sparse_moe."
-        gate_up, down = take_experts(w, f"{p}experts.", E, d.hidden, config.intermediate_size, names=("w1", "w3", "w2"))
-        return MoEWeights(take(w, f"{p}gate.weight", (E, d.hidden)), gate_up, down, config.num_experts_per_tok,
+        block, gate_up, down = take_block(w, p, E, d.hidden, config.intermediate_size)
+        return MoEWeights(take(w, f"{block}gate.weight", (E, d.hidden)), gate_up, down, config.num_experts_per_tok,
                           renormalize=True, weights_in_act_dtype=False)
 
     return DecoderSpec(take_layer=lambda w, i: llama_layer(w, i, d, config.intermediate_size, mlp, biases=attention_biases(config)),

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import DecoderSpec, MoEWeights, attention_biases, dims, llama_layer, take, take_experts, uniform_layers
+from qworker.model.families.spec import (DecoderSpec, MoEWeights, attention_biases, dims, llama_layer, take, take_experts,
+                                         take_full_qk_norms, uniform_layers)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -19,11 +20,7 @@ def build(config: PretrainedConfig) -> DecoderSpec:
                           renormalize=bool(config.norm_topk_prob), weights_in_act_dtype=True)
 
     def take_layer(w, i):
-        layer = llama_layer(w, i, d, config.intermediate_size, mlp, biases=attention_biases(config))
-        p = f"model.layers.{i}.self_attn."
-        layer.q_norm = take(w, f"{p}q_norm.weight", (d.q_size,))
-        layer.k_norm = take(w, f"{p}k_norm.weight", (d.kv_size,))
-        return layer
+        return take_full_qk_norms(w, i, d, llama_layer(w, i, d, config.intermediate_size, mlp, biases=attention_biases(config)))
 
     return DecoderSpec(take_layer=take_layer, layers=uniform_layers(config, None), qk_norm="full",
                        clip_qkv=getattr(config, "clip_qkv", None))

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from qworker.model.families.spec import (DecoderSpec, MoEWeights, RawLayer, attention_biases, dims, take, take_attention, take_experts,
-                                         take_layer_norm, uniform_layers)
+from qworker.model.families.mixtral import take_block
+from qworker.model.families.spec import (DecoderSpec, MoEWeights, RawLayer, attention_biases, dims, take, take_attention, take_layer_norm,
+                                         uniform_layers)
 
 
 def build(config: PretrainedConfig) -> DecoderSpec:
@@ -27,9 +28,8 @@ def build(config: PretrainedConfig) -> DecoderSpec:
         raise ValueError(f"phimoe: SparseMixer routing picks 2 experts a token, not num_experts_per_tok={config.num_experts_per_tok}")
 
     def take_moe(w, p):
-        fused = f"{p}mlp.experts.gate_up_proj" in w  # transformers 5's layout renames the block and its router
-        block, router = (f"{p}mlp.", f"{p}mlp.router.weight") if fused else (f"{p}block_sparse_moe.", f"{p}block_sparse_moe.gate.weight")
-        gate_up, down = take_experts(w, f"{block}experts.", E, d.hidden, config.intermediate_size, names=("w1", "w3", "w2"))
+        block, gate_up, down = take_block(w, p, E, d.hidden, config.intermediate_size)
+        router = f"{block}router.weight" if block.endswith(".mlp.") else f"{block}gate.weight"  # transformers 5 renames it too
         return MoEWeights(take(w, router, (E, d.hidden)), gate_up, down, 2, renormalize=False, weights_in_act_dtype=True,
                           scoring="sparsemixer", jitter_eps=float(config.router_jitter_noise))
 

@@ -371,6 +371,15 @@ def llama_layer(w: Weights, i: int, d: Dims, intermediate: int, mlp: Callable[[W
     )
 
 
+def take_full_qk_norms(w: Weights, i: int, d: Dims, layer: RawLayer) -> RawLayer:
+    """Layer ``i``'s RMSNorms over q's and k's full width (``self_attn.q_norm``/``k_norm``: OLMoE,
+    MiniMax-M2; DecoderSpec.qk_norm "full"), set on ``layer``."""
+    p = f"model.layers.{i}.self_attn."
+    layer.q_norm = take(w, f"{p}q_norm.weight", (d.q_size,))
+    layer.k_norm = take(w, f"{p}k_norm.weight", (d.kv_size,))
+    return layer
+
+
 def post_norm_layer(w: Weights, i: int, d: Dims, intermediate: int, qk_norm: str, biases: tuple[bool, bool],
                     mlp: Callable[[Weights, str], DenseMLP | MoEWeights] | None = None) -> RawLayer:
     """OLMo 2's layout (EXAONE 4's and FlexOlmo's too): no norm before attention or the MLP; each
