@@ -16,6 +16,7 @@ SWITCHES: dict[str, bool] = {
     "QWORKER_CPU_AMX": True,  # bf16 weights in AMX's tile layout (kernels.gemm_cpu)
     "QWORKER_CPU_AMX_EMULATE": False,  # tests: the AMX kernels on software tiles (kernels.cpu)
     "QWORKER_CPU_FUSED_FORWARD": True,  # the layer loop in one C call (qworker.model.decoder)
+    "QWORKER_CPU_MOE_KERNEL": True,  # a MoE layer's experts in one C call (qworker.model.moe, kernels.moe_cpu)
     "QWORKER_GC_FREEZE": True,  # the start-up heap out of the cyclic GC (qworker.engine.llm_engine)
     "QWORKER_TP_EXTERNAL_FOLLOWERS": False,  # tensor-parallel ranks started by the deployment
 }

@@ -17,7 +17,7 @@ Two paths, chosen by ``kernel_backend``:
   runs ``min(E, B * top_k)`` small GEMM pairs instead of a per-token loop. fp32 experts on the
   panels GEMM without biases (every fp32 MoE family but gpt-oss and Llama 4) run the same steps
   in one C call instead (:mod:`kernels.moe_cpu`: one OpenMP region, not two GEMM calls per
-  active expert), with the same bits.
+  active expert), with the same bits (``QWORKER_CPU_MOE_KERNEL=0``: the grouped path, for A/B runs).
 * ``"triton"``: the fused grouped GEMM of :func:`kernels.moe_experts` (:mod:`kernels.fused_moe`) over the stacked weights;
   experts with biases or gpt-oss's clamped SwiGLU take the grouped path above on the device.
 
@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.env import switch
 from kernels.moe_cpu import PackedExperts
 from qworker.model.linear import Linear
 
@@ -164,7 +165,7 @@ class MoE:
         self.packed = None
         if (not self.fused and linear_backend == "panels" and act_dtype == torch.float32 and gate_up.dtype == torch.float32
                 and gate_up_bias is None and down_bias is None and clamped_swiglu is None and not scale_inputs
-                and top_k <= PackedExperts.MAX_TOP_K):
+                and top_k <= PackedExperts.MAX_TOP_K and switch("QWORKER_CPU_MOE_KERNEL")):
             packed = PackedExperts([lin.weight for lin in self.gate_up], [lin.weight for lin in self.down], H, two_i // 2)
             self.packed = packed if packed.available() else None
 

@@ -92,3 +92,10 @@ def test_more_than_64_experts_per_token_keep_the_grouped_path():
     assert moe.packed is None
     x = torch.randn(3, 32, generator=gen)
     assert torch.equal(moe(x), moe._grouped(x, *moe.route(x)))
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("QWORKER_CPU_MOE_KERNEL", "0")
+    assert _layer(4, 64, 48, 2)[0].packed is None
+    monkeypatch.setenv("QWORKER_CPU_MOE_KERNEL", "1")
+    assert _layer(4, 64, 48, 2)[0].packed is not None
