@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from qworker.messages import Completion, JobError, dumps
 from qworker.telemetry.job import JobTelemetry
-from qworker.worker.jobs import JobState
+from qworker.worker.jobs import JobState, unstarted_answer
 from qworker.worker.publisher import DeliveryAborted, DeliveryRefused, record_size
 from qworker.worker.wire import Shape, answer_headers
 from qworker.worker.wire import shape as answer_shape
@@ -112,7 +112,9 @@ class Answers:
             stats.errors += 1
 
     def finish_now(self, st: JobState, msg: BaseModel) -> None:
-        """Publish an immediate answer (error or early cancel) for a job that never runs."""
+        """Publish an immediate answer (error or early cancel) for a job that never runs (ranked
+        as :func:`~qworker.worker.jobs.unstarted_answer` says)."""
+        msg = unstarted_answer(st, msg)
         headers = answer_headers(msg, st.wire)
         shape = answer_shape(st.wire, self.w.token_text)
         msg, data = self.encoded(msg, headers, shape)

@@ -23,7 +23,7 @@ from qworker.telemetry.job import JobTelemetry
 from qworker.worker import consumer as kc
 from qworker.worker.decode import Decoded, Invalid, Unparseable, Valid, decode
 from qworker.worker.dlq import dlq_headers, with_original
-from qworker.worker.jobs import JobState, cancelled_completion, deadline_error, error_message, log_fields
+from qworker.worker.jobs import JobState, cancelled_completion, error_message, log_fields
 from qworker.worker.offsets import record_fingerprint
 from qworker.worker.wire import answer_headers
 from qworker.worker.wire import shape as answer_shape
@@ -215,7 +215,9 @@ class Intake:
             return None
         if isinstance(d, Invalid):
             w.stats.errors += 1
-            msg = error_message(d.job_id, d.code, d.message, retryable=False, metadata=d.metadata, attempt=reg.attempts.next(d.job_id, w.generation))
+            # no run, so below every earlier answer where a previous owner may have answered the record (see unstarted_answer)
+            attempt = 0 if w.partitions.maybe_answered_before(tp, rec.offset) else reg.attempts.next(d.job_id, w.generation)
+            msg = error_message(d.job_id, d.code, d.message, retryable=False, metadata=d.metadata, attempt=attempt)
             tele = self.job_telemetry(d.job_id, tp, rec, now)
             headers = answer_headers(msg, d.wire)
             shape = answer_shape(d.wire, w.token_text, d.param)
@@ -300,7 +302,7 @@ class Intake:
                 st.lora = r.lora
                 st.tele.set_lora(r.lora.lora_name)
         if job.deadline is not None and time.time() > job.deadline:
-            return deadline_error(st, f"deadline {job.deadline} passed before the job started")
+            return error_message(st, "deadline_exceeded", f"deadline {job.deadline} passed before the job started", retryable=False)
         return None
 
     def safe_precheck(self, st: JobState) -> BaseModel | None:

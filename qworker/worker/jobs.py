@@ -9,6 +9,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from qworker.messages import Choice, Completion, ErrorInfo, Job, JobError, Timings, Usage, wire_logprob
 from qworker.openai_batch.requests import OpenAIRequest
 from qworker.telemetry.genai import CHAT, TEXT_COMPLETION
@@ -46,7 +48,7 @@ class JobState:
     wire: OpenAIRequest | None = None  # came as an OpenAI batch request line: answer in its shapes
     lora: Any = None  # engine LoRARequest the job runs under (None: the base model)
     # its record was in the log when this pod took the partition: another pod may have answered it
-    # (Partitions.maybe_answered_before); a deadline error then ranks below that answer
+    # (Partitions.maybe_answered_before); an answer without a run then ranks below that one (unstarted_answer)
     maybe_answered: bool = True
 
     @property
@@ -122,15 +124,15 @@ def error_message(state_or_id: JobState | str, code: str, message: str, retryabl
     return JobError(job_id=state_or_id, attempt=attempt, run_id=run_id, error=ErrorInfo(code=code, message=message, retryable=retryable), metadata=metadata)
 
 
-def deadline_error(state: JobState, message: str) -> JobError:
-    """``deadline_exceeded`` for a job that never started. A record that may have been answered by
-    the partition's previous owner (``state.maybe_answered``: delivered again after a rebalance,
-    its first answer given but its offset not yet committed) usually arrives past its deadline:
-    its error gets attempt 0, below every answer, so that it cannot outrank that answer under
-    "highest attempt wins" (where there was none, it is the only one). A record new since this
-    pod took the partition (a resubmitted id's) keeps its attempt, above earlier answers."""
-    err = error_message(state, "deadline_exceeded", message, retryable=False)
-    return err.model_copy(update={"attempt": 0}) if state.maybe_answered else err
+def unstarted_answer(state: JobState, msg: BaseModel) -> BaseModel:
+    """``msg``, an answer given to ``state``'s record without a run (an error on arrival or while
+    queued, a cancel before the run, a deadline the engine met first), ranked below every earlier
+    answer (attempt 0) where the partition's previous owner may have answered the record
+    (``state.maybe_answered``). Such a record comes again after a rebalance, by then past its
+    deadline, its copies no longer attached to a run: its answer must not outrank the one already
+    given. Where there was none, it is the only one; a record new since this pod took the
+    partition (a resubmitted id's) keeps its attempt, above earlier answers."""
+    return msg.model_copy(update={"attempt": 0}) if state.maybe_answered else msg
 
 
 def cancelled_completion(state: JobState, model: str, now: float | None = None) -> Completion:
@@ -269,7 +271,9 @@ class JobRunner:
             code = getattr(last, "error_code", None) if last is not None else None
             err = getattr(last, "error", None) if last is not None else None
             if code == "deadline_exceeded":
-                return deadline_error(state, err or f"deadline {job.deadline} passed before the engine started the job")
+                return unstarted_answer(state, error_message(state, "deadline_exceeded",
+                                                             err or f"deadline {job.deadline} passed before the engine started the job",
+                                                             retryable=False))
             if code == "invalid_structured_output":  # its grammar failed in the engine (not validated at admission)
                 return error_message(state, code, err or "the structured-output spec did not compile", retryable=False)
             if code == "invalid_lora":  # the engine could not load the job's adapter (its files changed since validation)

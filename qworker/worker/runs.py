@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from qworker.worker.answers import outcome_of
-from qworker.worker.jobs import JobState, cancelled_completion, deadline_error, error_message, log_fields
+from qworker.worker.jobs import JobState, cancelled_completion, error_message, log_fields
 from qworker.worker.publisher import DeliveryAborted, DeliveryRefused
 from qworker.worker.wire import answer_headers
 from qworker.worker.wire import shape as answer_shape
@@ -55,7 +55,7 @@ class Runs:
             if st.job.deadline is not None and time.time() > st.job.deadline:
                 reg.pending.pop()
                 reg.forget(st)
-                w.answers.finish_now(st, deadline_error(st, f"deadline {st.job.deadline} passed while queued"))
+                w.answers.finish_now(st, error_message(st, "deadline_exceeded", f"deadline {st.job.deadline} passed while queued", retryable=False))
                 continue
             if not w.admission.can_admit(st, w.engine.capacity(), reg.running()):
                 break

@@ -77,3 +77,33 @@ async def test_an_invalid_copy_of_a_job_in_flight_is_answered_by_its_run(topics,
         assert w.stats.duplicates == 1
     finally:
         await w.stop()
+
+
+async def test_a_redelivered_copy_does_not_outrank_the_run_it_was_attached_to(topics, results: Results, engines) -> None:
+    """helper-105: the copy attached to a run the first time finds no run the second time (its job
+    meets its deadline on arrival there); its own error took the usual attempt and overruled the
+    run's completion. Answers without a run to records the previous owner may have answered rank
+    below every earlier answer."""
+    eng = await engines()
+    first = await started(topics, eng)
+    x = same_partition_id(topics, "long", "x")
+    deadline = time.time() + 8
+    try:
+        await submit(topics, [job("long", max_tokens=1500), job(x, max_tokens=60, deadline=deadline)])
+        await results.wait(lambda: x in first.jobs and first.jobs[x].admitted, 30, "x running")
+        await submit(topics, [{"id": x, "prompt": "y", "sampling": {"max_tokens": "five"}}])  # an invalid copy, attached
+        await results.wait(lambda: x in results.completions, 30, "x answered")
+        assert first.stats.duplicates == 1
+    finally:
+        await first.stop(drain_timeout_s=0.1)
+    [answer] = results.completions[x]
+    assert answer["type"] == "completion" and answer["status"] == "ok"
+    await asyncio.sleep(max(0.0, deadline + 0.2 - time.time()))
+    second = Worker(topics, eng)
+    await second.start()
+    try:
+        await results.wait(lambda: len(results.completions[x]) == 3, 60, "both records answered again")
+        assert {a["error"]["code"] for a in results.completions[x][1:]} == {"deadline_exceeded", "invalid_job"}
+        assert max(results.completions[x], key=lambda a: a["attempt"]) is answer, [a["attempt"] for a in results.completions[x]]
+    finally:
+        await second.stop(drain_timeout_s=0.1)
