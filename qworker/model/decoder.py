@@ -168,7 +168,9 @@ class DecoderModel:
             lm_head = embed
         else:  # an untied head that is absent would be random in transformers: never the embedding here
             lm_head = take(weights, "lm_head.weight", (d.vocab, d.hidden))
-        head_bias = take(weights, "lm_head.bias", (d.vocab,)).to(act) if spec.head_bias else None
+        # an image-text wrapper's head is its own, without a bias whatever the text config says (transformers')
+        with_head_bias = spec.head_bias and not getattr(config, "wrapped_by", None)
+        head_bias = take(weights, "lm_head.bias", (d.vocab,)).to(act) if with_head_bias else None
         # learned absolute positions (GPT-2): rows past max_position_embeddings are never asked (the
         # runner caps max_model_len there)
         self.position_embeddings = (take(weights, "model.embed_positions.weight",

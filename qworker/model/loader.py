@@ -153,8 +153,13 @@ def _stored_tensors(path: Path, device: torch.device) -> Iterator[tuple[str, Cal
 def _weight_names(config: PretrainedConfig) -> Callable[[str], str | None] | None:
     """How the checkpoint's tensor names map to those the families read (None: as they are): an
     image-text checkpoint's language model (:func:`load_config` marks its config ``wrapped_by``),
-    or a family that names its tensors otherwise."""
-    return text_weight_name if getattr(config, "wrapped_by", None) else CHECKPOINT_NAMES.get(config.model_type)
+    then a family that names its tensors otherwise (Falcon's inside a wrapper, say)."""
+    family = CHECKPOINT_NAMES.get(config.model_type)
+    if not getattr(config, "wrapped_by", None):
+        return family
+    if family is None:
+        return text_weight_name
+    return lambda name: None if (text := text_weight_name(name)) is None else family(text)
 
 
 def _prediction_layers(config: PretrainedConfig) -> tuple[str, ...]:

@@ -64,12 +64,15 @@ def exact_context(config: PretrainedConfig) -> int | None:
     """The longest sequence whose rotations a fixed table reproduces, where that is shorter than the
     model's context: under "longrope" transformers switches every position to the long factors
     once the sequence passes ``original_max_position_embeddings`` (re-rotating what is cached), so
-    the short-factor table served here is exact only up to it. None: no such limit."""
+    the short-factor table served here is exact only up to it. Phi-3.5-MoE switches its cos/sin
+    scale from ``short_mscale`` to ``long_mscale`` there under every rope type but the default.
+    None: no such limit."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     tables = [p for p in params.values() if isinstance(p, dict)] or [params]
     limits = []
     for p in tables:
-        if p.get("rope_type", p.get("type")) == "longrope":
+        kind = p.get("rope_type", p.get("type"))
+        if kind == "longrope" or config.model_type == "phimoe" and kind not in (None, "default"):
             original = p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
             if original:
                 limits.append(int(original))

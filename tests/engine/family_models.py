@@ -228,13 +228,14 @@ IMAGE_TEXT_CONFIGS: dict[str, tuple[str | dict, dict]] = {
 IMAGE_TEXT = sorted(IMAGE_TEXT_CONFIGS)
 
 
-def build_image_text_model(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0, save_original_format: bool = True) -> Path:
+def build_image_text_model(model_type: str, out: Path, tokenizer_dir: Path, seed: int = 0, save_original_format: bool = True,
+                           text_family: str | None = None) -> Path:
     """Writes a tiny random image-text ``model_type`` checkpoint whose language model is the tiny
-    model of its family (:data:`FAMILY_CONFIGS`), as transformers saves it."""
+    model of its family (:data:`FAMILY_CONFIGS`; ``text_family``: another one's), as transformers saves it."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     text, wrapper = IMAGE_TEXT_CONFIGS[model_type]
-    text = family_config(text).to_dict() if isinstance(text, str) else text
+    text = family_config(text_family or text).to_dict() if text_family or isinstance(text, str) else text
     config = AutoConfig.for_model(model_type, text_config=text, **wrapper)
     config._attn_implementation = "eager"
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

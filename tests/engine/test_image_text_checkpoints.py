@@ -196,3 +196,16 @@ def test_a_config_without_tie_flags_takes_the_models_default(model_type, tied):
     from qworker.model.wrappers import text_config
 
     assert text_config(AutoConfig.for_model(model_type), {}).tie_word_embeddings is tied
+
+
+@pytest.mark.parametrize("wrapper,family", [("mistral3", "falcon"), ("mistral3", "falcon_7b"), ("mistral3", "phimoe")])  # untied: as transformers runs them
+def test_other_language_models_inside_a_wrapper(wrapper, family, model_dir, tmp_path):
+    """helper-106: Falcon's own tensor names inside a wrapper were not renamed (refused as missing
+    model.embed_tokens), and a text config's lm_head_bias was required of the wrapper's head, which
+    transformers builds without one."""
+    path = build_image_text_model(wrapper, tmp_path / wrapper, model_dir, text_family=family)
+    ps = prompts(f"{wrapper}-{family}")
+    outs = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20, block_size=16).generate(ps, greedy())
+    reference = eager_image_text(path)
+    for p, o in zip(ps, outs):
+        assert_greedy_matches(o.outputs[0].token_ids, hf_greedy(reference, p), f"{wrapper} around {family}, prompt of {len(p)}")

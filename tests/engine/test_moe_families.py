@@ -243,3 +243,26 @@ def test_the_router_is_read_in_fp32_for_a_bf16_model(family, family_models):
     for name in router:
         assert weights[f"model.layers.1.{name}"].dtype == torch.float32, name
     assert weights[f"model.layers.1.{shared}"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "linear", "longrope"])
+def test_phimoe_is_served_up_to_where_its_rope_scale_switches(rope_type, tmp_path, model_dir):
+    """helper-106: Phi-3.5-MoE scales cos/sin by long_mscale past original_max_position_embeddings
+    under every rope type but the default; only longrope's context was capped there, so a yarn or
+    linear model served longer prompts with the short scale (logits 1-3 apart). Within the cap the
+    model matches transformers; past it a prompt is refused."""
+    from qworker import LLM, SamplingParams
+    from qworker.engine.errors import InvalidRequestError
+    from tests.engine.family_reference import eager_last_logits
+
+    extra = dict(short_factor=[1.0] * 8, long_factor=[4.0] * 8) if rope_type == "longrope" else dict(factor=4.0)
+    rope = dict(rope_type=rope_type, rope_theta=10000.0, short_mscale=1.1, long_mscale=1.25, original_max_position_embeddings=48, **extra)
+    path = build_family_model("phimoe", tmp_path / "m", model_dir, rope_parameters=rope)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=8 << 20)
+    assert llm.engine.max_model_len == 48
+    with pytest.raises(InvalidRequestError, match="prompt_too_long|context"):
+        llm.generate([IDS[:40] + IDS[:20]], SamplingParams(max_tokens=1))
+    runner = ModelRunner(path, device="cpu", dtype="float32")
+    runner.allocate_kv_cache(num_blocks=8, num_cpu_blocks=0, block_size=16)
+    logits = runner.execute(Batch([SeqChunk(IDS[:39], 0, [0, 1, 2], True)]))
+    torch.testing.assert_close(logits[0], eager_last_logits(path, IDS[:39]), rtol=1e-4, atol=1e-4)

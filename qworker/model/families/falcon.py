@@ -24,8 +24,10 @@ from transformers import PretrainedConfig
 from qworker.model.families.spec import (DecoderSpec, RawLayer, activation, checkpoint_names, dims, per_head_to_grouped, take,
                                          take_layer_norm, take_plain_mlp, uniform_layers)
 
+# the causal LM's names, and the language model's inside an image-text wrapper (after its own renaming)
 _PREFIXES = (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
-             ("transformer.ln_f.", "model.norm."))
+             ("transformer.ln_f.", "model.norm."), ("model.word_embeddings.", "model.embed_tokens."), ("model.h.", "model.layers."),
+             ("model.ln_f.", "model.norm."))
 
 checkpoint_name = checkpoint_names(_PREFIXES, ())
 

@@ -8,8 +8,10 @@
   inference (:class:`qworker.model.moe.Routing` "sparsemixer": the best expert, then the best of
   the rest, each weighed by a softmax over the logits within ``2 * router_jitter_noise`` of its
   own maximum, relative to their magnitude);
-* longrope: the short factors, cos/sin scaled by ``short_mscale`` (:mod:`qworker.model.rope`;
-  served up to ``original_max_position_embeddings``, as Phi-3's).
+* longrope: the short factors, cos/sin scaled by ``short_mscale`` (:mod:`qworker.model.rope`).
+  Under every rope type but the default the scale switches to ``long_mscale`` past
+  ``original_max_position_embeddings``, so the model is served up to there
+  (:func:`qworker.model.rope.exact_context`).
 """
 
 from __future__ import annotations
