@@ -92,7 +92,10 @@ def test_an_interrupt_while_waiting_stops_the_work_before_the_caller_goes_on():
         finally:
             events.append("work cleaned up")
 
-    # once the work runs and the caller waits for it
+    # once the work runs and the caller waits for it; SIGINT raising KeyboardInterrupt, as in a
+    # terminal, whatever this process inherited (a background job of a non-interactive shell,
+    # as CI may start it, has SIGINT ignored, and Python then installs no handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.0, lambda: (started.wait(10), time.sleep(0.2), os.kill(os.getpid(), signal.SIGINT)))
     timer.start()
     try:
@@ -103,6 +106,7 @@ def test_an_interrupt_while_waiting_stops_the_work_before_the_caller_goes_on():
     finally:
         timer.cancel()
         timer.join()
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_during_start_up_exits_with_the_interrupt_not_an_abort():
@@ -112,6 +116,7 @@ def test_ctrl_c_during_start_up_exits_with_the_interrupt_not_an_abort():
     script = textwrap.dedent("""
         import os, signal, threading, torch
         from qworker.engine.transient_thread import in_transient_thread
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever was inherited
         torch.set_num_threads(2)
         def work():
             a = torch.randn(512, 512)
