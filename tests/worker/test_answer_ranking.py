@@ -29,39 +29,6 @@ def same_partition_id(s, as_id: str, stem: str) -> str:
     return next(f"{stem}-{i}" for i in range(1000) if partition_of(s, f"{stem}-{i}") == partition_of(s, as_id))
 
 
-async def test_a_redelivery_past_its_deadline_does_not_outrank_the_answer_given(topics, results: Results, engines) -> None:
-    eng = await engines()
-    first = await started(topics, eng)
-    short = same_partition_id(topics, "long", "short")
-    try:
-        # "long" holds the partition's commit back while "short", after it, is answered
-        deadline = time.time() + 8
-        await submit(topics, [job("long", max_tokens=1500), job(short, max_tokens=3, deadline=deadline)])
-        await results.wait(lambda: short in results.completions, 30, "short answered")
-        assert "long" not in results.completions
-    finally:
-        await first.stop(drain_timeout_s=0.1)  # "long" is abandoned: neither offset is committed
-    [answer] = results.completions[short]
-    assert answer["type"] == "completion" and answer["status"] == "ok"
-    await asyncio.sleep(max(0.0, deadline + 0.2 - time.time()))
-    second = Worker(topics, eng)
-    await second.start()
-    try:
-        # the next pod reads both records again; "short"'s deadline has passed by now
-        await results.wait(lambda: len(results.completions[short]) == 2, 60, "short delivered again")
-        again = results.completions[short][1]
-        assert again["type"] == "error" and again["error"]["code"] == "deadline_exceeded"
-        assert max(results.completions[short], key=lambda a: a["attempt"]) is answer, (answer["attempt"], again["attempt"])
-        # a resubmission of the id, past its deadline: a new record, whose answer is the newest
-        await submit(topics, [job(short, max_tokens=3, deadline=time.time() - 1)])
-        await results.wait(lambda: len(results.completions[short]) == 3, 30, "the resubmission answered")
-        newest = results.completions[short][2]
-        assert newest["error"]["code"] == "deadline_exceeded"
-        assert max(results.completions[short], key=lambda a: a["attempt"]) is newest
-    finally:
-        await second.stop(drain_timeout_s=0.1)
-
-
 async def test_an_invalid_copy_of_a_job_in_flight_is_answered_by_its_run(topics, results: Results, engines) -> None:
     eng = await engines()
     w = await started(topics, eng)
@@ -79,11 +46,13 @@ async def test_an_invalid_copy_of_a_job_in_flight_is_answered_by_its_run(topics,
         await w.stop()
 
 
-async def test_a_redelivered_copy_does_not_outrank_the_run_it_was_attached_to(topics, results: Results, engines) -> None:
-    """helper-105: the copy attached to a run the first time finds no run the second time (its job
-    meets its deadline on arrival there); its own error took the usual attempt and overruled the
-    run's completion. Answers without a run to records the previous owner may have answered rank
-    below every earlier answer."""
+async def test_redeliveries_do_not_outrank_the_answer_given_and_a_resubmission_does(topics, results: Results, engines) -> None:
+    """Pod A answers ``x`` (and the invalid copy it attached to x's run) while ``long``, before them
+    in the partition, holds the commit back; A stops. Pod B reads all three records again, past
+    x's deadline: x's ``deadline_exceeded`` (helper-100) and the copy's ``invalid_job``
+    (helper-105: the copy finds no run this time) must rank below A's completion. A resubmission
+    of x after B took the partition is a new record: its answer ranks above every earlier one
+    (helper-104)."""
     eng = await engines()
     first = await started(topics, eng)
     x = same_partition_id(topics, "long", "x")
@@ -93,9 +62,9 @@ async def test_a_redelivered_copy_does_not_outrank_the_run_it_was_attached_to(to
         await results.wait(lambda: x in first.jobs and first.jobs[x].admitted, 30, "x running")
         await submit(topics, [{"id": x, "prompt": "y", "sampling": {"max_tokens": "five"}}])  # an invalid copy, attached
         await results.wait(lambda: x in results.completions, 30, "x answered")
-        assert first.stats.duplicates == 1
+        assert first.stats.duplicates == 1 and "long" not in results.completions
     finally:
-        await first.stop(drain_timeout_s=0.1)
+        await first.stop(drain_timeout_s=0.1)  # "long" is abandoned: no offset of the three is committed
     [answer] = results.completions[x]
     assert answer["type"] == "completion" and answer["status"] == "ok"
     await asyncio.sleep(max(0.0, deadline + 0.2 - time.time()))
@@ -105,5 +74,10 @@ async def test_a_redelivered_copy_does_not_outrank_the_run_it_was_attached_to(to
         await results.wait(lambda: len(results.completions[x]) == 3, 60, "both records answered again")
         assert {a["error"]["code"] for a in results.completions[x][1:]} == {"deadline_exceeded", "invalid_job"}
         assert max(results.completions[x], key=lambda a: a["attempt"]) is answer, [a["attempt"] for a in results.completions[x]]
+        await submit(topics, [job(x, max_tokens=3, deadline=time.time() - 1)])  # a resubmission, past its deadline
+        await results.wait(lambda: len(results.completions[x]) == 4, 30, "the resubmission answered")
+        newest = results.completions[x][3]
+        assert newest["error"]["code"] == "deadline_exceeded"
+        assert max(results.completions[x], key=lambda a: a["attempt"]) is newest
     finally:
         await second.stop(drain_timeout_s=0.1)
