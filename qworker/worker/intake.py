@@ -216,7 +216,10 @@ class Intake:
         if isinstance(d, Invalid):
             w.stats.errors += 1
             # no run, so below every earlier answer where a previous owner may have answered the record (see unstarted_answer)
-            attempt = 0 if w.partitions.maybe_answered_before(tp, rec.offset) else reg.attempts.next(d.job_id, w.generation)
+            maybe_answered = w.partitions.maybe_answered_before(tp, rec.offset) and not reg.attempts.ranked(d.job_id)
+            if not maybe_answered:
+                reg.attempts.rank(d.job_id)
+            attempt = 0 if maybe_answered else reg.attempts.next(d.job_id, w.generation)
             msg = error_message(d.job_id, d.code, d.message, retryable=False, metadata=d.metadata, attempt=attempt)
             tele = self.job_telemetry(d.job_id, tp, rec, now)
             headers = answer_headers(msg, d.wire)
@@ -236,8 +239,11 @@ class Intake:
             return None
         ts = rec.timestamp / 1000 if rec.timestamp and rec.timestamp > 0 else now
         st = JobState(job=job, tp=tp, offset=rec.offset, produced_at=min(ts, now), received_at=now, wire=d.wire)
+        # an id this pod already answered with the usual rank: this is a later record of it (a resubmission), ranked above
+        st.maybe_answered = w.partitions.maybe_answered_before(tp, rec.offset) and not reg.attempts.ranked(job.id)
+        if not st.maybe_answered:
+            reg.attempts.rank(job.id)
         st.attempt = reg.attempts.next(job.id, w.generation)
-        st.maybe_answered = w.partitions.maybe_answered_before(tp, rec.offset)
         st.tele = self.job_telemetry(job.id, tp, rec, now)
         if job.id in w.cancels:
             answers.finish_now(st, cancelled_completion(st, st.model_name(w.model_name)))

@@ -47,7 +47,8 @@ class JobState:
     tele: Any = NULL_JOB  # qworker.telemetry.job.JobTelemetry: spans, metrics, outcome log line
     wire: OpenAIRequest | None = None  # came as an OpenAI batch request line: answer in its shapes
     lora: Any = None  # engine LoRARequest the job runs under (None: the base model)
-    # its record was in the log when this pod took the partition: another pod may have answered it
+    # its record was in the log when this pod took the partition and this pod gave its id no answer
+    # of the usual rank yet (Attempts.ranked): another pod may have answered it
     # (Partitions.maybe_answered_before); an answer without a run then ranks below that one (unstarted_answer)
     maybe_answered: bool = True
 
@@ -98,6 +99,20 @@ class Attempts:
         self.max_ids = max_ids
         self._last: OrderedDict[str, tuple[int, int]] = OrderedDict()  # job id -> (generation, k)
         self._forgotten = (-1, -1)  # (generation, the highest k forgotten in it)
+        # ids this pod gave (or is giving) an answer of the usual rank: a run's, or any answer to a
+        # record new since the take (see unstarted_answer); the max_ids most recent
+        self._ranked: OrderedDict[str, None] = OrderedDict()
+
+    def rank(self, job_id: str) -> None:
+        """``job_id`` gets an answer of the usual rank here: a later record of it is a later
+        answer here too (a resubmission), above, whatever was in the log at the take."""
+        self._ranked.pop(job_id, None)
+        self._ranked[job_id] = None
+        if len(self._ranked) > self.max_ids:
+            self._ranked.popitem(last=False)
+
+    def ranked(self, job_id: str) -> bool:
+        return job_id in self._ranked
 
     def next(self, job_id: str, generation: int) -> int:
         floor = self._forgotten[1] if self._forgotten[0] == generation else -1

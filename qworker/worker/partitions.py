@@ -137,6 +137,7 @@ class Partitions:
     def start_afresh(self, tp: TopicPartition, why: str) -> None:
         """Forget what we saw of ``tp``'s log: its jobs in flight still answer but mark no offset."""
         log.warning("%s/%d: %s; starting the partition afresh", tp.topic, tp.partition, why)
+        self.log_ends[tp] = None  # the new log's end comes with the next fetch
         for st in self.w.registry.jobs.values():
             st.waiters = [wt for wt in st.waiters if wt[0] != tp]
             if st.tp == tp:

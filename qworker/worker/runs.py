@@ -61,6 +61,7 @@ class Runs:
                 break
             reg.pending.pop()
             st.new_run(reg.attempts.next(st.job.id, w.generation))
+            reg.attempts.rank(st.job.id)  # a run's answer keeps its attempt
             st.task = asyncio.create_task(self.run(st), name=f"job:{st.job.id}")
 
     async def run(self, st: JobState) -> None:

@@ -81,3 +81,25 @@ async def test_redeliveries_do_not_outrank_the_answer_given_and_a_resubmission_d
         assert max(results.completions[x], key=lambda a: a["attempt"]) is newest
     finally:
         await second.stop(drain_timeout_s=0.1)
+
+
+@pytest.mark.parametrize("kind", ["deadline", "invalid"])
+async def test_a_resubmission_in_a_fresh_pods_backlog_outranks_the_pods_own_answer(topics, results: Results, engines, kind) -> None:
+    """helper-107: one pod starting on a backlog that holds x, fillers, then a resubmission of x
+    (past its deadline, or invalid) fetched after x was answered: both records were in the log
+    when the pod took the partition, yet this pod answered the first itself, so the second is a
+    later record of the id, whose answer ranks above (it had attempt 0 and lost)."""
+    s = topics.model_copy(update={"max_waiting_jobs": 1})
+    eng = await engines()
+    fill = [same_partition_id(s, "x", f"f{i}") for i in range(3)]
+    again = job("x", max_tokens=3, deadline=time.time() - 1) if kind == "deadline" else {"id": "x", "prompt": "y", "sampling": {"max_tokens": "five"}}
+    await submit(s, [job("x", max_tokens=2)] + [job(f, max_tokens=40) for f in fill] + [again])
+    w = await started(s, eng)
+    try:
+        await results.wait(lambda: len(results.completions.get("x", [])) == 2, 90, "x answered twice")
+        assert w.stats.duplicates == 0  # answered before the resubmission was fetched: not attached
+        first, second = results.completions["x"]
+        assert first["type"] == "completion" and second["type"] == "error"
+        assert second["attempt"] > first["attempt"], (first["attempt"], second["attempt"])
+    finally:
+        await w.stop()
