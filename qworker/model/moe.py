@@ -206,7 +206,7 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if self.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        if self.packed is not None:  # built only for fp32 activations on CPU
             return self.packed(x, ids, weights)
         if self.fused:
             # the kernel computes in the weights' dtype (fp32 accumulation), as Linear does

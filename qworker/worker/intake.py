@@ -85,6 +85,22 @@ class Intake:
         w.partitions.note_log_ends()
         await self.handle_records([(tp, rec) for tp, records in batches.items() for rec in records], w.partitions.epoch)
 
+    def maybe_answered(self, job_id: str, tp: TopicPartition, offset: int) -> bool:
+        """Whether the partition's previous owner may have answered this record (it was in the log
+        at the take) and this pod has not yet answered its id with the usual rank; where not, the
+        id's answers from here on are of the usual rank (a later record here: a resubmission)."""
+        attempts = self.w.registry.attempts
+        if self.w.partitions.maybe_answered_before(tp, offset) and not attempts.ranked(job_id):
+            return True
+        attempts.rank(job_id)
+        return False
+
+    def dead_letter_copy(self, d: Invalid, tp: TopicPartition, rec: Any) -> None:
+        """The record byte for byte on the DLQ, where its decoding asks for one (``too_deep``)."""
+        if d.dead_letter:
+            copy = with_original(rec.headers, dlq_headers(d.dead_letter, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp))
+            self.w.answers.publish_side(self.w.settings.dlq_topic, rec.key, rec.value, copy, [])
+
     def attach(self, holder: JobState, tp: TopicPartition, rec: Any) -> None:
         """A record carrying the id of a job in flight: answered by that run, committed with it."""
         holder.waiters.append((tp, rec.offset))
@@ -209,25 +225,18 @@ class Intake:
             # the id of a job in flight: attached to that run and answered by it, as a valid copy
             # would be; its own error would outrank the run's answer (helper-103)
             self.attach(reg.jobs[d.job_id], tp, rec)
-            if d.dead_letter:  # still kept byte for byte for an operator
-                copy = with_original(rec.headers, dlq_headers(d.dead_letter, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp))
-                answers.publish_side(w.settings.dlq_topic, rec.key, rec.value, copy, [])
+            self.dead_letter_copy(d, tp, rec)  # still kept for an operator
             return None
         if isinstance(d, Invalid):
             w.stats.errors += 1
-            # no run, so below every earlier answer where a previous owner may have answered the record (see unstarted_answer)
-            maybe_answered = w.partitions.maybe_answered_before(tp, rec.offset) and not reg.attempts.ranked(d.job_id)
-            if not maybe_answered:
-                reg.attempts.rank(d.job_id)
-            attempt = 0 if maybe_answered else reg.attempts.next(d.job_id, w.generation)
+            # no run: below every earlier answer where a previous owner may have answered the record (see unstarted_answer)
+            attempt = 0 if self.maybe_answered(d.job_id, tp, rec.offset) else reg.attempts.next(d.job_id, w.generation)
             msg = error_message(d.job_id, d.code, d.message, retryable=False, metadata=d.metadata, attempt=attempt)
             tele = self.job_telemetry(d.job_id, tp, rec, now)
             headers = answer_headers(msg, d.wire)
             shape = answer_shape(d.wire, w.token_text, d.param)
             msg, data = answers.encoded(msg, headers, shape)
-            if d.dead_letter:  # answered, and also kept byte for byte for an operator (best effort: the answer moves the offset)
-                copy = with_original(rec.headers, dlq_headers(d.dead_letter, d.message, tp.topic, tp.partition, rec.offset, rec.timestamp))
-                answers.publish_side(w.settings.dlq_topic, rec.key, rec.value, copy, [])
+            self.dead_letter_copy(d, tp, rec)  # answered, and also kept for an operator (best effort: the answer moves the offset)
             answers.publish_side(w.settings.completions_topic, d.job_id, data, headers or None, [(tp, rec.offset)], tele, ("error", d.code),
                                  answer=(msg, shape))
             return None
@@ -239,10 +248,7 @@ class Intake:
             return None
         ts = rec.timestamp / 1000 if rec.timestamp and rec.timestamp > 0 else now
         st = JobState(job=job, tp=tp, offset=rec.offset, produced_at=min(ts, now), received_at=now, wire=d.wire)
-        # an id this pod already answered with the usual rank: this is a later record of it (a resubmission), ranked above
-        st.maybe_answered = w.partitions.maybe_answered_before(tp, rec.offset) and not reg.attempts.ranked(job.id)
-        if not st.maybe_answered:
-            reg.attempts.rank(job.id)
+        st.maybe_answered = self.maybe_answered(job.id, tp, rec.offset)
         st.attempt = reg.attempts.next(job.id, w.generation)
         st.tele = self.job_telemetry(job.id, tp, rec, now)
         if job.id in w.cancels:
