@@ -404,12 +404,19 @@ class LLMEngine:
                 self.scheduler.add_fork(req.seqs[0], seq)
                 req.seqs.append(seq)
                 req.forked = len(req.seqs) == req.params.n
+        failed: set[str] = set()
         for seq, seq_tokens, seq_lps in zip(sampling, tokens, logprobs):
             req = seq.request
             changed[req.request_id] = req
-            for token, lp in zip(seq_tokens, seq_lps):
-                if self.book.append(seq, token, lp, now):
-                    break  # finished: the rest of an accepted run is cut here
+            if req.request_id in failed:
+                continue
+            try:
+                for token, lp in zip(seq_tokens, seq_lps):
+                    if self.book.append(seq, token, lp, now):
+                        break  # finished: the rest of an accepted run is cut here
+            except Exception as e:  # noqa: BLE001 - one request's failure must not end the others'
+                failed.add(req.request_id)
+                self.book.fail(req, e, now)
         for req in changed.values():
             if req.finished and self.requests.pop(req.request_id, None) is not None:
                 req.metrics.finished_time = now

@@ -24,7 +24,7 @@ from qworker.engine.config import EngineConfig
 from qworker.engine.detokenizer import IncrementalDetokenizer
 from qworker.engine.lora_manager import prefix_root
 from qworker.engine.lora_request import LoRARequest
-from qworker.engine.outputs import ABORT, ERR_DEADLINE, LENGTH, STOP, RequestMetrics
+from qworker.engine.outputs import ABORT, ERR_DEADLINE, ERR_ENGINE, LENGTH, STOP, RequestMetrics
 from qworker.engine.sampling_params import InvalidRequestError, SamplingParams
 from qworker.engine.scheduler import Scheduler
 from qworker.engine.sequence import Request, SeqStatus, Sequence
@@ -190,6 +190,14 @@ class RequestBook:
         self.end(req, error, error_code, now)
         self.counters["requests_aborted"] += 1
         return req
+
+    def fail(self, req: Request, exc: Exception, now: float) -> None:
+        """Ends ``req`` alone with "engine_error" after recording its tokens raised (a state no
+        check at admission caught): the rest of the step's requests go on."""
+        log.error("request %s: recording its tokens failed", req.request_id, exc_info=exc)
+        if self.requests.pop(req.request_id, None) is not None:
+            self.end(req, f"recording the request's tokens failed: {exc!r}", ERR_ENGINE, now)
+            self.counters["requests_failed"] += 1
 
     def end(self, req: Request, error: str | None, error_code: str | None, now: float) -> None:
         """Finishes every unfinished choice of ``req`` with ABORT (the caller has taken it out of

@@ -145,12 +145,11 @@ class SamplingParams:
         return cached
 
     def resolved(self, room: int) -> SamplingParams:
-        """These parameters for one request with ``room`` tokens of context left after its prompt:
-        ``self`` unless ``max_tokens`` is None, which becomes ``room`` (a copy; the caller's object
-        may serve other prompts)."""
-        if self.max_tokens is not None:
-            return self
-        return replace(self, max_tokens=room)
+        """A request's own copy of these parameters, with ``room`` tokens of context left after its
+        prompt: ``max_tokens=None`` becomes ``room``. Always a copy (validated again, its lists and
+        dict copied): the caller's object may serve other prompts, or be changed while the request
+        runs, as vLLM's clone at admission allows."""
+        return replace(self, max_tokens=room if self.max_tokens is None else self.max_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -197,8 +196,9 @@ class SamplingParams:
             raise bad("stop must be at most 16 non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
-        if not isinstance(self.include_stop_str_in_output, bool) or not isinstance(self.ignore_eos, bool):
-            raise bad("include_stop_str_in_output and ignore_eos must be booleans")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.structured_outputs is not None:
             from qworker.engine.structured.spec import StructuredOutputError, StructuredOutputsParams
 
