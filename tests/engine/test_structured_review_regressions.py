@@ -67,6 +67,17 @@ REFUSED = {
     "a quote by its code in a pattern": ({"json": {"type": "string", "pattern": r"^\x22$"}}, "unescaped"),
     "a range holding the quote": ({"json": {"type": "string", "pattern": "^[ -~]+$"}}, "unescaped"),
     "a quote in a patternProperties name": ({"json": {"type": "object", "patternProperties": {'^a"b$': {"type": "integer"}}}}, "unescaped"),
+    # helper-110: escapes standing for control characters were not seen as such (invalid JSON served)
+    "an ESC escape in a pattern": ({"json": {"type": "string", "pattern": r"^\e{2}$"}}, "unescaped"),
+    "a control-letter escape in a pattern": ({"json": {"type": "string", "pattern": r"^\cJ{2}$"}}, "unescaped"),
+    "a backspace in a pattern's class": ({"json": {"type": "string", "pattern": r"^[\b]{2}$"}}, "unescaped"),
+    # helper-110: letter escapes the backend matches as the letter itself ("hhh" served for \h{3})
+    "an unknown letter escape in a regex": ({"regex": r"\h{3}"}, "escape \\h is not supported"),
+    "PCRE's line-break escapes": ({"regex": r"a\R\N"}, "escape \\R is not supported"),
+    "PCRE's quoting": ({"regex": r"\Qa.b\E"}, "escape \\Q is not supported"),
+    "an unknown letter escape inside a class": ({"regex": r"[\hx]+"}, "escape \\h is not supported"),
+    "an unknown letter escape in a pattern": ({"json": {"type": "string", "pattern": r"^\X+$"}}, "escape \\X is not supported"),
+    "an anchor escape in a pattern": ({"json": {"type": "string", "pattern": r"\Aab"}}, "anchor \\A is not supported"),
     # valid JSON, not text
     "a lone surrogate in a choice": ({"choice": ["ok", "a\ud800"]}, "lone UTF-16 surrogate"),
     "a lone surrogate in a schema": ({"json": {"enum": ["\udfff"]}}, "lone UTF-16 surrogate"),
@@ -88,6 +99,8 @@ ACCEPTED = {
                                                      "definitions": {"m": {"type": "string"}}}},
     "anchors at the ends, ^ and $ in classes, escaped": {"regex": r"^[a-z^$]+\$\^[^]x]$"},
     "a literal backslash before A": {"regex": r"\\A"},
+    "the letter escapes the backend knows": {"regex": r"\d\w\s\D\S\W\x41\u0041[\d\t]\n\r\f\v\a\e\cJ[\b]"},
+    "a literal backslash before h": {"regex": r"\\h[\\h]"},
     # helper-48: annotations the backend ignores may stand beside $ref / enum
     "an OpenAPI example beside $ref": {"json": {"$ref": "#/$defs/a", "example": {"x": 1}, "$defs": {"a": {"type": "string"}}}},
     "nullable beside $ref (OpenAPI 3.0)": {"json": {"$ref": "#/$defs/a", "nullable": True, "$defs": {"a": {"type": "string"}}}},

@@ -231,6 +231,7 @@ def check_schema_supported(schema: object, path: str = "#", root: object = None,
         patterns += list(schema["patternProperties"])
     for pattern in patterns:
         what = f"JSON Schema pattern {pattern[:80]!r} at {path}:"
+        _check_letter_escapes(pattern, what)
         _check_edge_anchors(_regex_tokens(pattern), what)
         if _may_match_unescaped(pattern):
             raise StructuredOutputError(f"{what} it can match '\"', '\\' or a control character, which the structured-output "
@@ -322,17 +323,26 @@ def _matched_by_both(names: list[str], patterns: list[str]) -> tuple[str, str] |
 
 
 _JSON_RAW = (0x22, 0x5C)  # '"' and '\\'; and every control character below 0x20
-_ESCAPED_CONTROL = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "0": 0}
+_ESCAPED_CONTROL = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "e": 27, "0": 0}
+# the letter escapes xgrammar's regex dialect knows (classes, controls, \x \u \cX) or refuses
+# with its own message (\b \B, \p \P, \k); it matches any other escaped letter as the letter
+# itself, which no other dialect does (\h, \R, \Q ... mean something else in PCRE and are
+# errors in Python's re). \A \Z \z \G are refused as anchors.
+_KNOWN_LETTER_ESCAPES = frozenset("adefnrstvwDSWxucbBpPk")
 
 
 def _unsafe(cp: int) -> bool:
     return cp < 0x20 or cp in _JSON_RAW
 
 
-def _escape_at(p: str, i: int) -> tuple[int | None, int]:
+def _escape_at(p: str, i: int, in_class: bool = False) -> tuple[int | None, int]:
     """The codepoint the escape at ``p[i] == '\\'`` stands for (None for a class such as ``\\d``)
-    and the index after it."""
+    and the index after it; inside a class ``\\b`` is a backspace."""
     x = p[i + 1:i + 2]
+    if x == "c" and p[i + 2:i + 3].isascii() and p[i + 2:i + 3].isalpha():
+        return ord(p[i + 2]) & 31, i + 3  # \cJ: a control character
+    if x == "b" and in_class:
+        return 8, i + 2
     if x in ("x", "u", "U"):
         width = {"x": 2, "u": 4, "U": 8}[x]
         digits = p[i + 2:i + 2 + width]
@@ -357,7 +367,7 @@ def _class_may_match_unescaped(pattern: str, i: int) -> tuple[bool, int]:
     while j < n and (pattern[j] != "]" or first):
         first = False
         escaped = pattern[j] == "\\"
-        cp, j = _escape_at(pattern, j) if escaped else (ord(pattern[j]), j + 1)
+        cp, j = _escape_at(pattern, j, in_class=True) if escaped else (ord(pattern[j]), j + 1)
         if ranged and prev is not None and cp is not None:
             if not negated and (prev < 0x20 or any(prev <= u <= cp for u in _JSON_RAW)):
                 return True, j
@@ -417,17 +427,29 @@ def _resolve(root: object, ref: str, path: str) -> object:
 
 
 def check_regex_supported(regex: str) -> None:
-    """Raise for anchors xgrammar's regex dialect does not know: it reads ``\\A``, ``\\Z``, ``\\z``
-    and ``\\G`` as letters and ignores ``^`` and ``$`` (with a warning). The whole output matches
+    """Raise for what xgrammar's regex dialect does not know: it reads ``\\A``, ``\\Z``, ``\\z``,
+    ``\\G`` and other unknown letter escapes (``\\h``, ``\\R``) as letters and ignores ``^`` and
+    ``$`` (with a warning). The whole output matches
     the regex anyway, so an anchor that can only stand where the output starts (``^``) or ends
     (``$``) changes nothing and is accepted (``^yes$|^no$``, ``(^a|^b)c$``); one with something to
     match before or after it (``a$b``) is refused."""
-    tokens = _regex_tokens(regex)
-    for t, _ in tokens:
-        if t in ("\\A", "\\Z", "\\z", "\\G"):
-            raise StructuredOutputError(f"regex anchor {t} is not supported: the whole output matches the regex "
+    _check_letter_escapes(regex, "regex")
+    _check_edge_anchors(_regex_tokens(regex), "regex")
+
+
+def _check_letter_escapes(regex: str, what: str) -> None:
+    """Raise for an escaped letter the backend would match as the letter itself (inside a class
+    too): the anchors ``\\A \\Z \\z \\G``, and ``\\h`` or ``\\R``, which would serve "h" or "R"."""
+    i = regex.find("\\")
+    while i != -1:
+        x = regex[i + 1:i + 2]
+        if x in ("A", "Z", "z", "G"):
+            raise StructuredOutputError(f"{what} anchor \\{x} is not supported: the whole output matches the regex "
                                         "(a ^ where it starts and a $ where it ends are accepted)")
-    _check_edge_anchors(tokens, "regex")
+        if x.isascii() and x.isalpha() and x not in _KNOWN_LETTER_ESCAPES:
+            raise StructuredOutputError(f"{what} escape \\{x} is not supported by the structured-output backend (it would "
+                                        f"match the letter {x!r} itself); write the characters it stands for instead")
+        i = regex.find("\\", i + 2)
 
 
 def _check_edge_anchors(tokens: list[tuple[str, str]], what: str) -> None:
