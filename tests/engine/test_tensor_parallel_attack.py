@@ -305,15 +305,21 @@ def test_two_engines_at_once_give_all_the_cores_back(tiny_model_dir):
         torch.set_num_threads(before)
 
 
-FOLLOWER_ALLOC_FAILS = '''
-import multiprocessing as mp, sys
+FOLLOWER_FAILS = '''
+import multiprocessing as mp, os, signal, sys
 from qworker.model import runner as runner_mod
-real = runner_mod.ModelRunner.allocate_kv_cache
+real_init, real_alloc = runner_mod.ModelRunner.__init__, runner_mod.ModelRunner.allocate_kv_cache
+in_follower = mp.current_process().name.startswith("qworker-tp-rank")
 def alloc(self, *a):
-    if mp.current_process().name.startswith("qworker-tp-rank"):
+    if in_follower and sys.argv[2] == "alloc":
         raise MemoryError("injected: the follower's device is full")
-    return real(self, *a)
-runner_mod.ModelRunner.allocate_kv_cache = alloc  # spawn re-runs this module in the follower
+    return real_alloc(self, *a)
+def init(self, *a, **k):
+    if in_follower and sys.argv[2] == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would while the model loads
+    return real_init(self, *a, **k)
+# spawn re-runs this module in the follower (with the parent's argv)
+runner_mod.ModelRunner.allocate_kv_cache, runner_mod.ModelRunner.__init__ = alloc, init
 if __name__ == "__main__":
     from qworker.engine import EngineConfig, LLMEngine
     try:
@@ -326,17 +332,20 @@ if __name__ == "__main__":
 '''
 
 
-def test_a_follower_that_cannot_allocate_its_kv_cache_fails_the_start(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(("fault", "reason"), [("alloc", "the follower's device is full"), ("killed", r"rank 1 \(pid \d+\) exited with status -9")])
+def test_a_follower_that_fails_at_start_up_fails_the_start_with_its_reason(tiny_model_dir, tmp_path, fault, reason):
     """The follower's allocation error is the engine's start error, with its reason (helper-60:
-    the engine started and failed at its first step, the reason only in the follower's log)."""
+    the engine started and failed at its first step, the reason only in the follower's log); a
+    follower killed while it loads names its rank, pid and status (helper-111: "a rank exited")."""
+    import re
     import subprocess
     import sys
     from pathlib import Path
 
-    script = tmp_path / "alloc_fails.py"
-    script.write_text(FOLLOWER_ALLOC_FAILS)
+    script = tmp_path / "follower_fails.py"
+    script.write_text(FOLLOWER_FAILS)
     root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], cwd=root, capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, str(script), str(tiny_model_dir), fault], cwd=root, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(root), "QWORKER_TP_TIMEOUT_S": "10"})
-    assert "START FAILED" in r.stdout and "the follower's device is full" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "START FAILED" in r.stdout and re.search(reason, r.stdout), r.stdout + r.stderr[-3000:]
     assert "CHILDREN: []" in r.stdout

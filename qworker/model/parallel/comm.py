@@ -68,11 +68,11 @@ class Comm:
     """This process's membership of one tensor-parallel group; counts its all-reduce time."""
 
     def __init__(self, rank: int, world: int, addr: str, port: int, device: torch.device, collective_timeout_s: float | None = None,
-                 alive: Callable[[], bool] | None = None):
-        """``alive`` (rank 0): False once a rank it started has exited, which ends every wait
-        for the others at once instead of at the start timeout."""
+                 exited: Callable[[], str | None] | None = None):
+        """``exited`` (rank 0): which ranks it started have exited (None while all run), which
+        ends every wait for the others at once instead of at the start timeout."""
         self.rank, self.world, self.device = rank, world, device
-        self.alive = alive
+        self.exited = exited
         self.timeout_s = collective_timeout_s or timeout_s()
         self.start_timeout_s = max(DEFAULT_START_TIMEOUT_S, self.timeout_s)
         start = datetime.timedelta(seconds=self.start_timeout_s)
@@ -162,7 +162,7 @@ class Comm:
             time.sleep(HEARTBEAT_S)
 
     def _wait_keys(self, keys: list[str], what: str, wait_s: float | None = None) -> None:
-        """Waits for ``keys`` in the store; ends early when a spawned rank exits (``alive``) or a
+        """Waits for ``keys`` in the store; ends early when a spawned rank exits (``exited``) or a
         rank that has beaten stops beating for ``silent_s`` (ranks on other nodes)."""
         wait_s = self.start_timeout_s if wait_s is None else wait_s
         now = time.monotonic()
@@ -171,8 +171,9 @@ class Comm:
         beats = {r: (0, now) for r in range(1, self.world)}  # rank -> (last beat seen, when it changed)
         while not self.store.check(keys):
             now = time.monotonic()
-            if self.alive is not None and not self.alive():
-                raise RuntimeError(f"a rank exited before {what}")
+            gone = self.exited() if self.exited is not None else None
+            if gone:
+                raise RuntimeError(f"{gone} before {what}")
             for r, (seen, since) in beats.items():
                 beat = self.store.add(f"beat/{r}", 0)
                 if beat != seen:

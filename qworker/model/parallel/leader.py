@@ -119,7 +119,7 @@ class ParallelRunner:
                 self._finalizer()  # the ones started killed, the cores given back
                 raise
         try:
-            self.comm = cm.Comm(0, world, addr, port, dev, timeout_s, alive=lambda: all(p.exitcode is None for p in self._procs))
+            self.comm = cm.Comm(0, world, addr, port, dev, timeout_s, exited=self._exited)
             self.comm.broadcast({"model_dir": model_dir, "dtype": dtype, "max_model_len": max_model_len,
                                  "kv_cache_dtype": kv_cache_dtype, "kernel_backend": kernel_backend})
             error = None
@@ -284,9 +284,14 @@ class ParallelRunner:
     def _check(self) -> None:
         if self.failure is not None:
             raise self.failure
+        gone = self._exited()
+        if gone:
+            raise self._fail(gone)
+
+    def _exited(self) -> str | None:
+        """The followers this process started that have exited, with their statuses; None while all run."""
         dead = [p for p in self._procs if p.exitcode is not None]
-        if dead:
-            raise self._fail(", ".join(f"rank {p.name.rsplit('rank', 1)[-1]} (pid {p.pid}) exited with status {p.exitcode}" for p in dead))
+        return ", ".join(f"rank {p.name.rsplit('rank', 1)[-1]} (pid {p.pid}) exited with status {p.exitcode}" for p in dead) or None
 
     def _fail(self, why: str) -> ExecutorFailed:
         if self.failure is None:
