@@ -158,20 +158,22 @@ class TelemetryServer:
         return (200 if ok else 503), "application/json", body
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._open) >= HARD_CAP:  # a burst faster than MIN_AGE_S lets us close older ones
-            writer.transport.abort()
-            return
         now = time.monotonic()
-        self._open[writer] = now
-        task = asyncio.current_task()
-        if task is not None:
-            self._handlers.add(task)
-        while len(self._open) > MAX_CONNECTIONS:
+        # room first (old connections closed for this one), then the cap: connections left over
+        # from a burst are closed once they are old enough, not held against every newcomer
+        while len(self._open) >= MAX_CONNECTIONS:
             oldest, since = next(iter(self._open.items()))
             if now - since < MIN_AGE_S:
                 break  # a burst: those younger are bounded by HARD_CAP
             del self._open[oldest]
             oldest.transport.abort()  # its reader sees the connection lost and ends
+        if len(self._open) >= HARD_CAP:  # a burst faster than MIN_AGE_S lets us close older ones
+            writer.transport.abort()
+            return
+        self._open[writer] = now
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         try:
             method, path, headers = await asyncio.wait_for(self._read_head(reader), _READ_TIMEOUT_S)
             if writer.transport.is_closing():

@@ -283,5 +283,8 @@ class WorkerMetrics:
     # -- exposition -----------------------------------------------------------------------------
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The exposition body and its content type, negotiated from an ``Accept`` header."""
-        encoder, content_type = choose_encoder(accept or "")
+        try:
+            encoder, content_type = choose_encoder(accept or "")
+        except Exception:  # noqa: BLE001 - a malformed header (version=abc): the default format, as for none
+            encoder, content_type = choose_encoder("")
         return encoder(self.registry), content_type

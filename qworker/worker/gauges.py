@@ -87,7 +87,9 @@ class Gauges:
         }
         if w.consumer is not None:
             g["assigned_partitions"] = len(w.consumer.assignment())
-        if w.engine is not None and w.ready:
+        # while the engine runs, draining included (the worker is no longer ready then, but its
+        # jobs still hold the cache: a drain is when an operator watches these)
+        if w.engine is not None and getattr(w.engine, "ready", False):
             cap = w.engine.capacity()
             g.update(kv_free_tokens=cap.free_tokens, kv_total_tokens=cap.total_tokens, engine_running=cap.num_running, engine_waiting=cap.num_waiting)
         return g

@@ -252,3 +252,49 @@ async def test_startupz_passes_only_once_the_model_is_loaded():
         assert (await get(server.port, "/startupz"))[0] == 503
     finally:
         await server.stop()
+
+
+async def test_connections_left_from_a_burst_do_not_lock_out_later_probes(monkeypatch):
+    """helper-113: a burst up to HARD_CAP, left open, refused every later probe even once the
+    burst was old enough to be closed (the cap was applied before the old ones were closed), so
+    anyone who could reach the port could fail the pod's liveness probe."""
+    from qworker.telemetry import http
+
+    monkeypatch.setattr(http, "MAX_CONNECTIONS", 8)
+    monkeypatch.setattr(http, "HARD_CAP", 12)
+    monkeypatch.setattr(http, "MIN_AGE_S", 0.3)
+    server = TelemetryServer("127.0.0.1", 0, liveness={"ok": lambda: True})
+    await server.start()
+    clients = []
+    try:
+        for _ in range(12):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+            clients.append((reader, writer))
+        await asyncio.sleep(0.1)
+        assert len(server._open) == 12
+        await asyncio.sleep(0.4)  # the whole burst is past MIN_AGE_S now
+        for _ in range(3):
+            status, _, body = await get(server.port, "/healthz")
+            assert status == 200 and json.loads(body)["status"] == "ok"
+        assert len(server._open) <= 8
+    finally:
+        for _, w in clients:
+            w.close()
+        await server.stop()
+
+
+async def test_a_malformed_accept_header_gets_the_default_metrics_format():
+    """helper-113: ``Accept: application/openmetrics-text; version=abc`` made prometheus_client
+    raise: a 500 and a logged traceback per request."""
+    metrics = WorkerMetrics("smol", stats=lambda: {"num_running": 1})
+    server = TelemetryServer("127.0.0.1", 0, metrics=metrics)
+    await server.start()
+    try:
+        _, plain_headers, plain = await get(server.port, "/metrics")
+        for accept in ("application/openmetrics-text; version=abc", "text/plain; version=x.y"):
+            status, headers, body = await get(server.port, "/metrics", extra=f"Accept: {accept}\r\n")
+            assert status == 200 and headers["content-type"] == plain_headers["content-type"], (accept, status)
+            assert b"qworker" in body
+    finally:
+        await server.stop()
