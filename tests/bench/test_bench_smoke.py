@@ -167,23 +167,3 @@ def test_greedy_head(model_dir, capsys):
     rows = greedy_head.main(["--model", str(model_dir), "--rows", "1,3", "--rounds", "1"])
     assert [r["rows"] for r in rows] == [1, 3] and all(r["full_ms"] > 0 and r["bounded_ms"] > 0 for r in rows)
     assert "bounded/full" in capsys.readouterr().out
-
-
-def test_attention_cpu_bf16_products_against_a_revision(tmp_path):
-    """The bf16 mode's decode kernel (--bf16-products) timed against the same kernel built from a
-    git revision: both paths run and give finite times (needs git and a C compiler)."""
-    import shutil
-
-    from bench import attention_cpu
-    from kernels import cpu as kcpu
-
-    if shutil.which("git") is None or not (ROOT / ".git").exists() or shutil.which("cc") is None:
-        pytest.skip("needs git, the repository's history and a C compiler")
-    isa = kcpu.available_isas()[0]
-    r = attention_cpu.main(["--batches", "3", "--layers", "2", "--min-len", "17", "--max-len", "40", "--cache-dtypes", "bfloat16",
-                            "--bf16-products", "--rounds", "1", "--flush-mib", "0", "--bandwidth-mib", "8", "--isas", isa,
-                            "--baseline-rev", "HEAD", "--out", str(tmp_path)])
-    assert r == _json(tmp_path, "attention_cpu") | {"decode": r["decode"]}
-    (row,) = r["decode"]
-    assert set(row["ms"]) == {f"c:{isa}", "c@HEAD"}
-    assert all(math.isfinite(v) and v > 0 for v in row["ms"].values())

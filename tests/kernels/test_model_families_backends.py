@@ -2,7 +2,12 @@
 equals its forward on the CPU backend, through the real model runner on the family's tiny random
 model: sliding windows and soft-caps in the Triton attention kernels, the fused MoE, q/k norms
 and per-layer rope tables on that path. One mixed step of decodes and a prefill chunk continuing
-a cached prefix that reaches past the windows."""
+a cached prefix that reaches past the windows.
+
+The interpreter runs every Triton program in Python (milliseconds each, one per row for the
+norms and rope), so the sequences are short: windows are narrowed to 8 tokens and pages to 8, so
+that 20-30 tokens still reach past every window and over several pages. Long contexts over
+several attention tiles are the kernel tests' job (tests/kernels)."""
 
 from __future__ import annotations
 
@@ -11,9 +16,10 @@ import torch
 
 from qworker.model.batch import Batch, SeqChunk
 from qworker.model.runner import ModelRunner
-from tests.engine.family_models import build_family_model
+from tests.engine.family_models import build_family_model, family_config
 
 VOCAB = 512
+WINDOW, PAGE = 8, 8
 # one family per hook on the Triton path (the plain Llama loop is tests/kernels/test_model_backends.py):
 # soft-caps + windows, q/k head norms + two rope tables, MoE (fp32 and act-dtype routing weights),
 # full-width q/k norms + clip, partial rotary + a global window, no pre-norms + per-type rope with
@@ -27,7 +33,12 @@ CASES = ["gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe", "phi3", "olmo
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("family-backends")
-    return {f: build_family_model(f, root / f, model_dir, vocab_size=VOCAB) for f in CASES}
+    return {f: build_family_model(f, root / f, model_dir, vocab_size=VOCAB, **narrow_window(f)) for f in CASES}
+
+
+def narrow_window(model_type: str) -> dict:
+    """A family's window, if it has one, narrowed to ``WINDOW`` tokens."""
+    return {"sliding_window": WINDOW} if getattr(family_config(model_type), "sliding_window", None) else {}
 
 
 @pytest.mark.parametrize("model_type", CASES)
@@ -37,15 +48,15 @@ def test_triton_backend_matches_cpu_backend(family_dirs, model_type, seed, devic
     runners = {b: ModelRunner(path, device=str(dev), dtype="float32", kernel_backend=b)
                for b, dev in (("cpu", torch.device("cpu")), ("triton", device))}
     for r in runners.values():
-        r.allocate_kv_cache(num_blocks=16, num_cpu_blocks=0, block_size=16)
-    lens = {"a": 45, "b": 7, "c": 70}  # a and c past every window (24-40)
+        r.allocate_kv_cache(num_blocks=16, num_cpu_blocks=0, block_size=PAGE)
+    lens = {"a": 20, "b": 5, "c": 30}  # a and c past every window, over 3 and 4 pages
     ids = {k: torch.randint(3, VOCAB, (n + 1,), generator=gen).tolist() for k, n in lens.items()}
     pages = torch.randperm(16, generator=gen).tolist()
-    tables = {"a": pages[0:3], "b": pages[3:4], "c": pages[4:9]}
-    step1 = Batch([SeqChunk(ids["a"][:45], 0, tables["a"], True), SeqChunk(ids["b"][:7], 0, tables["b"], True),
-                   SeqChunk(ids["c"][:48], 0, tables["c"], False)])
-    step2 = Batch([SeqChunk(ids["a"][45:46], 45, tables["a"], True), SeqChunk(ids["b"][7:8], 7, tables["b"], True),
-                   SeqChunk(ids["c"][48:70], 48, tables["c"], True)])
+    tables = {"a": pages[0:3], "b": pages[3:4], "c": pages[4:8]}
+    step1 = Batch([SeqChunk(ids["a"][:20], 0, tables["a"], True), SeqChunk(ids["b"][:5], 0, tables["b"], True),
+                   SeqChunk(ids["c"][:19], 0, tables["c"], False)])
+    step2 = Batch([SeqChunk(ids["a"][20:21], 20, tables["a"], True), SeqChunk(ids["b"][5:6], 5, tables["b"], True),
+                   SeqChunk(ids["c"][19:30], 19, tables["c"], True)])
     for step in (step1, step2):
         cpu, triton = (runners[b].execute(step).cpu() for b in ("cpu", "triton"))
         assert cpu.shape == triton.shape == (sum(c.needs_logits for c in step.chunks), VOCAB)
