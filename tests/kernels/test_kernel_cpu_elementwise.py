@@ -117,6 +117,18 @@ def test_silu_and_mul(seed, T):
     _close(silu_and_mul_cpu(gate_up), silu_and_mul_ref(gate_up), rtol=5e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_far_below_the_exp_clamp(dtype):
+    """helper-112: exp was clamped at e^-87, so a gate of -3e38 gave about -5 (silu(x) -> 0), and
+    -inf gave -inf where x * sigmoid(x) is NaN."""
+    gate = torch.tensor([-3e38, -1e30, -100.0, -88.0, -float("inf"), -86.0])
+    up = torch.tensor([1.0, 1.0, 1.0, 2.0, 1.0, 1.0])
+    got = silu_and_mul_cpu(torch.cat([gate, up])[None].to(dtype))[0].float()
+    want = (torch.nn.functional.silu(gate.to(dtype).float()) * up.to(dtype).float())
+    assert torch.equal(got[:4].abs(), torch.zeros(4)) and got[4].isnan()
+    torch.testing.assert_close(got[5:], want[5:], rtol=1e-2, atol=0)
+
+
 def test_store_kv_into_fp16_cache(seed):
     """Rounding to half precision is torch's (nearest even), bit for bit."""
     gen = generator(seed)
