@@ -182,6 +182,13 @@ class GenerationTrace:
         if self.recording and not self._ended:
             self.span.add_event(EV_ABORT, {"qworker.abort.reason": reason})
 
+    def error(self, code: str) -> None:
+        """The run ended with an error answer (``code``, e.g. "engine_error"): the span, ended
+        by ``finish`` with what was generated, carries it as its status and ``error.type``."""
+        if self.recording and not self._ended:
+            self.span.set_attribute("error.type", code)
+            self.span.set_status(Status(StatusCode.ERROR, code))
+
     def fail(self, error: BaseException | str) -> None:
         """Ends the span as an error (no-op once ended)."""
         if self._ended:

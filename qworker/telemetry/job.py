@@ -101,15 +101,18 @@ class JobTelemetry:
         if self._gen is not None:
             self._gen.on_output(out)
 
-    def generated(self, last: Any | None, *, finish_reasons: Iterable[str], input_tokens: int, output_tokens: int, cached_tokens: int = 0, aborted: str | None = None) -> None:
+    def generated(self, last: Any | None, *, finish_reasons: Iterable[str], input_tokens: int, output_tokens: int, cached_tokens: int = 0,
+                  aborted: str | None = None, error: str | None = None) -> None:
         """The run is over (``last``: the final delta, None if none came). Ends the generate
-        span and observes the latency histograms."""
+        span (as an error with ``error``, the engine's error code) and observes the latency histograms."""
         m = getattr(last, "metrics", None)
         if m is not None:
             self.owner.metrics.observe_request(m, output_tokens, num_prompt_tokens=input_tokens, start_time=self.received_at)
         if self._gen is not None:
             if aborted:
                 self._gen.abort(aborted)
+            if error:
+                self._gen.error(error)
             self._gen.finish(
                 last,
                 finish_reasons=finish_reasons,

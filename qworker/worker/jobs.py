@@ -272,6 +272,7 @@ class JobRunner:
             output_tokens=sum(len(a.token_ids) for a in accs.values()),
             cached_tokens=cached,
             aborted="cancelled" if cancelled else None,
+            error=None if cancelled or not reasons & {None, "abort"} else getattr(last, "error_code", None),
         )
         if stream is not None:
             if state.wire is not None and not reasons & {None, "abort"}:

@@ -60,3 +60,19 @@ def test_rejected_abandoned_and_dead_lettered(tracing, exporter):
     assert sum(s.name == "process jobs" for s in spans) == 3
     gen = next(s for s in spans if s.name == "generate")
     assert gen.status.status_code.name == "ERROR" and gen.attributes["gen_ai.operation.name"] == "chat"
+
+
+def test_a_run_that_ends_with_an_engine_error_ends_its_generate_span_as_an_error(tracing, exporter):
+    """helper-113: the generate span of a job answered with engine_error ended with status UNSET
+    (only the process span said error)."""
+    metrics = WorkerMetrics("smol")
+    t = Telemetry(tracing, metrics, group_id="g", model="smol")
+    j = t.job("broken", "jobs", 0, 1, b"broken", None)
+    j.generating("text_completion", {"max_tokens": 4})
+    last = fake_output([1], fake_metrics(1000.0), "abort")
+    j.on_output(last)
+    j.generated(last, finish_reasons=["abort"], input_tokens=3, output_tokens=1, error="engine_error")
+    j.outcome("error", "engine_error")
+    gen = next(s for s in exporter.get_finished_spans() if s.name == "generate")
+    assert gen.status.status_code.name == "ERROR" and gen.attributes["error.type"] == "engine_error"
+    assert gen.attributes["gen_ai.usage.output_tokens"] == 1  # what it generated is still recorded
