@@ -429,10 +429,10 @@ def _resolve(root: object, ref: str, path: str) -> object:
 def check_regex_supported(regex: str) -> None:
     """Raise for what xgrammar's regex dialect does not know: it reads ``\\A``, ``\\Z``, ``\\z``,
     ``\\G`` and other unknown letter escapes (``\\h``, ``\\R``) as letters and ignores ``^`` and
-    ``$`` (with a warning). The whole output matches
-    the regex anyway, so an anchor that can only stand where the output starts (``^``) or ends
-    (``$``) changes nothing and is accepted (``^yes$|^no$``, ``(^a|^b)c$``); one with something to
-    match before or after it (``a$b``) is refused."""
+    ``$`` (with a warning). The whole output matches the regex anyway, so an anchor that can only
+    stand where the output starts (``^``) or ends (``$``) changes nothing and is accepted
+    (``^yes$|^no$``, ``(^a|^b)c$``); one with something to match before or after it (``a$b``) is
+    refused."""
     _check_letter_escapes(regex, "regex")
     _check_edge_anchors(_regex_tokens(regex), "regex")
 
