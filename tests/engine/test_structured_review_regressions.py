@@ -99,7 +99,7 @@ ACCEPTED = {
                                                      "definitions": {"m": {"type": "string"}}}},
     "anchors at the ends, ^ and $ in classes, escaped": {"regex": r"^[a-z^$]+\$\^[^]x]$"},
     "a literal backslash before A": {"regex": r"\\A"},
-    "the letter escapes the backend knows": {"regex": r"\d\w\s\D\S\W\x41\u0041[\d\t]\n\r\f\v\a\e\cJ[\b]"},
+    "the letter escapes the backend knows": {"regex": r"\d\w\s\D\S\W\x41\u0041\U0001F600[\d\t]\n\r\f\v\a\e\cJ[\b]"},
     "a literal backslash before h": {"regex": r"\\h[\\h]"},
     # helper-48: annotations the backend ignores may stand beside $ref / enum
     "an OpenAPI example beside $ref": {"json": {"$ref": "#/$defs/a", "example": {"x": 1}, "$defs": {"a": {"type": "string"}}}},

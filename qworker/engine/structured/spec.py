@@ -324,11 +324,11 @@ def _matched_by_both(names: list[str], patterns: list[str]) -> tuple[str, str] |
 
 _JSON_RAW = (0x22, 0x5C)  # '"' and '\\'; and every control character below 0x20
 _ESCAPED_CONTROL = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "e": 27, "0": 0}
-# the letter escapes xgrammar's regex dialect knows (classes, controls, \x \u \cX) or refuses
+# the letter escapes xgrammar's regex dialect knows (classes, controls, \x \u \U \cX) or refuses
 # with its own message (\b \B, \p \P, \k); it matches any other escaped letter as the letter
 # itself, which no other dialect does (\h, \R, \Q ... mean something else in PCRE and are
 # errors in Python's re). \A \Z \z \G are refused as anchors.
-_KNOWN_LETTER_ESCAPES = frozenset("adefnrstvwDSWxucbBpPk")
+_KNOWN_LETTER_ESCAPES = frozenset("adefnrstvwDSWxuUcbBpPk")
 
 
 def _unsafe(cp: int) -> bool:
