@@ -19,11 +19,20 @@ from qworker import LLM, SamplingParams
 from qworker.model.batch import Batch, SeqChunk
 from qworker.model.families.spec import dims
 from qworker.model.runner import ModelRunner
+from tests.engine.conftest import FamilyModels
 from tests.engine.family_models import FAMILIES, family_config
 from tests.engine.family_reference import eager_greedy, eager_last_logits
 from tests.engine.hf_reference import assert_greedy_matches
 
 MAX_TOKENS = 16
+# the first 4096 of the tokenizer's ids: the embedding and LM head of the full 49152 were most of
+# these tiny models' bytes and of the time to build, load and run them (here and in transformers)
+VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory, model_dir) -> FamilyModels:
+    return FamilyModels(tmp_path_factory.mktemp("family-models-small-vocab"), model_dir, vocab_size=VOCAB)
 
 
 def window_of(model_type: str) -> int:
@@ -35,7 +44,7 @@ def prompts_for(model_type: str, seed: int = 0) -> list[list[int]]:
     rng = random.Random(f"{model_type}-{seed}")
     w = max(window_of(model_type), 24)
     lengths = [rng.randrange(3, 12), w + rng.randrange(1, 16), 2 * w + rng.randrange(1, 30), 3 * w + rng.randrange(1, 40)]
-    return [[rng.randrange(3, 49000) for _ in range(n)] for n in lengths]
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
 
 
 def greedy(n: int = MAX_TOKENS) -> SamplingParams:
@@ -59,7 +68,7 @@ def test_greedy_matches_under_preemption_chunking_and_prefix_hits(family_models,
     # two more that share the first half (and a block) of `shared`, then go their own way: prefix
     # hits, and enough distinct blocks that the pool cannot hold every running request
     half = len(shared) // 2 + 16
-    prompts = base + [shared[:half] + [rng.randrange(3, 49000) for _ in range(len(shared) // 2)] for _ in range(2)]
+    prompts = base + [shared[:half] + [rng.randrange(3, VOCAB) for _ in range(len(shared) // 2)] for _ in range(2)]
     no_swap = FAMILIES.index(model_type) % 2 == 1
     config = family_config(model_type)
     d = dims(config)
@@ -122,7 +131,7 @@ def drafting_prompt(path, rng: random.Random, n: int) -> list[int]:
     drafts from the first decode step: ``g`` is written at the first position where it does not
     change the model's choice of ``g`` (a few tries on these models)."""
     for _ in range(5):
-        prompt = [rng.randrange(3, 49000) for _ in range(n)]
+        prompt = [rng.randrange(3, VOCAB) for _ in range(n)]
         g = int(eager_last_logits(path, prompt).argmax())
         for pos in range(n - 1):
             candidate = prompt[:pos] + [g] + prompt[pos + 1:]
