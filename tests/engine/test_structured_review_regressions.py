@@ -78,6 +78,14 @@ REFUSED = {
     "an unknown letter escape inside a class": ({"regex": r"[\hx]+"}, "escape \\h is not supported"),
     "an unknown letter escape in a pattern": ({"json": {"type": "string", "pattern": r"^\X+$"}}, "escape \\X is not supported"),
     "an anchor escape in a pattern": ({"json": {"type": "string", "pattern": r"\Aab"}}, "anchor \\A is not supported"),
+    # helper-114: letters xgrammar reads literally in some places: \p{L} in a class served "p{L}",
+    # \x{41} served 41 x's, \U0041 served "U0041", and \u{22} in a pattern served a raw quote
+    "a Unicode property in a class": ({"regex": r"[\p{L}\s]+"}, "escape \\p is not supported"),
+    "a negated Unicode property in a class": ({"regex": r"[\P{L}]"}, "escape \\P is not supported"),
+    "a non-boundary escape in a class": ({"regex": r"[\B\k]"}, "escape \\B is not supported"),
+    "a braced \\x escape": ({"regex": r"\x{41}"}, "escape \\x must be followed by its hex digits"),
+    "a short \\U escape": ({"regex": r"a\U0041"}, "escape \\U must be followed by its hex digits"),
+    "a braced \\u quote in a pattern": ({"json": {"type": "string", "pattern": r"^\u{22}$"}}, "unescaped"),
     # valid JSON, not text
     "a lone surrogate in a choice": ({"choice": ["ok", "a\ud800"]}, "lone UTF-16 surrogate"),
     "a lone surrogate in a schema": ({"json": {"enum": ["\udfff"]}}, "lone UTF-16 surrogate"),
@@ -101,6 +109,7 @@ ACCEPTED = {
     "a literal backslash before A": {"regex": r"\\A"},
     "the letter escapes the backend knows": {"regex": r"\d\w\s\D\S\W\x41\u0041\U0001F600[\d\t]\n\r\f\v\a\e\cJ[\b]"},
     "a literal backslash before h": {"regex": r"\\h[\\h]"},
+    "a braced \\u escape": {"regex": r"[\u{4e00}-\u{9fff}]+"},
     # helper-48: annotations the backend ignores may stand beside $ref / enum
     "an OpenAPI example beside $ref": {"json": {"$ref": "#/$defs/a", "example": {"x": 1}, "$defs": {"a": {"type": "string"}}}},
     "nullable beside $ref (OpenAPI 3.0)": {"json": {"$ref": "#/$defs/a", "nullable": True, "$defs": {"a": {"type": "string"}}}},

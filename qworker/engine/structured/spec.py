@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -324,11 +325,15 @@ def _matched_by_both(names: list[str], patterns: list[str]) -> tuple[str, str] |
 
 _JSON_RAW = (0x22, 0x5C)  # '"' and '\\'; and every control character below 0x20
 _ESCAPED_CONTROL = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "e": 27, "0": 0}
-# the letter escapes xgrammar's regex dialect knows (classes, controls, \x \u \U \cX) or refuses
-# with its own message (\b \B, \p \P, \k); it matches any other escaped letter as the letter
-# itself, which no other dialect does (\h, \R, \Q ... mean something else in PCRE and are
-# errors in Python's re). \A \Z \z \G are refused as anchors.
-_KNOWN_LETTER_ESCAPES = frozenset("adefnrstvwDSWxuUcbBpPk")
+# the letter escapes xgrammar's regex dialect knows (classes, controls, \cX, and \x \u \U in the
+# forms of _HEX_ESCAPES) or refuses itself (\b outside a class; inside one it is a backspace); it
+# matches any other escaped letter as the letter itself, which no other dialect does (\h, \R, \Q
+# mean something else in PCRE and are errors in Python's re; \p{L} inside a class serves "p{L}").
+# \A \Z \z \G are refused as anchors.
+_KNOWN_LETTER_ESCAPES = frozenset("adefnrstvwDSWcbxuU")
+# the digits each hex escape must have for xgrammar to read it as a code point (\x{41} is an "x")
+_HEX_ESCAPES = {"x": re.compile(r"[0-9a-fA-F]{2}"), "u": re.compile(r"[0-9a-fA-F]{4}|\{[0-9a-fA-F]{1,6}\}"),
+                "U": re.compile(r"[0-9a-fA-F]{8}")}
 
 
 def _unsafe(cp: int) -> bool:
@@ -343,6 +348,12 @@ def _escape_at(p: str, i: int, in_class: bool = False) -> tuple[int | None, int]
         return ord(p[i + 2]) & 31, i + 3  # \cJ: a control character
     if x == "b" and in_class:
         return 8, i + 2
+    if x == "u" and p[i + 2:i + 3] == "{":  # \u{22}
+        end = p.find("}", i + 3)
+        digits = p[i + 3:end] if end != -1 else ""
+        if digits and len(digits) <= 6 and all(c in "0123456789abcdefABCDEF" for c in digits):
+            return int(digits, 16), end + 1
+        return None, i + 2
     if x in ("x", "u", "U"):
         width = {"x": 2, "u": 4, "U": 8}[x]
         digits = p[i + 2:i + 2 + width]
@@ -449,6 +460,9 @@ def _check_letter_escapes(regex: str, what: str) -> None:
         if x.isascii() and x.isalpha() and x not in _KNOWN_LETTER_ESCAPES:
             raise StructuredOutputError(f"{what} escape \\{x} is not supported by the structured-output backend (it would "
                                         f"match the letter {x!r} itself); write the characters it stands for instead")
+        if x in _HEX_ESCAPES and not _HEX_ESCAPES[x].match(regex, i + 2):
+            raise StructuredOutputError(f"{what} escape \\{x} must be followed by its hex digits (\\xHH, \\uHHHH or \\u{{H..}}, "
+                                        f"\\UHHHHHHHH): the structured-output backend would match the letter {x!r} itself")
         i = regex.find("\\", i + 2)
 
 
