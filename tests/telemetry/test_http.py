@@ -24,6 +24,13 @@ async def get(port: int, path: str, method: str = "GET", extra: str = "") -> tup
     return int(lines[0].split()[1]), headers, body
 
 
+async def idle_client(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that starts a request and never finishes its head."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+    return reader, writer
+
+
 async def test_probes_and_metrics():
     engine = SimpleNamespace(last_step_time=time.monotonic())
     state = {"model": True, "warm": False, "group": True}
@@ -176,9 +183,7 @@ async def test_a_flood_of_idle_connections_is_bounded_and_probes_are_still_answe
 
     async def idle_clients(n: int) -> None:
         for _ in range(n):
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
-            clients.append((reader, writer))
+            clients.append(await idle_client(server.port))
 
     try:
         await idle_clients(40)
@@ -215,9 +220,7 @@ async def test_a_burst_faster_than_min_age_is_held_to_the_hard_cap_and_stop_ends
     clients = []
     try:
         for _ in range(30):
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
-            clients.append((reader, writer))
+            clients.append(await idle_client(server.port))
             await asyncio.sleep(0.005)
             assert len(server._open) <= 12
         await asyncio.sleep(0.1)
@@ -268,9 +271,7 @@ async def test_connections_left_from_a_burst_do_not_lock_out_later_probes(monkey
     clients = []
     try:
         for _ in range(12):
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
-            clients.append((reader, writer))
+            clients.append(await idle_client(server.port))
         await asyncio.sleep(0.1)
         assert len(server._open) == 12
         await asyncio.sleep(0.4)  # the whole burst is past MIN_AGE_S now
