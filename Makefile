@@ -34,7 +34,7 @@ model-gemma3: | $(STAMP)
 test-gemma3: install model model-gemma3
 	QWORKER_TEST_MODEL=$(MODEL_DIR) QWORKER_TEST_GEMMA3=1 QWORKER_GEMMA3_MODEL=$(GEMMA3_DIR) $(PY) -m pytest -q -p no:cacheprovider tests/engine/test_gemma3_real.py
 
-# four pytest processes side by side (the broker-bound tests and the CPU-bound rest, each in two halves),
+# three pytest processes side by side (the broker-bound tests, the CPU-bound rest in two halves),
 # one intra-op thread each: see tests/run_all.py
 test: install model
 	QWORKER_TEST_MODEL=$(MODEL_DIR) $(PY) tests/run_all.py

@@ -1,4 +1,4 @@
-"""``make test``: the whole suite as four pytest processes running at the same time.
+"""``make test``: the whole suite as three pytest processes running at the same time.
 
 Why several: on the 2-core machines CI runs on, one serial run takes ~30 minutes. ``tests/worker``
 and the other broker-bound tests wait on the broker part of the time (group joins, rebalances,
@@ -6,10 +6,10 @@ outages, deadlines); the engine, kernel, bench and chart tests are CPU-bound on 
 With the broker-bound group beside one CPU-bound group, the CPU-bound one ran ~250 s alone at the
 end with a core idle (idle 2-core AVX2 EPYC: 1105 s wall; 1010 s and 719 s of CPU). So the
 CPU-bound files are split over two processes, balanced by their recorded times
-(``tests/durations.json``). The broker-bound group then set the wall time (Zen 4, 2026-12-07: 757
-s, of which 375 s of CPU, beside CPU-bound groups done by 706 s): its waits are spent one after
-another, so it is split in two as well (each process starts its own broker), and all four run
-side by side.
+(``tests/durations.json``), and all three run side by side. The two cores are then busy all the
+time, so the wall time follows the suite's total CPU time: splitting the broker-bound group in two
+as well (each process with its own broker) gave no gain (Zen 4, 2026-12-07: 775 s and 1,430 s of
+CPU in four processes, against 765 s and 1,357 s in three).
 
 Why one intra-op thread each (``OMP_NUM_THREADS=1`` unless already set): several OpenMP teams of
 two threads on two cores make every parallel region wait for a preempted partner thread (barriers
@@ -75,8 +75,7 @@ def balance(files: list[str], seconds: dict[str, float], bins: int = 2) -> list[
 def groups() -> dict[str, list[str]]:
     seconds = json.loads(DURATIONS.read_text())["seconds"] if DURATIONS.exists() else {}
     a, b = balance(cpu_bound_files(), seconds)
-    c, d = balance(broker_bound_files(), seconds)
-    return {"CPU-bound tests, part 1": a, "CPU-bound tests, part 2": b, "broker-bound tests, part 1": c, "broker-bound tests, part 2": d}
+    return {"CPU-bound tests, part 1": a, "CPU-bound tests, part 2": b, "broker-bound tests": broker_bound_files()}
 
 
 def weights_from(junit: Path) -> None:
