@@ -264,7 +264,10 @@ class JobRunner:
         last_seq: int | None = None
         # Cancelled only when the abort actually cut a choice short: a cancel that arrives after
         # the last token leaves a complete result, which stands (status and reasons agree).
-        cancelled = state.cancel_requested and bool(reasons & {None, "abort"})
+        cut_short = bool(reasons & {None, "abort"})
+        cancelled = state.cancel_requested and cut_short
+        # the engine's error code where it ended the run (None for a cancel or a complete result)
+        code = getattr(last, "error_code", None) if cut_short and not cancelled else None
         tele.generated(
             last,
             finish_reasons=[a.finish_reason or "abort" for _, a in sorted(accs.items())],
@@ -272,10 +275,10 @@ class JobRunner:
             output_tokens=sum(len(a.token_ids) for a in accs.values()),
             cached_tokens=cached,
             aborted="cancelled" if cancelled else None,
-            error=None if cancelled or not reasons & {None, "abort"} else getattr(last, "error_code", None),
+            error=code,
         )
         if stream is not None:
-            if state.wire is not None and not reasons & {None, "abort"}:
+            if state.wire is not None and not cut_short:
                 # OpenAI streams end each choice with its finish_reason (then the usage, if asked)
                 usage = Usage(prompt_tokens=state.prompt_len, completion_tokens=sum(len(a.token_ids) for a in accs.values()), cached_tokens=cached)
                 stream.coalescer.end({i: a.finish_reason for i, a in accs.items()}, usage if state.wire.include_usage else None)  # type: ignore[misc]
@@ -283,9 +286,8 @@ class JobRunner:
             await stream.settle()
             state.run_id = stream.run_id  # a replayed stream has a fresh run id
             last_seq = stream.coalescer.last_seq
-        if not cancelled and reasons & {None, "abort"}:
-            code = getattr(last, "error_code", None) if last is not None else None
-            err = getattr(last, "error", None) if last is not None else None
+        if cut_short and not cancelled:
+            err = getattr(last, "error", None)
             if code == "deadline_exceeded":
                 return unstarted_answer(state, error_message(state, "deadline_exceeded",
                                                              err or f"deadline {job.deadline} passed before the engine started the job",

@@ -348,18 +348,9 @@ def _escape_at(p: str, i: int, in_class: bool = False) -> tuple[int | None, int]
         return ord(p[i + 2]) & 31, i + 3  # \cJ: a control character
     if x == "b" and in_class:
         return 8, i + 2
-    if x == "u" and p[i + 2:i + 3] == "{":  # \u{22}
-        end = p.find("}", i + 3)
-        digits = p[i + 3:end] if end != -1 else ""
-        if digits and len(digits) <= 6 and all(c in "0123456789abcdefABCDEF" for c in digits):
-            return int(digits, 16), end + 1
-        return None, i + 2
-    if x in ("x", "u", "U"):
-        width = {"x": 2, "u": 4, "U": 8}[x]
-        digits = p[i + 2:i + 2 + width]
-        if len(digits) == width and all(c in "0123456789abcdefABCDEF" for c in digits):
-            return int(digits, 16), i + 2 + width
-        return None, i + 2
+    if x in _HEX_ESCAPES:  # \x41 \u0041 \u{41} \U00000041
+        digits = _HEX_ESCAPES[x].match(p, i + 2)
+        return (int(digits.group().strip("{}"), 16), digits.end()) if digits else (None, i + 2)
     if x in _ESCAPED_CONTROL:
         return _ESCAPED_CONTROL[x], i + 2
     if x.isalnum() or not x:
