@@ -4,6 +4,13 @@ The cancel consumer has no group (manual assignment of all partitions), so each 
 cancel. It starts ``ttl`` seconds back in time (``offsets_for_times``), and cancels are
 remembered for ``ttl``: a cancel that arrives before its job, or a job rerun after a crash, is
 still honoured.
+
+The topic can change under the reader: deleted and re-created (its records numbered from 0
+again, perhaps with another partition count), given more partitions, or served anew by a broker
+that lost its data. Nothing in a fetch says so (Tansu serves a deleted topic as an empty log), so
+every ``LOG_CHECK_S`` the reader compares what it reads with what the topic is now and, on any
+difference, assigns itself again from ``ttl`` back. Reading a cancel twice is harmless: the
+registry keeps one entry per job id, and a job is cancelled once.
 """
 
 from __future__ import annotations
@@ -19,9 +26,13 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CorruptRecordException, KafkaError
 
 from qworker.messages import MAX_ID_LEN, Cancel, loads
+from qworker.worker import rawfetch, topic_ids
 from qworker.worker.consumer import getmany
+from qworker.worker.offsets import record_fingerprint
 
 log = logging.getLogger(__name__)
+# how often the reader checks that the cancel topic is still the log it reads (see the module doc)
+LOG_CHECK_S = 5.0
 
 
 class CancelRegistry:
@@ -94,20 +105,32 @@ class CancelWatcher:
         self.topic, self.on_cancel, self.ttl_s = topic, on_cancel, ttl_s
         self._task: asyncio.Task | None = None
         self.seen = 0
+        self.reassigned = 0  # times the topic was found changed and read again
+        # per partition, the offset and fingerprint of the last record read: the log must still
+        # hold it (a re-created topic that grew past our position does not)
+        self._witness: dict[TopicPartition, tuple[int, int]] = {}
+        self._topic_id: bytes | None = None  # the topic's id when assigned (None: not known)
+        self._stale = False  # the topic changed and the assignment to its new log is not done yet
 
     async def start(self) -> None:
         await self.consumer.start()
         self._task = asyncio.create_task(self._run(), name="cancel-watcher")
 
+    async def _partitions(self) -> set[int]:
+        """The topic's partitions as the broker has them now (empty: no such topic). Asked afresh:
+        ``consumer.topics()`` does not update the metadata ``partitions_for_topic`` answers from,
+        which would keep a re-created topic's old partition count."""
+        cluster = await self.consumer._client.fetch_all_metadata()  # noqa: SLF001 - aiokafka has no public call
+        return cluster.partitions_for_topic(self.topic) or set()
+
     async def _assign(self) -> bool:
-        topics = await self.consumer.topics()
-        if self.topic not in topics:
-            return False
-        parts = self.consumer.partitions_for_topic(self.topic) or set()
+        parts = await self._partitions()
         tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
         if not tps:
             return False
+        self._topic_id = await self._current_topic_id()
         self.consumer.assign(tps)
+        self._witness.clear()
         since = int((time.time() - self.ttl_s) * 1000)
         found = await self.consumer.offsets_for_times({tp: since for tp in tps})
         for tp in tps:
@@ -117,6 +140,51 @@ class CancelWatcher:
             else:
                 await self.consumer.seek_to_end(tp)
         return True
+
+    async def _current_topic_id(self) -> bytes | None:
+        """The topic's id now; None where the broker gives none or cannot be asked."""
+        try:
+            return await topic_ids.topic_id(self.consumer, self.topic)
+        except (topic_ids.TopicIdsUnsupported, KafkaError):
+            return None
+
+    async def _changed(self) -> str | None:
+        """Why the topic is no longer the log being read (see the module doc), or None."""
+        parts = await self._partitions()
+        assigned = self.consumer.assignment()
+        if parts != {tp.partition for tp in assigned}:
+            return f"its partitions are now {sorted(parts)}"
+        if self._topic_id is not None:
+            now = await self._current_topic_id()
+            if now is not None and now != self._topic_id:
+                return "it was re-created (a new topic id)"
+        for tp, (offset, fp) in list(self._witness.items()):
+            got = await rawfetch.record_at(self.consumer, tp, offset)
+            if got is None or isinstance(got, str) or record_fingerprint(got) != fp:
+                return f"partition {tp.partition} no longer holds offset {offset} as read"
+        unread = [tp for tp in assigned if tp not in self._witness]
+        ends = await self.consumer.end_offsets(unread) if unread else {}
+        for tp in unread:
+            if ends.get(tp) is not None and ends[tp] < await self.consumer.position(tp):
+                return f"partition {tp.partition} ends below the reader's position"
+        return None
+
+    async def _check_log(self) -> None:
+        """Assign again (from ``ttl`` back) when the topic changed. An assignment not finished
+        (the topic deleted and not back yet, the broker not answering) is tried again next round:
+        until then the reader's positions cannot be trusted, so it is not checked, only redone."""
+        try:
+            if not self._stale:
+                async with asyncio.timeout(LOG_CHECK_S):
+                    why = await self._changed()
+                if why is None:
+                    return
+                log.warning("cancel topic %s changed (%s): reading it again from %.0f s back", self.topic, why, self.ttl_s)
+                self.reassigned += 1
+                self._stale = True
+            self._stale = not await self._assign()
+        except (KafkaError, LookupError, TimeoutError) as e:
+            log.debug("cancel reader: log check not answered: %r", e)
 
     def alive(self) -> bool:
         return self._task is None or not self._task.done()
@@ -129,7 +197,12 @@ class CancelWatcher:
             except KafkaError as e:
                 log.warning("cancel topic %s not readable yet: %r", self.topic, e)
             await asyncio.sleep(1.0)
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + LOG_CHECK_S
         while True:
+            if loop.time() >= next_check:
+                await self._check_log()
+                next_check = loop.time() + LOG_CHECK_S
             try:
                 batches = await getmany(self.consumer, timeout_ms=200, max_records=1000)
             except CorruptRecordException as e:  # a CRC or a record aiokafka's parser refuses
@@ -144,9 +217,11 @@ class CancelWatcher:
                 log.warning("cancel reader: undecodable record (%r); reading its batch raw", e)
                 await self._skip_refused_or_wait()
                 continue
-            for records in batches.values():
+            for tp, records in batches.items():
                 for rec in records:
                     await self._handle(rec)
+                if records:
+                    self._witness[tp] = (records[-1].offset, record_fingerprint(records[-1]))
 
     async def _skip_refused_or_wait(self) -> None:
         try:

@@ -184,3 +184,57 @@ async def test_immediate_errors_with_a_long_tracestate_are_answered(topics, resu
         assert all(len(results.completions[j.id]) == 1 for j in jobs)
     finally:
         await w.stop()
+
+
+# ------------------------------------------------------------------ the cancel topic re-created under the reader
+@pytest.mark.parametrize(("new_partitions", "ids"), [(1, True), (1, False), (3, True)])
+async def test_the_cancel_reader_follows_its_topic_when_it_is_re_created(topics, monkeypatch, new_partitions, ids) -> None:
+    """helper-116: the cancel reader assigned itself once, at start. After the cancel topic was
+    deleted and re-created, it read on from its old position (a 1-partition log that grew past it
+    lost its first cancels) or only the partitions it had (a new 3-partition topic was not read
+    at all), and the job whose cancel it missed ran to completion. ``ids=False``: a broker that
+    gives no topic ids (the witness record tells). Checked on the reader itself, no engine."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from qworker.worker import cancellation, topic_ids
+    from qworker.worker.cancellation import CancelWatcher
+    from qworker.worker.client import cancel
+
+    monkeypatch.setattr(cancellation, "LOG_CHECK_S", 0.3)
+    if not ids:
+        async def unsupported(consumer, topic):
+            raise topic_ids.TopicIdsUnsupported("as Kafka before 2.8")
+
+        monkeypatch.setattr(topic_ids, "topic_id", unsupported)
+    got: list[str] = []
+
+    async def on_cancel(job_id: str, at: float) -> None:
+        got.append(job_id)
+
+    async def until(pred, what: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {got}"
+            await asyncio.sleep(0.05)
+
+    w = CancelWatcher(topics.cancel_topic, topics.consumer_options(), on_cancel, 600.0)
+    admin = AIOKafkaAdminClient(bootstrap_servers=topics.bootstrap_servers)
+    await admin.start()
+    await w.start()
+    try:
+        for i in range(5):  # the reader's position moves to 5
+            await cancel(topics, f"old-{i}")
+        await until(lambda: w.seen >= 5, "the first cancels")
+        await asyncio.sleep(1.0)  # several checks of an unchanged topic
+        assert w.reassigned == 0, "an unchanged topic was taken for a new one"
+        await admin.delete_topics([topics.cancel_topic])
+        await asyncio.sleep(1.0)
+        await admin.create_topics([NewTopic(topics.cancel_topic, new_partitions, 1)])
+        new = ["victim", *(f"filler-{i}" for i in range(8))]  # the new log grows past the old position
+        for job_id in new:
+            await cancel(topics, job_id)
+        await until(lambda: set(new) <= set(got), "every cancel of the new topic")
+        assert w.reassigned >= 1 and w.alive()
+    finally:
+        await w.stop()
+        await admin.close()
