@@ -33,15 +33,15 @@ def _run(model_dir: Path, **env: str) -> list[int]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_first_engine_freezes_the_start_up_heap_once(model_dir):
-    before, after_first, after_second, generated = _run(model_dir, QWORKER_GC_FREEZE="1")
+def test_first_engine_freezes_the_start_up_heap_once(tiny_model_dir):
+    before, after_first, after_second, generated = _run(tiny_model_dir, QWORKER_GC_FREEZE="1")
     assert before == 0
     assert after_first > 10_000  # the model, tokenizer and libraries
     assert after_second == after_first  # once per process: the second engine stays collectable
     assert generated == 3
 
 
-def test_freeze_can_be_turned_off(model_dir):
-    before, after_first, after_second, generated = _run(model_dir, QWORKER_GC_FREEZE="0")
+def test_freeze_can_be_turned_off(tiny_model_dir):
+    before, after_first, after_second, generated = _run(tiny_model_dir, QWORKER_GC_FREEZE="0")
     assert before == after_first == after_second == 0
     assert generated == 3

@@ -66,11 +66,10 @@ def test_a_recomputed_sequence_changes_no_bit(model_dir, dtype):
     """Three requests in a pool that holds about two: the scheduler preempts by recompute (no
     swap space), and the victim's prompt and outputs are computed again."""
     ps = prompts(2, 3, 40)
-    want = {}
-    for i, p in enumerate(ps):
-        e = engine(model_dir, dtype, 4096, enable_prefix_caching=False)
-        e.add_request(f"r{i}", p, params(48))
-        want.update(run(e))
+    alone, want = engine(model_dir, dtype, 4096, enable_prefix_caching=False), {}
+    for i, p in enumerate(ps):  # one request at a time
+        alone.add_request(f"r{i}", p, params(48))
+        want.update(run(alone))
     e = engine(model_dir, dtype, 12 * 16, swap_space=0, enable_prefix_caching=False)
     for i, p in enumerate(ps):
         e.add_request(f"r{i}", p, params(48))
