@@ -106,9 +106,13 @@ class CancelWatcher:
         self._task: asyncio.Task | None = None
         self.seen = 0
         self.reassigned = 0  # times the topic was found changed and read again
-        # per partition, the offset and fingerprint of the last record read: the log must still
-        # hold it (a re-created topic that grew past our position does not)
+        # per partition, (offset, fingerprint) of a record the log held at the last check (or
+        # the one before the position at assignment): the log must still hold it (a re-created
+        # topic that grew past our position does not). The last record read since that check
+        # waits in _latest and becomes the witness only once a check has passed: read from a log
+        # that replaced ours, it would vouch for the new log.
         self._witness: dict[TopicPartition, tuple[int, int]] = {}
+        self._latest: dict[TopicPartition, tuple[int, int]] = {}
         self._topic_id: bytes | None = None  # the topic's id when assigned (None: not known)
         self._stale = False  # the topic changed and the assignment to its new log is not done yet
 
@@ -131,6 +135,7 @@ class CancelWatcher:
         self._topic_id = await self._current_topic_id()
         self.consumer.assign(tps)
         self._witness.clear()
+        self._latest.clear()
         since = int((time.time() - self.ttl_s) * 1000)
         found = await self.consumer.offsets_for_times({tp: since for tp in tps})
         for tp in tps:
@@ -139,7 +144,23 @@ class CancelWatcher:
                 self.consumer.seek(tp, ot.offset)
             else:
                 await self.consumer.seek_to_end(tp)
+        for tp in tps:
+            await self._witness_before_position(tp)
         return True
+
+    async def _witness_before_position(self, tp: TopicPartition) -> None:
+        """The record just before where ``tp`` is read from, as its first witness (a log that
+        is replaced before anything is read of it is noticed too); none where there is no such
+        record or the broker does not say."""
+        position = await self.consumer.position(tp)
+        if position <= 0:
+            return
+        try:
+            got = await rawfetch.record_at(self.consumer, tp, position - 1)
+        except (KafkaError, LookupError):
+            return
+        if isinstance(got, rawfetch.RawRecord):
+            self._witness[tp] = (position - 1, record_fingerprint(got))
 
     async def _current_topic_id(self) -> bytes | None:
         """The topic's id now; None where the broker gives none or cannot be asked."""
@@ -162,11 +183,6 @@ class CancelWatcher:
             got = await rawfetch.record_at(self.consumer, tp, offset)
             if got is None or isinstance(got, str) or record_fingerprint(got) != fp:
                 return f"partition {tp.partition} no longer holds offset {offset} as read"
-        unread = [tp for tp in assigned if tp not in self._witness]
-        ends = await self.consumer.end_offsets(unread) if unread else {}
-        for tp in unread:
-            if ends.get(tp) is not None and ends[tp] < await self.consumer.position(tp):
-                return f"partition {tp.partition} ends below the reader's position"
         return None
 
     async def _check_log(self) -> None:
@@ -178,6 +194,8 @@ class CancelWatcher:
                 async with asyncio.timeout(LOG_CHECK_S):
                     why = await self._changed()
                 if why is None:
+                    self._witness.update(self._latest)  # checked next round against the log as it is then
+                    self._latest.clear()
                     return
                 log.warning("cancel topic %s changed (%s): reading it again from %.0f s back", self.topic, why, self.ttl_s)
                 self.reassigned += 1
@@ -185,6 +203,8 @@ class CancelWatcher:
             self._stale = not await self._assign()
         except (KafkaError, LookupError, TimeoutError) as e:
             log.debug("cancel reader: log check not answered: %r", e)
+        except Exception:  # noqa: BLE001 - a dead reader would drop every later cancel
+            log.exception("cancel reader: log check failed")
 
     def alive(self) -> bool:
         return self._task is None or not self._task.done()
@@ -221,7 +241,7 @@ class CancelWatcher:
                 for rec in records:
                     await self._handle(rec)
                 if records:
-                    self._witness[tp] = (records[-1].offset, record_fingerprint(records[-1]))
+                    self._latest[tp] = (records[-1].offset, record_fingerprint(records[-1]))
 
     async def _skip_refused_or_wait(self) -> None:
         try:
@@ -254,8 +274,11 @@ class CancelWatcher:
         if not found:
             await asyncio.sleep(0.5)
         for tp, batch in found.items():
-            for rec in batch.before + (batch.records or []):
+            trusted = batch.before + (batch.records or [])
+            for rec in trusted:
                 await self._handle(rec)
+            if trusted:
+                self._latest[tp] = (trusted[-1].offset, record_fingerprint(trusted[-1]))
             if batch.records is None:
                 log.warning("cancel reader: skipped %s/%d offsets %d-%d (%s)", tp.topic, tp.partition, batch.first_offset,
                             batch.next_offset - 1, batch.reason)

@@ -74,17 +74,19 @@ def _nullable(buf: bytes, pos: int) -> tuple[bytes | None, int]:
     return bytes(buf[pos : pos + n]), pos + n
 
 
-def parse(tp: TopicPartition, data: bytes) -> list[RawRecord]:
+def parse(tp: TopicPartition, data: bytes, only: int | None = None) -> list[RawRecord]:
     """Records of a v2 message set (older formats carry no headers; they are skipped, as are
-    control batches and a truncated last batch)."""
+    control batches and a truncated last batch). ``only``: just the first batch that reaches that
+    offset is decoded (the one holding it, or the next where it is gone); the others' bytes,
+    which may not even inflate, are not looked at."""
     out: list[RawRecord] = []
     pos = 0
     while pos + _BATCH.size <= len(data):
-        (base, length, _epoch, magic, _crc, attrs, _last_delta, first_ts, max_ts, _pid, _pepoch, _seq, count) = _BATCH.unpack_from(data, pos)
+        (base, length, _epoch, magic, _crc, attrs, last_delta, first_ts, max_ts, _pid, _pepoch, _seq, count) = _BATCH.unpack_from(data, pos)
         end = pos + 12 + length
         if end > len(data):
             break  # a partial batch at the end of the fetch
-        if magic < 2 or attrs & 0x20:
+        if magic < 2 or attrs & 0x20 or (only is not None and base + last_delta < only):
             pos = end
             continue
         body = data[pos + _BATCH.size : end]
@@ -108,6 +110,8 @@ def parse(tp: TopicPartition, data: bytes) -> list[RawRecord]:
                 headers.append((hk, hv))  # a null key (None) is kept: aiokafka refuses it
             ts = max_ts if attrs & 0x08 else first_ts + ts_delta
             out.append(RawRecord(tp.topic, tp.partition, base + off_delta, ts, key, value, headers))
+        if only is not None:
+            break
         pos = end
     return out
 
@@ -163,7 +167,10 @@ async def record_at(consumer: AIOKafkaConsumer, tp: TopicPartition, offset: int)
         return None
     if error_code != 0:
         raise LookupError(f"the fetch of {tp.topic}/{tp.partition} at {offset} answered error {error_code}")
-    records = parse(tp, data)
+    try:
+        records = parse(tp, data, only=offset)
+    except Exception as e:  # noqa: BLE001 - its batch does not decode (a codec's error): cannot say
+        raise LookupError(f"the batch of {tp.topic}/{tp.partition} holding {offset} does not decode: {e!r}") from None
     for r in records:
         if r.offset == offset:
             return r

@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import signal
+import struct
 import time
 
 import pytest
@@ -187,54 +188,120 @@ async def test_immediate_errors_with_a_long_tracestate_are_answered(topics, resu
 
 
 # ------------------------------------------------------------------ the cancel topic re-created under the reader
-@pytest.mark.parametrize(("new_partitions", "ids"), [(1, True), (1, False), (3, True)])
-async def test_the_cancel_reader_follows_its_topic_when_it_is_re_created(topics, monkeypatch, new_partitions, ids) -> None:
-    """helper-116: the cancel reader assigned itself once, at start. After the cancel topic was
-    deleted and re-created, it read on from its old position (a 1-partition log that grew past it
-    lost its first cancels) or only the partitions it had (a new 3-partition topic was not read
-    at all), and the job whose cancel it missed ran to completion. ``ids=False``: a broker that
-    gives no topic ids (the witness record tells). Checked on the reader itself, no engine."""
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
+def _cancel_reader(topics, monkeypatch, check_s: float, ids: bool = True):
+    """A cancel reader checking its topic every ``check_s``, the job ids it was given, and the
+    times its log check ran."""
     from qworker.worker import cancellation, topic_ids
     from qworker.worker.cancellation import CancelWatcher
-    from qworker.worker.client import cancel
 
-    monkeypatch.setattr(cancellation, "LOG_CHECK_S", 0.3)
+    monkeypatch.setattr(cancellation, "LOG_CHECK_S", check_s)
     if not ids:
         async def unsupported(consumer, topic):
             raise topic_ids.TopicIdsUnsupported("as Kafka before 2.8")
 
         monkeypatch.setattr(topic_ids, "topic_id", unsupported)
     got: list[str] = []
+    checks: list[float] = []
+    real_check = CancelWatcher._check_log
+
+    async def counted(self) -> None:
+        await real_check(self)
+        checks.append(time.monotonic())
+
+    monkeypatch.setattr(CancelWatcher, "_check_log", counted)
 
     async def on_cancel(job_id: str, at: float) -> None:
         got.append(job_id)
 
-    async def until(pred, what: str, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}: {got}"
-            await asyncio.sleep(0.05)
+    return CancelWatcher(topics.cancel_topic, topics.consumer_options(), on_cancel, 600.0), got, checks
 
-    w = CancelWatcher(topics.cancel_topic, topics.consumer_options(), on_cancel, 600.0)
+
+@pytest.mark.parametrize(("new_partitions", "ids", "seen_gone"), [(1, True, True), (1, False, True), (3, True, True),
+                                                                  (1, True, False), (1, False, False)])
+async def test_the_cancel_reader_follows_its_topic_when_it_is_re_created(topics, monkeypatch, new_partitions, ids, seen_gone) -> None:
+    """helper-116: the cancel reader assigned itself once, at start. After the cancel topic was
+    deleted and re-created, it read on from its old position (a 1-partition log that grew past it
+    lost its first cancels) or only the partitions it had (a new 3-partition topic was not read
+    at all), and the job whose cancel it missed ran to completion. ``ids=False``: a broker that
+    gives no topic ids. ``seen_gone=False`` (helper-119): the topic comes back between two checks
+    and the reader reads the new log's records before the next one, so only a witness from
+    before the change can tell (one taken from what was just read vouched for the new log)."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from qworker.worker.client import cancel
+
+    w, got, checks = _cancel_reader(topics, monkeypatch, 0.3 if seen_gone else 2.0, ids)
     admin = AIOKafkaAdminClient(bootstrap_servers=topics.bootstrap_servers)
     await admin.start()
     await w.start()
     try:
         for i in range(5):  # the reader's position moves to 5
             await cancel(topics, f"old-{i}")
-        await until(lambda: w.seen >= 5, "the first cancels")
-        await asyncio.sleep(1.0)  # several checks of an unchanged topic
+        await _until(lambda: w.seen >= 5, 20, "the first cancels")
+        n = len(checks)
+        await _until(lambda: len(checks) >= n + 2, 20, "two checks of an unchanged topic")
         assert w.reassigned == 0, "an unchanged topic was taken for a new one"
         await admin.delete_topics([topics.cancel_topic])
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0 if seen_gone else 0.2)
         await admin.create_topics([NewTopic(topics.cancel_topic, new_partitions, 1)])
         new = ["victim", *(f"filler-{i}" for i in range(8))]  # the new log grows past the old position
         for job_id in new:
             await cancel(topics, job_id)
-        await until(lambda: set(new) <= set(got), "every cancel of the new topic")
+        await _until(lambda: set(new) <= set(got), 20, "every cancel of the new topic")
         assert w.reassigned >= 1 and w.alive()
     finally:
         await w.stop()
         await admin.close()
+
+
+async def test_the_cancel_reader_checks_survive_odd_batches_without_false_alarms(topics, monkeypatch) -> None:
+    """helper-119: (1) a gzip batch that does not inflate, after the witness record, made every
+    log check raise inside ``record_at`` (it parsed the whole fetch) and the exception ended the
+    reader for good; (2) a partition read only through the raw skip path had no witness and was
+    checked by its end offset, which Tansu under-reports after a batched produce: the whole topic
+    was read again at every check. Now ``record_at`` decodes only the witness's batch, a check
+    that fails keeps the reader, and records read raw are witnesses too."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.record.util import calc_crc32c
+
+    from qworker.worker.client import cancel
+
+    from .kafka_batches import produce_batch, record_batch
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=topics.bootstrap_servers)
+    await admin.start()
+    await admin.delete_topics([topics.cancel_topic])
+    await asyncio.sleep(0.5)
+    await admin.create_topics([NewTopic(topics.cancel_topic, 3, 1)])
+    await admin.close()
+    w, got, checks = _cancel_reader(topics, monkeypatch, 0.3)
+    await w.start()
+    try:
+        await asyncio.sleep(1.0)  # assigned
+        producer = AIOKafkaProducer(bootstrap_servers=topics.bootstrap_servers, enable_idempotence=False, linger_ms=200)
+        await producer.start()
+        try:
+            await producer.send_and_wait(topics.cancel_topic, key=b"first", value=b"", partition=0)
+            await _until(lambda: "first" in got, 20, "the first cancel")
+            bad = bytearray(record_batch(1, [(b"k", b"v" * 200, [])], codec=1))  # gzip, its deflate stream scrambled
+            for i in range(61 + 12, len(bad) - 8):
+                bad[i] ^= 0x5A
+            struct.pack_into(">I", bad, 17, calc_crc32c(bytes(bad[21:])))
+            await produce_batch(topics.bootstrap_servers, topics.cancel_topic, 0, bytes(bad))
+            # partition 1: a batch aiokafka refuses (a header key that is not UTF-8), read raw
+            await produce_batch(topics.bootstrap_servers, topics.cancel_topic, 1,
+                                record_batch(0, [(b"raw-%d" % i, b"", [(b"\xff", b"")]) for i in range(3)]))
+            # partition 2: five records in one produce request
+            sent = [await producer.send(topics.cancel_topic, key=b"batched-%d" % i, value=b"", partition=2) for i in range(5)]
+            await asyncio.gather(*sent)
+        finally:
+            await producer.stop()
+        await cancel(topics, "after")
+        want = {"after", *(f"raw-{i}" for i in range(3)), *(f"batched-{i}" for i in range(5))}
+        await _until(lambda: want <= set(got), 20, "the later cancels")
+        n = len(checks)
+        await _until(lambda: len(checks) >= n + 4, 20, "four more checks")
+        assert w.alive() and w.reassigned == 0, w.reassigned
+    finally:
+        await w.stop()
