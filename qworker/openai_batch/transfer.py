@@ -5,7 +5,9 @@ OpenAI output line per input line (see ``files`` for which line gets what)."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -190,8 +192,16 @@ async def collect_lines(s: WorkerSettings, lines: list[InputLine], out: Path | N
 
 def write_lines(out: Path, results: list[dict]) -> None:
     """``results`` as JSONL at ``out``: a regular file (through a symlink, its target) all or
-    nothing, written beside it then renamed; anything else there (a pipe, ``/dev/stdout``, a
-    device) written through as it is, never replaced by a file."""
+    nothing, written beside it then renamed; anything else there (a pipe, a device) written
+    through as it is, never replaced by a file; a name of one of this process's open files
+    (``/dev/stdout``, ``/dev/fd/N``: a shell's ``>``, ``>>``, ``|`` or ``>(...)``) written to that
+    open file, as the shell set it up (appending after ``>>``)."""
+    fd = _own_fd(out)
+    if fd is not None:
+        with os.fdopen(os.dup(fd), "wb") as f:
+            for obj in results:
+                f.write(json_bytes(obj) + b"\n")
+        return
     out = _through_links(out)
     special = out.exists() and not out.is_file()
     tmp = out if special else out.with_name(out.name + ".tmp")
@@ -206,9 +216,35 @@ def _through_links(out: Path) -> Path:
     return out.resolve() if out.is_symlink() else out
 
 
+_FD_PATH = re.compile(r"/dev/fd/(\d+)|/proc/(?:self|(\d+))/fd/(\d+)")
+
+
+def _own_fd(out: Path) -> int | None:
+    """The descriptor of this process that ``out`` names through its links (``/dev/stdout`` ->
+    ``/proc/self/fd/1``), or None. Such a link's target is no path to open afresh: it reads
+    ``pipe:[N]`` for a pipe, and for a file opened by the shell, its path, which a new file
+    renamed over would replace (and ``>>`` would lose what was there)."""
+    path = os.path.abspath(out)
+    for _ in range(40):  # links to links, as far as the kernel follows them
+        m = _FD_PATH.fullmatch(path)
+        if m and m.group(2) in (None, str(os.getpid())):
+            return int(m.group(1) or m.group(3))
+        if not os.path.islink(path):
+            return None
+        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+    return None
+
+
 def unwritable(out: Path) -> str | None:
     """Why ``write_lines`` could not write ``out`` (None: it can), found by trying: permission
     bits do not tell (root passes ``os.access`` everywhere, ``/proc`` takes no new files)."""
+    fd = _own_fd(out)
+    if fd is not None:
+        try:
+            mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        except OSError as e:
+            return f"descriptor {fd}: {e.strerror or e}"
+        return None if mode in (os.O_WRONLY, os.O_RDWR) else f"descriptor {fd} is not open for writing"
     out = _through_links(out)
     if out.is_dir():
         return "it is a folder"

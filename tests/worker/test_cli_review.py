@@ -161,6 +161,46 @@ def test_collect_writes_through_links_and_pipes_instead_of_replacing_them(tmp_pa
     assert got == [b'{"b":2}\n'] and not pipe.is_file()
 
 
+def test_collect_writes_to_the_shells_own_stdout_pipe_append_and_fd(tmp_path) -> None:
+    """helper-118: ``--out /dev/stdout`` went through the link to ``/proc/<pid>/fd/pipe:[N]`` (no
+    such file: exit 2, nothing written) or, after ``>> file``, to that file's path, which a new
+    file was renamed over (what the file held before was lost). ``/dev/fd/N`` (``>(...)``) the
+    same. Now such a name is written to the descriptor the shell opened."""
+    import os
+    import subprocess
+    import sys
+
+    child = ("import sys; from pathlib import Path; from qworker.openai_batch.transfer import unwritable, write_lines\n"
+             "out = Path(sys.argv[1]); why = unwritable(out)\n"
+             "assert why is None, why\n"
+             "write_lines(out, [{'a': 1}])")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    def run(out: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", child, out], env=env, timeout=60, **kw)
+
+    piped = run("/dev/stdout", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert piped.returncode == 0 and piped.stdout == b'{"a":1}\n', piped.stderr.decode()[-2000:]
+    kept = tmp_path / "app.txt"
+    kept.write_bytes(b"PREVIOUS\n")
+    with open(kept, "ab") as f:  # the shell's >>
+        appended = run("/dev/stdout", stdout=f, stderr=subprocess.PIPE)
+    assert appended.returncode == 0, appended.stderr.decode()[-2000:]
+    assert kept.read_bytes() == b'PREVIOUS\n{"a":1}\n'
+    r, w = os.pipe()  # the shell's >(...): a pipe on a descriptor of its own
+    try:
+        via_fd = run(f"/dev/fd/{w}", pass_fds=(w,), stderr=subprocess.PIPE)
+        os.close(w)
+        assert via_fd.returncode == 0, via_fd.stderr.decode()[-2000:]
+        assert os.read(r, 100) == b'{"a":1}\n'
+    finally:
+        os.close(r)
+    refused = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                              "from qworker.openai_batch.transfer import unwritable; print(unwritable(Path('/dev/stdin')))"],
+                             env=env, input=b"", capture_output=True, timeout=60)  # stdin: a pipe's read end
+    assert b"not open for writing" in refused.stdout, refused.stdout + refused.stderr
+
+
 def test_tail_keeps_every_value_of_a_repeated_header_key(broker) -> None:
     """tail printed headers as a JSON object: of a key given twice (a DLQ record's headers echo the
     job's own), only the last value showed."""
