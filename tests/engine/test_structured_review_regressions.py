@@ -141,3 +141,31 @@ def test_everyday_specs_are_still_accepted(name):
 def test_logprobs_on_the_wire_are_finite(value, want):
     # a token the grammar masked sits in a top-k list at -inf, which orjson wrote as null
     assert wire_logprob(value) == want
+
+
+@pytest.mark.parametrize(("shape", "levels"), [("items", 1015), ("properties", 505), ("anyOf", 505), ("string", 1015)])
+def test_a_schema_nested_past_the_limit_is_refused_as_structured_output(shape, levels):
+    """helper-118: a schema ~1,000 levels deep (under orjson's 1,024, so the job's line parsed)
+    raised RecursionError inside the spec's checks, and the worker answered it as
+    ``invalid_prompt`` on ``body.prompt``. Now the nesting is measured first, without recursion,
+    and over 256 levels is ``invalid_structured_output``; 255 levels of ``items`` still pass."""
+    import orjson  # the stdlib's json recurses, and gives up near 1,000 levels under pytest's stack
+
+    from qworker.engine.sampling_params import SamplingParams
+    from qworker.engine.structured.spec import from_response_format
+
+    def nested(kind: str, n: int) -> str:
+        if kind == "properties":
+            return '{"type": "object", "properties": {"a": ' * n + '{"type": "integer"}' + '}}' * n
+        if kind == "anyOf":
+            return '{"anyOf": [' * n + '{"type": "integer"}' + ']}' * n
+        return '{"type": "array", "items": ' * n + '{"type": "integer"}' + '}' * n
+
+    def spec(schema):
+        return SamplingParams(max_tokens=3, structured_outputs=from_response_format(
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+
+    text = nested(shape, levels)
+    with pytest.raises(StructuredOutputError, match="levels deep"):
+        spec(text if shape == "string" else orjson.loads(text))
+    assert spec(orjson.loads(nested("items", 255))).structured_outputs is not None

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from qworker.engine.errors import InvalidRequestError
 
 ERROR_CODE = "invalid_structured_output"
+# arrays and objects in a JSON schema, one inside another (the checks walk it recursively)
+MAX_SCHEMA_DEPTH = 256
 MAX_SPEC_CHARS = 1 << 20  # a spec larger than 1 MiB of text is refused before it is compiled
 MAX_CHOICES = 1024
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -173,14 +175,33 @@ def from_response_format(rf: object) -> StructuredOutputsParams | None:
     raise StructuredOutputError(f"response_format type must be one of text, json_object, json_schema, regex, choice, grammar; got {kind!r}")
 
 
+def _nesting(value: object) -> int:
+    """How many arrays and objects deep ``value`` goes, counted without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, depth)
+        todo.extend((x, depth + 1) for x in v)
+    return deepest
+
+
 def _parse_schema(value: object) -> dict:
     if isinstance(value, str):
         if len(value) > MAX_SPEC_CHARS:
             raise StructuredOutputError(f"json schema is {len(value)} characters; at most {MAX_SPEC_CHARS}")
         try:
             value = json.loads(value)
+        except RecursionError:
+            raise StructuredOutputError(f"json schema nests more than {MAX_SCHEMA_DEPTH} levels deep") from None
         except ValueError as e:
             raise StructuredOutputError(f"json schema is not valid JSON: {e}") from e
+    depth = _nesting(value)
+    if depth > MAX_SCHEMA_DEPTH:  # the checks and copies below recurse; a real schema is nowhere near
+        raise StructuredOutputError(f"json schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH}")
     if isinstance(value, bool):  # true / false are valid schemas, but not useful ones
         raise StructuredOutputError("json schema must be an object, not a boolean")
     if not isinstance(value, dict):
