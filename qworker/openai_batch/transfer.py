@@ -43,25 +43,43 @@ class SubmitReport:
         return text
 
 
+def stall_limit_s(s: WorkerSettings) -> float:
+    """How long ``submit_lines`` goes on with no line acknowledged before it gives the rest up:
+    three request timeouts (a broker that went away otherwise costs one per batch, each failing
+    after its own timeout: hours for a large file), at least 30 s."""
+    return max(30.0, 3 * s.request_timeout_ms / 1000)
+
+
 async def submit_lines(s: WorkerSettings, lines: list[InputLine], progress: Progress | None = None) -> SubmitReport:
     """Produce every keyed line as written (its bytes unchanged), keyed by its id; returns once
-    the broker acknowledged them all."""
+    the broker acknowledged them all, or once it has acknowledged none for ``stall_limit_s``:
+    the lines not acknowledged by then are reported refused."""
     rep = SubmitReport(lines=len(lines))
     t0 = time.monotonic()
     acked = [0]
+    last_progress = [t0]
+    limit = stall_limit_s(s)
 
-    def on_ack(_fut: asyncio.Future) -> None:
+    def on_ack(fut: asyncio.Future) -> None:
         acked[0] += 1
+        if not fut.cancelled() and fut.exception() is None:  # a batch that failed is no progress
+            last_progress[0] = time.monotonic()
 
+    def left() -> float:
+        return last_progress[0] + limit - time.monotonic()
+
+    stalled = f"the broker acknowledged nothing for {limit:.0f} s"
     p = await producer_for(s)
     try:
         sent: list[tuple[InputLine, asyncio.Future]] = []
-        for ln in lines:
-            if ln.key is None:
-                rep.skipped.append(ln)
-                continue
+        keyed = [ln for ln in lines if ln.key is not None]
+        rep.skipped.extend(ln for ln in lines if ln.key is None)
+        for i, ln in enumerate(keyed):
             try:
-                fut = await p.send(s.jobs_topic, value=ln.raw, key=ln.key.encode("utf-8"))
+                fut = await asyncio.wait_for(p.send(s.jobs_topic, value=ln.raw, key=ln.key.encode("utf-8")), max(left(), 0.0))
+            except TimeoutError:
+                rep.refused.extend((rest, stalled) for rest in keyed[i:])
+                break
             except KafkaError as e:  # e.g. larger than the producer's max_request_size
                 rep.refused.append((ln, repr(e)))
                 continue
@@ -71,7 +89,10 @@ async def submit_lines(s: WorkerSettings, lines: list[InputLine], progress: Prog
                 progress.update(acked[0])
         for ln, fut in sent:
             try:
-                await fut
+                await asyncio.wait_for(asyncio.shield(fut), max(left(), 0.0))
+            except TimeoutError:
+                rep.refused.append((ln, stalled))
+                continue
             except KafkaError as e:
                 rep.refused.append((ln, repr(e)))
                 continue
@@ -81,7 +102,11 @@ async def submit_lines(s: WorkerSettings, lines: list[InputLine], progress: Prog
             if progress is not None:
                 progress.update(rep.submitted + len(rep.refused))
     finally:
-        await p.stop()
+        try:  # stop flushes what is left: bounded too
+            await asyncio.wait_for(p.stop(), max(left(), 5.0))
+        except TimeoutError:
+            pass
+    rep.refused.sort(key=lambda r: r[0].number)
     rep.seconds = time.monotonic() - t0
     return rep
 

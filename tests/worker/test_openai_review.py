@@ -330,3 +330,39 @@ def test_a_refusal_after_mapping_names_its_field(endpoint, code, param) -> None:
     validate_line(out)
     assert out["response"]["body"]["error"]["param"] == param
     assert output_line(err, OpenAIRequest("a", endpoint), IdText(), "body.stop")["response"]["body"]["error"]["param"] == "body.stop"
+
+
+async def test_submit_gives_up_on_a_broker_gone_mid_file(tmp_path, monkeypatch) -> None:
+    """helper-118: with the broker killed mid-submit, each line waited out the producer's own
+    timeouts one after another (~70 lines per 33 s: hours for a large file, no summary). Now a
+    submit that neither sends nor has acknowledged a line for ``stall_limit_s`` reports the rest
+    refused and returns."""
+    from qworker.broker import Broker
+    from qworker.openai_batch import transfer
+
+    broker = Broker(log=tmp_path / "broker.log").start()
+    try:
+        s = make_settings(broker.bootstrap, request_timeout_ms=1000)
+        await create_topics(s, partitions=1)
+        monkeypatch.setattr(transfer, "stall_limit_s", lambda settings: 3.0)
+        started = transfer.producer_for
+
+        async def then_the_broker_dies(settings):
+            p = await started(settings)
+            broker.proc.kill()  # SIGKILL, by its pid
+            broker.proc.wait(10)
+            return p
+
+        monkeypatch.setattr(transfer, "producer_for", then_the_broker_dies)
+        # 4 KB lines: a few fill a batch, and each send then waits for a batch to drain
+        body = b"".join(b'{"custom_id": "gone-%d", "method": "POST", "url": "/v1/completions", "body": {"prompt": "%s", "max_tokens": 2}}\n'
+                        % (i, b"x" * 4000) for i in range(300))
+        lines = read_lines(body)
+        t0 = time.monotonic()
+        rep = await asyncio.wait_for(transfer.submit_lines(s, lines), 60)
+        assert time.monotonic() - t0 < 30
+        assert rep.submitted == 0 and len(rep.refused) == 300
+        assert all("acknowledged nothing" in why or "Error" in why for _, why in rep.refused), rep.refused[:3]
+        assert [ln.number for ln, _ in rep.refused] == sorted(ln.number for ln in lines)
+    finally:
+        broker.stop()
