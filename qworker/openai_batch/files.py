@@ -10,7 +10,8 @@ Invariants:
   be keyed (not JSON, not an object, no usable id) are not submitted (the worker could only
   dead-letter them, and nothing could match its answer to the line); ``collect`` answers them
   locally with an ``invalid_job`` error line whose ``custom_id`` is the line's string
-  ``custom_id``/``id`` if it has one, else ``line-<N>`` (N counts lines from 1). A keyed line
+  ``custom_id``/``id`` if it has one (and it is text: no lone surrogate), else ``line-<N>`` (N
+  counts lines from 1; ``line-<N>~2`` where another line has ``line-<N>`` for its id). A keyed line
   too large for a job record (``MAX_JOB_RECORD_BYTES``, the submitting producer's limit) is not
   submitted either (the producer would refuse it, and ``collect`` would wait out its timeout
   for it): ``collect`` answers it with a ``request_too_large`` (413) line.
@@ -48,6 +49,7 @@ class InputLine:
     data: dict[str, Any] | None = None
     problem: str | None = None  # why it cannot be submitted
     code: str = "invalid_job"  # the error code collect answers an unsubmitted line with
+    fallback: str | None = None  # the id of a line with none, when ``line-<N>`` is another line's (read_lines)
 
     @property
     def answer_id(self) -> str:
@@ -56,9 +58,14 @@ class InputLine:
             return self.key
         if self.data is not None:
             v = self.data.get("custom_id", self.data.get("id"))
-            if isinstance(v, str):
+            if isinstance(v, str) and _is_text(v):
                 return v
-        return f"line-{self.number}"
+        return self.fallback or f"line-{self.number}"
+
+    @property
+    def own_id(self) -> bool:
+        """Whether ``answer_id`` comes from the line itself (else it is made up)."""
+        return self.answer_id != (self.fallback or f"line-{self.number}")
 
     def context(self) -> OpenAIRequest:
         """How to shape a native answer for this line (OpenAI answers come shaped)."""
@@ -115,13 +122,32 @@ def _too_deep_or_not_json(line: InputLine, err: BaseException) -> InputLine:
     return line
 
 
+def _is_text(s: str) -> bool:
+    """No lone surrogate (valid in JSON, not in text: an output line echoing it would not parse)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_lines(content: bytes) -> list[InputLine]:
-    """The file's non-blank lines, classified."""
+    """The file's non-blank lines, classified. A line with no id of its own answers as
+    ``line-<N>``, or, where another line's id is that, as ``line-<N>~<k>``: one output line per
+    id."""
     out = []
     for i, raw in enumerate(content.split(b"\n"), start=1):
         raw = raw.rstrip(b"\r")
         if raw.strip():
             out.append(classify(i, raw))
+    taken = {ln.answer_id for ln in out if ln.own_id}
+    for ln in out:
+        if not ln.own_id and ln.answer_id in taken:
+            k = 2
+            while f"line-{ln.number}~{k}" in taken:
+                k += 1
+            ln.fallback = f"line-{ln.number}~{k}"
+            taken.add(ln.fallback)
     return out
 
 

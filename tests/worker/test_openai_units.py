@@ -309,3 +309,20 @@ def test_text_offsets_are_character_offsets_in_the_text(tokenizer, words: str) -
 def test_a_sampling_refusal_names_the_field_its_message_starts_with(endpoint: str, message: str, param) -> None:
     msg = JobError(job_id="e1", attempt=1, run_id="r9", error=ErrorInfo(code="invalid_sampling", message=message, retryable=False))
     assert validate_line(output_line(msg, OpenAIRequest("e1", endpoint), IdText())).error.param == param
+
+
+def test_a_made_up_answer_id_is_nobody_elses_and_is_text() -> None:
+    """helper-118: a line with no usable id answered as ``line-<N>`` even where another line's
+    custom_id was ``line-<N>`` (two output lines, one id); and a custom_id with a lone surrogate
+    was echoed into an output line no JSON parser reads back."""
+    import orjson
+
+    from qworker.openai_batch.files import local_answer, read_lines
+
+    ok = b'{"custom_id": "line-2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 1}}'
+    taken = b'{"custom_id": "line-2~2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "y", "max_tokens": 1}}'
+    lines = read_lines(ok + b"\n{oops\n" + taken + b'\n{"custom_id": "\\ud800x"}\n')
+    assert [ln.answer_id for ln in lines] == ["line-2", "line-2~3", "line-2~2", "line-4"]
+    assert len({ln.answer_id for ln in lines}) == len(lines)
+    for ln in lines[1::2]:  # the two never submitted: their error lines parse
+        assert orjson.loads(orjson.dumps(local_answer(ln)))["custom_id"] == ln.answer_id
