@@ -169,3 +169,15 @@ def test_a_schema_nested_past_the_limit_is_refused_as_structured_output(shape, l
     with pytest.raises(StructuredOutputError, match="levels deep"):
         spec(text if shape == "string" else orjson.loads(text))
     assert spec(orjson.loads(nested("items", 255))).structured_outputs is not None
+
+
+@pytest.mark.parametrize("schema", [False, True])
+def test_a_boolean_schema_is_refused_for_what_it_is(schema):
+    """helper-110 and helper-118: ``"schema": false`` was refused as "exactly one of json, ...
+    must be set, got none" (false read as unset), where ``true`` said what was wrong."""
+    from qworker.engine.structured.spec import from_response_format
+
+    with pytest.raises(StructuredOutputError, match="not a boolean"):
+        from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    with pytest.raises(StructuredOutputError, match="not a boolean"):
+        StructuredOutputsParams(json=schema)
