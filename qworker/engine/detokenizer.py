@@ -15,6 +15,7 @@ tokenizer. ``decoder_for`` picks the path once per tokenizer.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -72,6 +73,61 @@ def decoder_for(tokenizer, skip_special_tokens: bool) -> Decode:
     return dec
 
 
+@functools.lru_cache(maxsize=4096)
+def _borders(s: str) -> tuple[int, ...]:
+    """KMP's prefix function: [i] = the length of the longest proper prefix of ``s[:i + 1]`` that
+    is also its suffix."""
+    f, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return tuple(f)
+
+
+class _StopTails:
+    """For each stop string, the longest proper prefix of it that the text ends with (the tail a
+    stream holds back), kept as the text grows: KMP's matcher fed each new character once. Trying
+    every prefix of every stop string instead cost O(len(stop)^2) per token: with 16 stop strings
+    of 1,000 characters, ~1.2 ms per sequence per token on the engine's thread, which every other
+    request waited on."""
+
+    __slots__ = ("stops", "borders", "states", "fed")
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.borders = [_borders(s) for s in self.stops]
+        self.states = [0] * len(self.stops)
+        self.fed = 0  # characters of the text matched so far
+
+    def copy(self) -> _StopTails:
+        other = object.__new__(_StopTails)
+        other.stops, other.borders, other.states, other.fed = self.stops, self.borders, list(self.states), self.fed
+        return other
+
+    def hold(self, text: str) -> int:
+        """The longest of those prefixes for ``text`` (which grew since the last call, or was cut)."""
+        if len(text) < self.fed:  # cut: a proper prefix is shorter than its stop, so its tail decides
+            self.states = [0] * len(self.stops)
+            self.fed = max(0, len(text) - max(map(len, self.stops), default=0))
+        new, self.fed = text[self.fed:], len(text)
+        hold = 0
+        for j, s in enumerate(self.stops):
+            f, k, m = self.borders[j], self.states[j], len(s)
+            for c in new:
+                while k and c != s[k]:
+                    k = f[k - 1]
+                if c == s[k]:
+                    k += 1
+                    if k == m:  # the whole stop string (not searched before min_tokens): its longest border
+                        k = f[m - 1]
+            self.states[j] = k
+            hold = max(hold, k)
+        return hold
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
                  include_stop: bool = False):
@@ -84,6 +140,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self._tails: _StopTails | None = None  # made on the first stable_length
 
     def clone(self) -> IncrementalDetokenizer:
         other = object.__new__(IncrementalDetokenizer)
@@ -96,6 +153,7 @@ class IncrementalDetokenizer:
         other.prefix_offset = self.prefix_offset
         other.read_offset = self.read_offset
         other.text = self.text
+        other._tails = self._tails.copy() if self._tails is not None else None
         return other
 
     def append(self, token_id: int, find_stop: bool = True) -> str | None:
@@ -141,11 +199,8 @@ class IncrementalDetokenizer:
     def stable_length(self) -> int:
         """How much of the text can be shown while streaming: all but a tail that is a proper
         prefix of some stop string."""
-        n = len(self.text)
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, n), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
-                    break
-        return n - hold
+        if not self.stop:
+            return len(self.text)
+        if self._tails is None:
+            self._tails = _StopTails(self.stop)
+        return len(self.text) - self._tails.hold(self.text)
