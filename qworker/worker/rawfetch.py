@@ -76,9 +76,10 @@ def _nullable(buf: bytes, pos: int) -> tuple[bytes | None, int]:
 
 def parse(tp: TopicPartition, data: bytes, only: int | None = None) -> list[RawRecord]:
     """Records of a v2 message set (older formats carry no headers; they are skipped, as are
-    control batches and a truncated last batch). ``only``: just the first batch that reaches that
-    offset is decoded (the one holding it, or the next where it is gone); the others' bytes,
-    which may not even inflate, are not looked at."""
+    control batches and a truncated last batch). ``only``: the batches before that offset are not
+    decoded (their bytes may not even inflate), and parsing stops at the first batch holding a
+    record at or past it (a batch compaction emptied, or whose last records it removed, reaches
+    the offset by its header but holds no such record: the next one tells)."""
     out: list[RawRecord] = []
     pos = 0
     while pos + _BATCH.size <= len(data):
@@ -110,7 +111,7 @@ def parse(tp: TopicPartition, data: bytes, only: int | None = None) -> list[RawR
                 headers.append((hk, hv))  # a null key (None) is kept: aiokafka refuses it
             ts = max_ts if attrs & 0x08 else first_ts + ts_delta
             out.append(RawRecord(tp.topic, tp.partition, base + off_delta, ts, key, value, headers))
-        if only is not None:
+        if only is not None and out and out[-1].offset >= only:
             break
         pos = end
     return out

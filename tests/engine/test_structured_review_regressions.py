@@ -181,3 +181,17 @@ def test_a_boolean_schema_is_refused_for_what_it_is(schema):
         from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     with pytest.raises(StructuredOutputError, match="not a boolean"):
         StructuredOutputsParams(json=schema)
+
+
+def test_a_schema_that_contains_itself_or_a_long_ref_chain_is_refused():
+    """helper-121: the nesting count walked a dict that contains itself (the Python API can be
+    given one) until memory ran out, where ``json.dumps`` had refused it; and a chain of 1,500
+    ``$ref``s, each only a few levels deep, still raised RecursionError in the checks."""
+    looped = {"type": "object", "properties": {}}
+    looped["properties"]["self"] = looped
+    with pytest.raises(StructuredOutputError, match="levels deep"):
+        StructuredOutputsParams(json=looped)
+    defs = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(1500)}
+    defs["a1500"] = {"type": "string"}
+    with pytest.raises(StructuredOutputError, match="ref chain"):
+        StructuredOutputsParams(json={"$defs": defs, "$ref": "#/$defs/a0"})

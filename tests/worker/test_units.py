@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -828,3 +829,38 @@ async def test_an_immediate_answer_refused_as_too_large_is_replaced_by_the_small
     answers.publish_side("dlq", None, dlq_copy, None, [(tp, 1)])
     await asyncio.gather(*answers.side)
     assert len(publisher.sent) == 1 and tracker.committable(tp) == 2
+
+
+@pytest.mark.parametrize("case", ["tail_compacted", "empty_batch"])
+def test_record_at_says_an_offset_compaction_removed_is_gone(case, monkeypatch) -> None:
+    """helper-121: ``record_at`` decoded only the first batch reaching its offset by the header;
+    a batch whose last records compaction removed (its lastOffsetDelta kept), or an empty one it
+    kept, holds no record there, and the answer became "cannot say" (the jobs path then left
+    the partition suspect, uncommitted) instead of "gone" (restart). The next batch tells."""
+    import struct
+
+    from aiokafka import TopicPartition
+    from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+    from qworker.worker import rawfetch
+
+    def batch(base: int, deltas: list[int], last_delta: int) -> bytes:
+        b = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=0, producer_id=-1,
+                                      producer_epoch=-1, base_sequence=-1, batch_size=1 << 20)
+        for d in deltas:
+            b.append(d, timestamp=1000 + d, key=b"k%d" % d, value=b"v%d" % d, headers=[])
+        raw = bytearray(b.build())
+        struct.pack_into(">q", raw, 0, base)
+        struct.pack_into(">i", raw, 23, last_delta)  # lastOffsetDelta survives compaction
+        return bytes(raw)
+
+    data = {"tail_compacted": batch(10, [0, 1, 2], 4) + batch(15, [0, 1], 1),  # 13 and 14 removed
+            "empty_batch": batch(10, [0, 1, 2], 2) + batch(13, [], 1) + batch(15, [0], 0)}[case]
+
+    async def fetch_partition(consumer, tp, offset, max_bytes=0, max_wait_ms=0):
+        return 0, 17, data
+
+    monkeypatch.setattr(rawfetch, "_fetch_partition", fetch_partition)
+    tp = TopicPartition("jobs", 0)
+    assert asyncio.run(rawfetch.record_at(None, tp, 13)) == "offset 13 holds no record any more"
+    assert asyncio.run(rawfetch.record_at(None, tp, 11)).key == b"k1"

@@ -91,7 +91,10 @@ class StructuredOutputsParams:
         schema = None
         if kind == "json":
             schema = _parse_schema(self.json)
-            check_schema_supported(schema, root=schema)
+            try:
+                check_schema_supported(schema, root=schema)
+            except RecursionError:  # a long chain of $refs, each followed by one more call
+                raise StructuredOutputError("json schema's $ref chain is too long to check") from None
             value = schema
         elif kind == "json_object":
             if self.json_object is not True:
@@ -177,8 +180,10 @@ def from_response_format(rf: object) -> StructuredOutputsParams | None:
     raise StructuredOutputError(f"response_format type must be one of text, json_object, json_schema, regex, choice, grammar; got {kind!r}")
 
 
-def _nesting(value: object) -> int:
-    """How many arrays and objects deep ``value`` goes, counted without recursion."""
+def _nesting(value: object, limit: int) -> int:
+    """How many arrays and objects deep ``value`` goes, counted without recursion, up to the
+    first level past ``limit`` (a dict that contains itself, which the Python API can be given,
+    has no end)."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         v, depth = todo.pop()
@@ -187,6 +192,8 @@ def _nesting(value: object) -> int:
         elif not isinstance(v, list):
             continue
         deepest = max(deepest, depth)
+        if deepest > limit:
+            break
         todo.extend((x, depth + 1) for x in v)
     return deepest
 
@@ -201,9 +208,8 @@ def _parse_schema(value: object) -> dict:
             raise StructuredOutputError(f"json schema nests more than {MAX_SCHEMA_DEPTH} levels deep") from None
         except ValueError as e:
             raise StructuredOutputError(f"json schema is not valid JSON: {e}") from e
-    depth = _nesting(value)
-    if depth > MAX_SCHEMA_DEPTH:  # the checks and copies below recurse; a real schema is nowhere near
-        raise StructuredOutputError(f"json schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH}")
+    if _nesting(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:  # the checks and copies below recurse; a real schema is nowhere near
+        raise StructuredOutputError(f"json schema nests more than {MAX_SCHEMA_DEPTH} levels deep")
     if isinstance(value, bool):  # true / false are valid schemas, but not useful ones
         raise StructuredOutputError("json schema must be an object, not a boolean")
     if not isinstance(value, dict):
