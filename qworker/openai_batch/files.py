@@ -52,20 +52,21 @@ class InputLine:
     fallback: str | None = None  # the id of a line with none, when ``line-<N>`` is another line's (read_lines)
 
     @property
-    def answer_id(self) -> str:
-        """The ``custom_id`` of this line's output line."""
+    def own_id(self) -> str | None:
+        """The id the line gives itself, where usable for an answer (text: no lone surrogate)."""
         if self.key is not None:
             return self.key
         if self.data is not None:
             v = self.data.get("custom_id", self.data.get("id"))
             if isinstance(v, str) and _is_text(v):
                 return v
-        return self.fallback or f"line-{self.number}"
+        return None
 
     @property
-    def own_id(self) -> bool:
-        """Whether ``answer_id`` comes from the line itself (else it is made up)."""
-        return self.answer_id != (self.fallback or f"line-{self.number}")
+    def answer_id(self) -> str:
+        """The ``custom_id`` of this line's output line."""
+        own = self.own_id
+        return own if own is not None else self.fallback or f"line-{self.number}"
 
     def context(self) -> OpenAIRequest:
         """How to shape a native answer for this line (OpenAI answers come shaped)."""
@@ -140,9 +141,9 @@ def read_lines(content: bytes) -> list[InputLine]:
         raw = raw.rstrip(b"\r")
         if raw.strip():
             out.append(classify(i, raw))
-    taken = {ln.answer_id for ln in out if ln.own_id}
+    taken = {ln.own_id for ln in out} - {None}
     for ln in out:
-        if not ln.own_id and ln.answer_id in taken:
+        if ln.own_id is None and ln.answer_id in taken:
             k = 2
             while f"line-{ln.number}~{k}" in taken:
                 k += 1
