@@ -225,6 +225,7 @@ class Worker:
         self.group_health = kc.GroupHealth(self.consumer, TopicPartition(s.jobs_topic, 0), s.ready_timeout_s)
         self._cancel_watcher = CancelWatcher(s.cancel_topic, s.consumer_options(), self.cancel, s.cancel_ttl_s)
         await self._cancel_watcher.start()
+        self._cancel_watcher.task.add_done_callback(self._loop_ended)
         self._loops = [
             asyncio.create_task(self.intake.poll_loop(), name="poll"),
             asyncio.create_task(self.runs.admit_loop(), name="admit"),

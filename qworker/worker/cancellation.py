@@ -120,6 +120,12 @@ class CancelWatcher:
         await self.consumer.start()
         self._task = asyncio.create_task(self._run(), name="cancel-watcher")
 
+    @property
+    def task(self) -> asyncio.Task:
+        """The reader's task (started by ``start``): the worker logs its end as any loop's."""
+        assert self._task is not None, "not started"
+        return self._task
+
     async def _partitions(self) -> set[int]:
         """The topic's partitions as the broker has them now (empty: no such topic). Asked afresh:
         ``consumer.topics()`` does not update the metadata ``partitions_for_topic`` answers from,
@@ -136,7 +142,7 @@ class CancelWatcher:
         self.consumer.assign(tps)
         self._witness.clear()
         self._latest.clear()
-        since = int((time.time() - self.ttl_s) * 1000)
+        since = max(0, int((time.time() - self.ttl_s) * 1000))
         found = await self.consumer.offsets_for_times({tp: since for tp in tps})
         for tp in tps:
             ot = found.get(tp)
