@@ -417,7 +417,7 @@ def test_lag_threshold_is_sized_to_pod_capacity(render):
         return render(values).one("ScaledObject")["spec"]["triggers"][0]["metadata"]["lagThreshold"]
 
     assert threshold({"worker": {"maxNumSeqs": 8, "maxWaitingJobs": 4}}) == "12"
-    assert threshold({"worker": {"maxNumSeqs": 64, "maxWaitingJobs": 0}}) == "64"
+    assert threshold({"worker": {"maxNumSeqs": 64, "maxWaitingJobs": 1}}) == "65"
     assert threshold({"autoscaling": {"keda": {"lagThreshold": 20}}}) == "20"
 
 
@@ -511,6 +511,10 @@ INVALID_CASES = [
     ("lora-bad-name", {"lora": {"enabled": True, "modules": {"bad name": "/adapters/a"}}}, "bad name"),
     ("lora-cpu-below-slots", {"lora": {"enabled": True, "maxLoras": 4, "maxCpuLoras": 2}}, "lora.maxCpuLoras"),
     ("lora-same-mount-as-model", {"lora": {"enabled": True, "mountPath": "/models", "existingClaim": "a"}}, "lora.mountPath"),
+    # helper-124: values that rendered, then stopped the worker or its engine at start
+    ("no-waiting-jobs", {"worker": {"maxWaitingJobs": 0}}, "maxWaitingJobs"),
+    ("lora-with-tensor-parallel", {"lora": {"enabled": True, "modules": {"a": "/adapters/a"}}, "tensorParallel": {"size": 2},
+                                   "gpu": {"enabled": True, "count": 2}}, "tensorParallel.size > 1"),
 ]
 
 

@@ -53,6 +53,10 @@ def test_leader_worker_set_is_one_unit_of_ranks(render):
     ({"gpu": {"enabled": True, "count": 1}, "tensorParallel": {"size": 2}}, "gpu.count to at least 2"),
     ({"tensorParallel": {"size": 1, "leaderWorkerSet": {"enabled": True}}}, "tensorParallel.size >= 2"),
     ({"gpu": {"enabled": True, "count": 2}, "tensorParallel": {"size": 2, "leaderWorkerSet": {"enabled": True}}}, "gpu.count to 1"),
+    # helper-124: the rendezvous on the probe server's port (it binds first); a timeout the worker refuses
+    ({"gpu": {"enabled": True, "count": 1}, "tensorParallel": {"size": 2, "leaderWorkerSet": {"enabled": True, "port": 8080}}},
+     "must differ from worker.httpPort"),
+    ({"tensorParallel": {"size": 2, "leaderWorkerSet": {"collectiveTimeoutSeconds": 172800}}}, "collectiveTimeoutSeconds"),
 ])
 def test_bad_tensor_parallel_values(render, values, needle):
     with pytest.raises(helm.HelmError) as info:

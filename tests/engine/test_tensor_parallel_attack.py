@@ -349,3 +349,24 @@ def test_a_follower_that_fails_at_start_up_fails_the_start_with_its_reason(tiny_
                        env={**os.environ, "PYTHONPATH": str(root), "QWORKER_TP_TIMEOUT_S": "10"})
     assert "START FAILED" in r.stdout and re.search(reason, r.stdout), r.stdout + r.stderr[-3000:]
     assert "CHILDREN: []" in r.stdout
+
+
+def test_cpu_ranks_share_the_threads_the_process_was_given_not_the_nodes_cores(tiny_model_dir, monkeypatch):
+    """helper-124: rank threads were ``os.cpu_count() // world``; in a container that counts the
+    node's cores, so a pod limited to 2 CPUs (OMP_NUM_THREADS=2, from the chart) on a 64-core node
+    ran 32 threads a rank. Now the ranks split torch's thread count."""
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the node, as a container sees it
+    torch.set_num_threads(2)  # the pod's limit
+    try:
+        e = LLMEngine(EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, kv_cache_memory=4 << 20, max_num_seqs=2))
+        try:
+            assert e.runner._threads == 1  # each rank's share of 2, not of 64
+            e.add_request("a", [5, 6, 7], greedy(2))
+            run(e, max_s=60)
+        finally:
+            e.runner.close()
+    finally:
+        torch.set_num_threads(before)

@@ -114,12 +114,18 @@ Every template includes this, so a bad combination fails `helm install` and
 {{- end -}}
 
 {{- $tp := $v.tensorParallel -}}
+{{- if and $v.lora.enabled (gt (int $tp.size) 1) -}}
+{{- fail "qworker: lora.enabled is not supported with tensorParallel.size > 1 (the engine refuses it at start)" -}}
+{{- end -}}
 {{- if $tp.leaderWorkerSet.enabled -}}
   {{- if lt (int $tp.size) 2 -}}
   {{- fail "qworker: tensorParallel.leaderWorkerSet.enabled needs tensorParallel.size >= 2 (one pod per rank)" -}}
   {{- end -}}
   {{- if and $v.gpu.enabled (ne (int $v.gpu.count) 1) -}}
   {{- fail (printf "qworker: with tensorParallel.leaderWorkerSet each pod is one rank on one GPU: set gpu.count to 1 (got %d)" (int $v.gpu.count)) -}}
+  {{- end -}}
+  {{- if eq (int $tp.leaderWorkerSet.port) (int $v.worker.httpPort) -}}
+  {{- fail (printf "qworker: tensorParallel.leaderWorkerSet.port (%d) must differ from worker.httpPort: the probe server binds it first and the rendezvous could not" (int $v.worker.httpPort)) -}}
   {{- end -}}
 {{- else if and $v.gpu.enabled (gt (int $tp.size) (int $v.gpu.count)) -}}
   {{- fail (printf "qworker: tensorParallel.size (%d) needs one GPU per rank in the pod: set gpu.count to at least %d, or use tensorParallel.leaderWorkerSet" (int $tp.size) (int $tp.size)) -}}

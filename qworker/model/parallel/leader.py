@@ -101,7 +101,7 @@ class ParallelRunner:
             devices = follower_devices(dev, world)
             threads = None
             if dev.type == "cpu":  # the ranks share the host's cores (restored by close())
-                threads = max(1, (os.cpu_count() or 1) // world)
+                threads = max(1, _host_threads() // world)
                 self._threads = threads
                 _share_cores(threads)
         # a runner dropped unclosed (LLM deleted) still kills its followers and gives the cores back
@@ -348,6 +348,15 @@ def _watch(ref: weakref.ref) -> None:
 # count behind as "the count before")
 _cores = {"runners": 0, "threads_before": 0}
 _cores_lock = threading.Lock()
+
+
+def _host_threads() -> int:
+    """The threads the ranks share: torch's intra-op count before any runner lowered it
+    (OMP_NUM_THREADS, which the chart sets from the pod's CPU limit, else the CPUs this process
+    may run on). Not ``os.cpu_count()``: in a container that is the node's cores, and a 2-CPU pod
+    on a 64-core node ran 32 threads a rank."""
+    with _cores_lock:
+        return _cores["threads_before"] if _cores["runners"] else torch.get_num_threads()
 
 
 def _share_cores(threads: int) -> None:
