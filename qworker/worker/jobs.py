@@ -256,7 +256,14 @@ class JobRunner:
             state.gen_done = True
             await gen.aclose()  # aborts the request when it did not finish
             if tick is not None:
-                tick.cancel()
+                # cancelled only while it does not hold the stream's lock: a flush cut between
+                # taking its events (seq numbers given) and enqueuing them lost them for good, a
+                # gap under the completion's last_seq (helper-123)
+                try:
+                    async with stream._lock:
+                        tick.cancel()
+                finally:
+                    tick.cancel()  # this run cancelled while it waited: the ticker must not outlive it
                 (res,) = await asyncio.gather(tick, return_exceptions=True)
                 if isinstance(res, Exception):
                     raise res  # a publishing failure in the ticker (stopping, refused)

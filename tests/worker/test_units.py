@@ -864,3 +864,54 @@ def test_record_at_says_an_offset_compaction_removed_is_gone(case, monkeypatch) 
     tp = TopicPartition("jobs", 0)
     assert asyncio.run(rawfetch.record_at(None, tp, 13)) == "offset 13 holds no record any more"
     assert asyncio.run(rawfetch.record_at(None, tp, 11)).key == b"k1"
+
+
+def test_a_run_ending_while_the_ticker_sends_loses_no_delta() -> None:
+    """helper-123: the run's end cancelled the stream's ticker even mid-flush, between taking its
+    events (their seq numbers given) and enqueuing them (aiokafka's send waits while a
+    partition's batch is full and the last one is unacknowledged): those deltas were never sent,
+    a gap under the completion's last_seq. Now the ticker is stopped only between flushes."""
+    from types import SimpleNamespace as NS
+
+    from qworker.messages import Job, Sampling
+    from qworker.worker.jobs import JobRunner, JobState
+
+    class Engine:
+        async def generate(self, rid, prompt, params, priority=0, deadline=None, **kw):
+            def out(text, tid, fin):
+                c = NS(index=0, text=text, token_ids=[tid], finish_reason=fin, logprobs=None)
+                return NS(outputs=[c], finished=fin is not None, num_cached_tokens=0, metrics=None, error_code=None)
+            yield out("A", 1, None)
+            yield out("B", 2, None)
+            await asyncio.sleep(0.2)  # the engine busy: the ticker (every 0.05 s) flushes "B"
+            yield out("C", 3, "length")
+
+        async def abort(self, rid):
+            pass
+
+    class Publisher:
+        max_message_bytes = 1_000_000
+
+        def __init__(self):
+            self.calls, self.sent = 0, []
+
+        async def send(self, topic, key, value, headers=None):
+            self.calls += 1
+            if self.calls == 2:  # the ticker's send waits on a full batch past the run's end
+                await asyncio.sleep(0.4)
+            self.sent.append(json.loads(value))
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+            return fut
+
+    async def main():
+        pub = Publisher()
+        runner = JobRunner(Engine(), pub, "tokens", 0.05, "m")
+        st = JobState(job=Job(id="j", prompt="x", stream=True, sampling=Sampling(max_tokens=3)), tp=None, offset=0, produced_at=0, received_at=0)
+        st.new_run(0)
+        c = await runner.run(st)
+        return c, [d for d in pub.sent if d["run_id"] == c.run_id]
+
+    c, deltas = asyncio.run(main())
+    assert [d["seq"] for d in deltas] == list(range(c.last_seq + 1))
+    assert "".join(d["text"] for d in deltas) == c.choices[0].text == "ABC"
