@@ -256,15 +256,7 @@ class JobRunner:
             state.gen_done = True
             await gen.aclose()  # aborts the request when it did not finish
             if tick is not None:
-                # cancelled only while it does not hold the stream's lock: a flush cut between
-                # taking its events (seq numbers given) and enqueuing them lost them for good, a
-                # gap under the completion's last_seq (helper-123)
-                try:
-                    async with stream._lock:
-                        tick.cancel()
-                finally:
-                    tick.cancel()  # this run cancelled while it waited: the ticker must not outlive it
-                (res,) = await asyncio.gather(tick, return_exceptions=True)
+                res = await stream.stop_ticker(tick)
                 if isinstance(res, Exception):
                     raise res  # a publishing failure in the ticker (stopping, refused)
         reasons = {a.finish_reason for a in accs.values()}

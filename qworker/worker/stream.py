@@ -177,6 +177,19 @@ class StreamSender:
         async with self._lock:  # one flush at a time keeps events in seq order on the wire
             await self._send_all(self.coalescer.take())
 
+    async def stop_ticker(self, ticker: asyncio.Task) -> BaseException | None:
+        """Cancel ``ticker`` (a task that calls ``flush``) between two of its flushes, never inside
+        one: cut between taking its events (their seq numbers given) and enqueuing them, it would
+        lose them for good, a gap under the completion's last_seq (helper-123). Returns what
+        ended it (its exception, or the CancelledError)."""
+        try:
+            async with self._lock:
+                ticker.cancel()
+        finally:
+            ticker.cancel()  # the caller cancelled while it waited: the ticker must not outlive it
+        (res,) = await asyncio.gather(ticker, return_exceptions=True)
+        return res
+
     async def settle(self) -> None:
         """Flush the rest and wait until every event of the current ``run_id`` is acknowledged."""
         await self.flush()
