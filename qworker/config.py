@@ -102,8 +102,9 @@ class WorkerSettings(BaseModel):
     # at least 1 ms: 0 would turn the commit loop and a streaming job's ticker into busy loops
     commit_interval_ms: int = Field(500, ge=1, le=INT32_MAX)
     stream_interval_ms: int = Field(50, ge=1, le=INT32_MAX)
-    # at most a year, finite: the reader starts this far back in time (a value past the epoch killed it)
-    cancel_ttl_s: float = Field(600.0, ge=0, le=365 * 86400, allow_inf_nan=False)
+    # finite: the cancel reader starts this far back in time (int(inf) killed it; a start before
+    # the epoch is read from the beginning)
+    cancel_ttl_s: float = Field(600.0, ge=0, allow_inf_nan=False)
     # The largest record the worker produces (uncompressed key + value + headers). Match the
     # broker's message.max.bytes (Kafka's default is about 1 MB): a completion over it is
     # answered with error 'result_too_large' instead of being retried forever.

@@ -18,6 +18,9 @@ def _env(container: dict) -> dict:
 def test_default_has_no_tensor_parallel_setting(render):
     r = render(BASE)
     assert "QWORKER_TENSOR_PARALLEL_SIZE" not in r.config and "LeaderWorkerSet" not in r.kinds()
+    # helper-125: a collective timeout the worker would refuse, unused without tensor parallelism
+    r = render({**BASE, "tensorParallel": {"size": 1, "leaderWorkerSet": {"collectiveTimeoutSeconds": 172800}}})
+    assert "QWORKER_TP_TIMEOUT_S" not in r.config
 
 
 def test_one_pod_spawns_its_ranks(render):

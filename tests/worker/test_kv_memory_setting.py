@@ -162,13 +162,14 @@ def test_a_model_context_of_under_two_positions_is_one_line_and_two_still_warms_
         assert r.returncode == 2 and len(err.splitlines()) == 1 and "max_position_embeddings must be a whole number >= 2" in err, err
 
 
-@pytest.mark.parametrize("value", ["inf", "nan", "1e10", "1e300"])
-def test_a_cancel_ttl_past_the_epoch_or_not_finite_is_refused_by_name(value: str) -> None:
-    """helper-122: QWORKER_CANCEL_TTL_S=1e10 (or inf) was accepted; the cancel reader then asked
-    for offsets before 1970 (or int(inf)), died without a log line, and /healthz failed for good:
-    a liveness restart loop. Now at most a year, finite, refused by name before anything starts."""
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_cancel_ttl_that_is_not_finite_is_refused_by_name(value: str) -> None:
+    """helper-122: QWORKER_CANCEL_TTL_S=inf was accepted; the cancel reader then died on int(inf)
+    without a log line, and /healthz failed for good: a liveness restart loop. Now refused by
+    name before anything starts (a finite TTL past the epoch reads from the topic's beginning:
+    test_a_cancel_ttl_past_the_epoch_reads_from_the_beginning)."""
     with pytest.raises(ValidationError) as e:
         WorkerSettings.from_env({"QWORKER_CANCEL_TTL_S": value})
     line = WorkerSettings.explain(e.value)
     assert line.startswith("invalid settings: QWORKER_CANCEL_TTL_S: ") and "\n" not in line
-    assert WorkerSettings.from_env({"QWORKER_CANCEL_TTL_S": "86400"}).cancel_ttl_s == 86400
+    assert WorkerSettings.from_env({"QWORKER_CANCEL_TTL_S": "1e10"}).cancel_ttl_s == 1e10

@@ -305,3 +305,25 @@ async def test_the_cancel_reader_checks_survive_odd_batches_without_false_alarms
         assert w.alive() and w.reassigned == 0, w.reassigned
     finally:
         await w.stop()
+
+
+async def test_a_cancel_ttl_past_the_epoch_reads_from_the_beginning(topics) -> None:
+    """helper-122: QWORKER_CANCEL_TTL_S=1e10 made the reader ask for offsets before 1970; the
+    broker client refused the negative time and the reader died silently. Such a TTL now reads
+    the topic from its beginning."""
+    from qworker.worker.cancellation import CancelWatcher
+    from qworker.worker.client import cancel
+
+    await cancel(topics, "before-start")
+    got: list[str] = []
+
+    async def on_cancel(job_id: str, at: float) -> None:
+        got.append(job_id)
+
+    w = CancelWatcher(topics.cancel_topic, topics.consumer_options(), on_cancel, 1e10)
+    await w.start()
+    try:
+        await _until(lambda: "before-start" in got, 20, "the cancel made before the reader started")
+        assert w.alive()
+    finally:
+        await w.stop()

@@ -114,6 +114,9 @@ Every template includes this, so a bad combination fails `helm install` and
 {{- end -}}
 
 {{- $tp := $v.tensorParallel -}}
+{{- if and (gt (int $tp.size) 1) (gt (int $tp.leaderWorkerSet.collectiveTimeoutSeconds) 86400) -}}
+{{- fail (printf "qworker: tensorParallel.leaderWorkerSet.collectiveTimeoutSeconds (%d) must be at most 86400 (QWORKER_TP_TIMEOUT_S)" (int $tp.leaderWorkerSet.collectiveTimeoutSeconds)) -}}
+{{- end -}}
 {{- if and $v.lora.enabled (gt (int $tp.size) 1) -}}
 {{- fail "qworker: lora.enabled is not supported with tensorParallel.size > 1 (the engine refuses it at start)" -}}
 {{- end -}}
