@@ -79,9 +79,9 @@ class StructuredOutputsParams:
     compiled: object = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.json is False or self.json is True:  # valid JSON Schemas, but not useful ones: said as such
-            raise StructuredOutputError(f"json schema must be an object, not a boolean ({str(self.json).lower()})")
-        set_ = [k for k in KINDS if (getattr(self, k) if k != "json_object" else self.json_object is True) not in (None, False)]
+        # a kind is set when given at all (json=False is a boolean schema, refused as such below),
+        # json_object when true
+        set_ = [k for k in KINDS if (self.json_object is True if k == "json_object" else getattr(self, k) is not None)]
         if len(set_) != 1:
             raise StructuredOutputError(f"exactly one of {', '.join(KINDS)} must be set, got {set_ or 'none'}")
         if not isinstance(self.strict, bool) or not isinstance(self.disable_any_whitespace, bool):
