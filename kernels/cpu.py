@@ -139,6 +139,7 @@ _SIGNATURES = {
     "qw_paged_extend_bf16": (_EXTEND_ARGS, ctypes.c_int),
     "qw_paged_extend_bf16_products": (_EXTEND_ARGS, ctypes.c_int),
     "qw_paged_extend_bf16_products_kernel": ([_I32], ctypes.c_int),
+    "qw_paged_decode_bf16_dp_kernel": ([_I32, _I32, _I32], ctypes.c_int),
     "qw_store_kv_f32": (_STORE_ARGS, ctypes.c_int),
     "qw_store_kv_f16": (_STORE_ARGS, ctypes.c_int),
     "qw_store_kv_bf16": (_STORE_ARGS, ctypes.c_int),
@@ -367,6 +368,15 @@ def extend_bf16_products_kernel(head_dim: int) -> str | None:
     or None (head_dim % 32 != 0, or neither: the fp32-product kernel runs)."""
     fn = getattr(_library(), "qw_paged_extend_bf16_products_kernel", None) if _library() is not None else None
     return {2: "amx", 1: "avx512_bf16"}.get(fn(head_dim) if fn else 0)
+
+
+def decode_bf16_products_kernel(head_dim: int, group: int, block_size: int) -> str | None:
+    """What ``paged_decode_attention_cpu(..., bf16_products=True)`` over a bf16 cache multiplies
+    with for this head size, query heads per KV head and page size: ``"amx"`` (the scores on AMX
+    tiles: the OS grants AMX state, head_dim 64 or 128, group <= 16, an even page size),
+    ``"avx512_bf16"`` (dot products, head_dim 64 or 128), or None (the fp32-product kernel)."""
+    fn = getattr(_library(), "qw_paged_decode_bf16_dp_kernel", None) if _library() is not None else None
+    return {2: "amx", 1: "avx512_bf16"}.get(fn(head_dim, group, block_size) if fn else 0)
 
 
 def _sinks_covered(sinks: torch.Tensor | None, q: torch.Tensor) -> bool:

@@ -26,6 +26,15 @@ static inline float bf16_to_f32(uint16_t b) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+/* finite fp32 rounded to bf16 precision, nearest even (as f32_to_bf16); the bf16 bits are each
+ * lane's upper half, the lower half zero */
+static inline __m512i round_bf16_16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u));
+}
+
 /* The lanes of v selected by m into row y: fp32 (ybf 0), or bf16 rounded as f32_to_bf16 does,
  * 16 at a time (ybf 1). */
 static inline void store16_f32_or_bf16(void *y, int ybf, __m512 v, __mmask16 m) {

@@ -39,3 +39,26 @@ static inline float qw_softcap(float x, float cap) {
     return cap * (y < 0.0f ? -t : t);
 }
 
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* exp_nonpositive on 16 lanes, the same steps (the vector kernels' softmax, x <= 0) */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512i ki = _mm512_sub_epi32(
+        _mm512_cvttps_epi32(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f + 126.0f))),
+        _mm512_set1_epi32(126));
+    const __m512 k = _mm512_cvtepi32_ps(ki);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(ki, _mm512_set1_epi32(127)), 23));
+    return _mm512_mul_ps(p, scale);
+}
+#endif

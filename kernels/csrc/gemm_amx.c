@@ -179,9 +179,15 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
             }
         }
     } else {
+#ifndef QW_MC_BYTES
+#define QW_MC_BYTES (1 << 19)
+#endif
+        int64_t mc = QW_MC_BYTES / (K * 2) / (2 * MT) * (2 * MT);
+        if (mc < 2 * MT) mc = 2 * MT;
+        for (int64_t rb = 0; rb < Mp; rb += mc)
         for (int64_t p = p0; p < p1; p += 2) {
             const int np = (int)(p1 - p < 2 ? p1 - p : 2);
-            for (int64_t r = 0; r < Mp; r += 2 * MT) {
+            for (int64_t r = rb; r < Mp && r < rb + mc; r += 2 * MT) {
                 const int nr = Mp - r >= 2 * MT ? 2 : 1;
                 const uint16_t *a0 = tile_rows(a, r / MT, &lda);
                 if (nr == 2 && np == 2) {

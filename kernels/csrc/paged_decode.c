@@ -380,8 +380,17 @@ static inline float qw_bf16_to_f32(uint16_t h) {
  * qw_paged_decode_bf16's fp32 products inside the same call, as does a build without AVX512_BF16
  * (the whole call). */
 #if defined(QW_AVX512) && defined(__AVX512BF16__) && !defined(QW_NO_DECODE_DP) /* -D for A/B runs */
+/* the scores on AMX tiles where the build has them (paged_decode_amx.h): the avx512 build of an
+ * AMX CPU, or of an AVX512_BF16 one with the tiles emulated (QW_AMX_EMULATE, tests only) */
+#if defined(QW_GEMM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(QW_NO_DECODE_AMX)
+#define QW_DECODE_AMX 1
+#endif
 #define QW_DP 1
 #define KV_T uint16_t
+#ifdef QW_DECODE_AMX
+int qw_gemm_bf16_amx_ready(void);
+#include "paged_decode_amx.h"
+#endif
 #define LOAD8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define LOAD1(p) qw_bf16_to_f32(*(p))
@@ -393,7 +402,24 @@ static inline float qw_bf16_to_f32(uint16_t h) {
 #undef LOAD1
 #undef FN
 #undef QW_DP
+#endif
+
+/* Which products qw_paged_decode_bf16_dp's items of this shape run: 2 scores on AMX tiles
+ * (paged_decode_amx.h), 1 AVX512_BF16 dot products, 0 neither (the fp32-product kernel). */
+int qw_paged_decode_bf16_dp_kernel(int D, int G, int block_size) {
+#ifdef QW_DECODE_AMX
+    if (qw_decode_amx_applies(D, G, block_size)) return 2;
+#endif
+#if defined(QW_AVX512) && defined(__AVX512BF16__) && !defined(QW_NO_DECODE_DP)
+    (void)G, (void)block_size;
+    return D == 64 || D == 128;
 #else
+    (void)D, (void)G, (void)block_size;
+    return 0;
+#endif
+}
+
+#if !(defined(QW_AVX512) && defined(__AVX512BF16__) && !defined(QW_NO_DECODE_DP))
 int qw_paged_decode_bf16_dp(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
                             int64_t out_stride, int B, int Hq, int Hkv, int D, int block_size, float scale, int num_threads,

@@ -477,7 +477,13 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
      * would run them with the wrong vector count and overrun the accumulators */
     const int gqa = D == 64 || D == 128;
 #endif
-    const int heads_per_item = B < 2 * num_threads ? 1 : Hkv;
+    int heads_per_item = B < 2 * num_threads ? 1 : Hkv;
+#if defined(QW_DP) && defined(QW_DECODE_AMX)
+    /* the scores on tiles (paged_decode_amx.h), at most 16 query heads per item */
+    const int amx = qw_decode_amx_applies(D, G, block_size);
+    if (amx)
+        while (heads_per_item * G > 16 || Hkv % heads_per_item) heads_per_item--;
+#endif
     const int items_per_seq = Hkv / heads_per_item;
     const int nq = heads_per_item * G;
     int max_span = 1; /* the longest run of attended tokens: the scores scratch per query head */
@@ -485,6 +491,10 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
         const int span = seq_lens[b] - FN(window_start)(seq_lens[b], window);
         max_span = span > max_span ? span : max_span;
     }
+    size_t scores_floats = (size_t)nq * max_span;
+#if defined(QW_DP) && defined(QW_DECODE_AMX)
+    if (amx) scores_floats = (size_t)qw_amx_scratch_floats(heads_per_item, D, max_span);
+#endif
     /* longest attended span first, then dynamic scheduling: the greedy longest-processing-time
      * split, so that no thread is left with a long sequence while the others idle at the end */
     int64_t *order = malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
@@ -495,8 +505,11 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scratch = malloc(sizeof(float) * ((size_t)nq * max_span + (size_t)nq * D));
+        float *scratch = malloc(sizeof(float) * (scores_floats + (size_t)nq * D));
         if (!scratch) failed = 1;
+#if defined(QW_DP) && defined(QW_DECODE_AMX)
+        else if (amx) qw_configure_tiles();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < (int64_t)B * items_per_seq; item++) {
             if (!scratch) continue;
@@ -515,10 +528,16 @@ int FN(qw_paged_decode)(const float *q, int64_t q_stride, const KV_T *k_cache,
 #ifdef QW_AVX512
             if (gqa) attend_item = scattered ? FN(attend_gqa_streamed) : FN(attend_gqa);
 #endif
+#if defined(QW_DP) && defined(QW_DECODE_AMX)
+            if (amx) attend_item = qw_attend_amx;
+#endif
             attend_item(q + b * q_stride + (int64_t)h0 * G * D, k_cache, v_cache, table, lo, len, block_size, token_stride,
                         h0, h0 + heads_per_item, G, D, scale, softcap, sinks ? sinks + (int64_t)h0 * G : NULL, scratch,
-                        scratch + (size_t)nq * max_span, outs);
+                        scratch + scores_floats, outs);
         }
+#if defined(QW_DP) && defined(QW_DECODE_AMX)
+        if (scratch && amx) _tile_release();
+#endif
         free(scratch);
     }
     free(order);

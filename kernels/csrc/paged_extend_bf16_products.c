@@ -64,34 +64,6 @@ int qw_gemm_bf16_amx_ready(void);
 #define NK 32 /* keys per chunk: two 16-key C tiles (two vectors) for S, one 32-key product for P . V */
 #define TR 16 /* rows per AMX tile; the block of rows is padded to whole tiles */
 
-/* exp_nonpositive (exp.h) on 16 lanes: the same steps, for x <= 0 */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512i ki = _mm512_sub_epi32(
-        _mm512_cvttps_epi32(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f + 126.0f))),
-        _mm512_set1_epi32(126));
-    const __m512 k = _mm512_cvtepi32_ps(ki);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(ki, _mm512_set1_epi32(127)), 23));
-    return _mm512_mul_ps(p, scale);
-}
-
-/* finite fp32 rounded to bf16 precision, nearest even; the bf16 bits are each lane's upper half */
-static inline __m512i round_bf16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_and_si512(up, _mm512_set1_epi32((int)0xffff0000u));
-}
-
 /* The chunk of keys [c0, c0 + NK) of KV head h into Kb (uint32 pairs, [D / 2][NK]) and Vb
  * ([NK / 2][D][2]): key t in slot t - c0, the keys outside [a, e) (before a window's first key,
  * past the context) zero. Slots follow positions, so the P . V pairs are keys (c0 + 2m, c0 + 2m + 1)
@@ -382,8 +354,8 @@ static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cach
             w->alpha[r] = exp_nonpositive(w->m[r] - mn); /* m = -inf at first: alpha ~ 0 scales zeros */
             w->m[r] = mn;
             const __m512 mv = _mm512_set1_ps(mn);
-            const __m512i p0 = round_bf16(_mm512_maskz_mov_ps(k0, exp_nonpositive16(_mm512_sub_ps(s0, mv))));
-            const __m512i p1 = round_bf16(_mm512_maskz_mov_ps(k1, exp_nonpositive16(_mm512_sub_ps(s1, mv))));
+            const __m512i p0 = round_bf16_16(_mm512_maskz_mov_ps(k0, exp_nonpositive16(_mm512_sub_ps(s0, mv))));
+            const __m512i p1 = round_bf16_16(_mm512_maskz_mov_ps(k1, exp_nonpositive16(_mm512_sub_ps(s1, mv))));
             /* the row is normalised by the sum of the rounded probabilities it is multiplied by */
             const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_castsi512_ps(p0), _mm512_castsi512_ps(p1)));
             _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(p0, 16)));

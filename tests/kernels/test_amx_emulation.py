@@ -155,20 +155,23 @@ needs_emulation = pytest.mark.skipif(_emulation_applies() is not None, reason=st
 def test_emulated_build_runs_the_amx_kernels():
     """With the flag the engine's bf16 GEMM and prefill attention pick AMX (the emulated tiles);
     without it, the same CPU picks the dot-product kernels."""
-    probe = "import kernels.gemm_cpu as g, kernels.cpu as c; print(g.amx_kernel(), c.extend_bf16_products_kernel(64))"
+    probe = ("import kernels.gemm_cpu as g, kernels.cpu as c; "
+             "print(g.amx_kernel(), c.extend_bf16_products_kernel(64), c.decode_bf16_products_kernel(64, 3, 16))")
     on = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=_emulated_env(), capture_output=True, text=True, timeout=300)
     off = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in _emulated_env().items() if k != "QWORKER_CPU_AMX_EMULATE"})
-    assert on.stdout.split() == ["amx", "amx"], on.stderr[-2000:]
-    assert off.stdout.split() == ["avx512_bf16", "avx512_bf16"], off.stderr[-2000:]
+    assert on.stdout.split() == ["amx", "amx", "amx"], on.stderr[-2000:]
+    assert off.stdout.split() == ["avx512_bf16", "avx512_bf16", "avx512_bf16"], off.stderr[-2000:]
 
 
 @needs_emulation
 def test_amx_kernel_tests_pass_on_emulated_tiles():
-    """The AMX GEMM's and AMX extend kernel's own tests (against float64 oracles, across tile
-    combinations, threads, batches and windows) and the bf16 model's logits against fp32, on AMX."""
+    """The AMX GEMM's, extend kernel's and decode kernel's own tests (against float64 oracles,
+    across tile combinations, threads, batches, windows and sinks) and the bf16 model's logits
+    against fp32, on AMX."""
     tests = ["tests/kernels/test_gemm_cpu_amx.py", "tests/kernels/test_gemm_cpu_amx_attack.py",
-             "tests/kernels/test_kernel_cpu_extend_bf16_products.py",
+             "tests/kernels/test_kernel_cpu_extend_bf16_products.py", "tests/kernels/test_kernel_cpu_decode_bf16_products.py",
+             "tests/kernels/test_kernel_sinks.py",
              "tests/kernels/test_cpu_bf16.py::test_bf16_logits_follow_fp32"]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests],
                        cwd=ROOT, env=_emulated_env(), capture_output=True, text=True, timeout=1200)

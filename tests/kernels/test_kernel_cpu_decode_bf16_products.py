@@ -54,7 +54,9 @@ def _oracle_bf16_products(batch, sliding_window=None, softcap=None) -> torch.Ten
 
 
 CASES = [(16, 3, 3, 64), (16, 2, 1, 64), (32, 1, 8, 128), (16, 2, 5, 64), (16, 4, 2, 128),  # (block, Hkv, G, D)
-         (1, 2, 3, 64), (3, 1, 4, 128)]  # odd page sizes: one token at a time
+         (1, 2, 3, 64), (3, 1, 4, 128),  # odd page sizes: one token at a time (never the AMX scores)
+         (16, 1, 16, 64), (16, 8, 4, 128), (2, 2, 3, 64),  # AMX: a full C tile, items of 4 of 8 KV heads, 2-token pages
+         (16, 1, 17, 64)]  # more query heads than a C tile's columns: dot products even on AMX
 
 
 def _exact_inputs(batch, gen):
@@ -69,12 +71,14 @@ def _exact_inputs(batch, gen):
 
 @pytest.mark.parametrize("bs,hkv,g,d", CASES)
 @pytest.mark.parametrize("window", [None, 37])
-def test_bf16_products_match_their_oracle(seed, isa, bs, hkv, g, d, window):
+@pytest.mark.parametrize("many", [True, False], ids=["10-seqs", "2-seqs"])  # whole sequences per item, or one KV head
+def test_bf16_products_match_their_oracle(seed, isa, bs, hkv, g, d, window, many):
     if not _has_dp():
         pytest.skip(f"the {isa} build has no AVX512_BF16 dot products: bf16_products is the fp32-product kernel here "
                     "(test_elsewhere_it_is_the_fp32_product_kernel)")
     gen = generator(seed)
     lens = [int(x) for x in torch.randint(1, 6 * bs + 40, (7,), generator=gen)] + [1, 2, 3]  # the pairs' tails
+    lens = lens if many else lens[:1] + [3]
     batch = _exact_inputs(_batch(gen, lens, bs, hkv, g, d, torch.bfloat16), gen)
     opts = {} if window is None else {"sliding_window": window}
     out = poisoned_like(batch.q)
@@ -82,6 +86,20 @@ def test_bf16_products_match_their_oracle(seed, isa, bs, hkv, g, d, window):
     want = _oracle_bf16_products(batch, sliding_window=window)
     err = (out.double() - want).abs().max().item()
     assert err <= 1e-5, f"bf16-product decode differs from its oracle by {err} (lens={lens})"
+
+
+def test_the_scores_run_on_amx_tiles_where_the_cpu_has_them(isa):
+    """An AMX CPU (or QWORKER_CPU_AMX_EMULATE=1) runs the scores on tiles for the shapes they
+    take (paged_decode_amx.h), dot products for the others; elsewhere never the tiles."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    tiles = isa == "avx512" and _has_dp() and ({"amx_tile", "amx_bf16"} <= set(flags.split())
+                                                or os.environ.get("QWORKER_CPU_AMX_EMULATE") == "1")
+    dp = "avx512_bf16" if _has_dp() else None
+    assert kcpu.decode_bf16_products_kernel(64, 3, 16) == ("amx" if tiles else dp)
+    assert kcpu.decode_bf16_products_kernel(128, 16, 32) == ("amx" if tiles else dp)
+    assert kcpu.decode_bf16_products_kernel(64, 17, 16) == dp  # more query heads than a tile's columns
+    assert kcpu.decode_bf16_products_kernel(64, 3, 3) == dp  # an odd page size
+    assert kcpu.decode_bf16_products_kernel(80, 3, 16) is None
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
