@@ -222,20 +222,33 @@ int qw_store_kv_f16(const float *key, const float *value, int64_t key_stride, in
 
 /* out[r] = argmax_j x[r * stride + j] for j < cols, as torch.argmax: the first index of the
  * maximum, or of the first NaN when the row holds one. The greedy sampler's [rows, vocab] argmax
- * (torch's reduction runs ~25x slower than a sum over the same logits on this CPU). */
-static int64_t argmax_row(const float *restrict x, int64_t cols) {
+ * (torch's reduction runs ~25x slower than a sum over the same logits on this CPU). x is fp32, or
+ * bf16 (BF16 1: the bf16 model's logits, read as they are, half the bytes of an fp32 copy; each
+ * value widens exactly, so the index is the fp32 copy's). */
+static inline __attribute__((always_inline)) float argmax_at(const void *x, int64_t j, const int BF16) {
+    return BF16 ? bf16_to_f32(((const uint16_t *)x)[j]) : ((const float *)x)[j];
+}
+#if defined(__AVX2__)
+static inline __attribute__((always_inline)) __m256 argmax_load8(const void *x, int64_t j, const int BF16) {
+    if (!BF16) return _mm256_loadu_ps((const float *)x + j);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + j));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+static inline __attribute__((always_inline)) int64_t argmax_row(const void *restrict x, int64_t cols, const int BF16) {
     int64_t j = 0, best = 0;
-    float m = cols > 0 ? x[0] : 0.0f;
+    float m = cols > 0 ? argmax_at(x, 0, BF16) : 0.0f;
     if (m != m) return 0;
 #if defined(__AVX2__)
     if (cols >= 16) {
-        __m256 vmax = _mm256_loadu_ps(x);
+        __m256 vmax = argmax_load8(x, 0, BF16);
         __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = vidx;
         const __m256i step = _mm256_set1_epi32(8);
         __m256 nan = _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q);
         for (j = 8; j + 8 <= cols && j + 8 <= INT32_MAX; j += 8) {
             cur = _mm256_add_epi32(cur, step);
-            const __m256 v = _mm256_loadu_ps(x + j);
+            const __m256 v = argmax_load8(x, j, BF16);
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
             const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ); /* strictly greater: earlier index wins ties */
             vmax = _mm256_blendv_ps(vmax, v, gt);
@@ -243,7 +256,7 @@ static int64_t argmax_row(const float *restrict x, int64_t cols) {
         }
         if (_mm256_movemask_ps(nan)) { /* a NaN somewhere before j: torch returns the first one */
             for (int64_t i = 0; i < j; i++)
-                if (x[i] != x[i]) return i;
+                if (argmax_at(x, i, BF16) != argmax_at(x, i, BF16)) return i;
         }
         float mv[8];
         int32_t iv[8];
@@ -256,7 +269,7 @@ static int64_t argmax_row(const float *restrict x, int64_t cols) {
     }
 #endif
     for (; j < cols; j++) {
-        const float v = x[j];
+        const float v = argmax_at(x, j, BF16);
         if (v != v) return j;
         if (v > m) { m = v; best = j; }
     }
@@ -265,5 +278,10 @@ static int64_t argmax_row(const float *restrict x, int64_t cols) {
 
 void qw_argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= (1 << 18))
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols);
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols, 0);
+}
+
+void qw_argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * cols >= (1 << 18))
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols, 1);
 }

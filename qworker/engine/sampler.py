@@ -39,6 +39,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
     ``bitmask``: masks the rows of sequences with a structured state in place first
     (``constrained``: those ``(row, state)`` pairs, computed here when None; ``filled``: a
     ``bitmask.start_fill`` made for the same rows)."""
+    if logits.dtype != torch.float32 and not all(map(argmax_only, seqs)):
+        logits = logits.float()  # bf16 logits come only for argmax-only rows (ModelRunner.execute)
     if bitmask is not None:
         if constrained is None:
             constrained = [(i, s.structured) for i, s in enumerate(seqs) if s.structured is not None]
@@ -101,7 +103,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row argmax on the CPU (int64, CPU tensor)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
         return argmax_rows_cpu(logits)  # falls back to torch for layouts it does not take
     return logits.argmax(dim=-1).cpu()
 

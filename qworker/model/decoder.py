@@ -331,11 +331,13 @@ class DecoderModel:
         whose caller wants only the greedy token (:func:`qworker.engine.sampler.argmax_only`). Where
         the bounded head applies, each such row comes back as its token's one-hot log-distribution
         (0 at the greedy token, -inf elsewhere): the argmax of the full row, exactly, without the
-        fp32 head's GEMM. Elsewhere every row gets its full logits (the same argmax)."""
+        fp32 head's GEMM. Elsewhere every row gets its full logits (the same argmax); when every
+        row is argmax-only they stay in the model's dtype (a bf16 model's bf16 logits: the values
+        an fp32 copy would hold, without the copy, which is read only for an argmax)."""
         head = self.greedy_head
         if (argmax_rows is None or head is None or type(self.lm_head) is not Linear
                 or self.lm_head.weight is not head.exact or not bool(argmax_rows.any())):
-            return self._logits(x)
+            return self._logits(x, keep_dtype=argmax_rows is not None and bool(argmax_rows.all()))
         out = torch.full((x.shape[0], self.lm_head.out_features), -math.inf)
         rest = torch.nonzero(~argmax_rows).flatten()
         if rest.numel():
@@ -344,7 +346,12 @@ class DecoderModel:
         out[fast, head.argmax(x[fast])] = 0.0
         return out
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        """fp32 logits; ``keep_dtype``: the plain head's output in its weight's dtype instead (the
+        same values: the GEMM rounds to that dtype either way, see ``Linear.lowp``)."""
+        if (keep_dtype and type(self.lm_head) is Linear and self.logit_divisor is None and self.logit_scale is None
+                and self.final_softcap is None):
+            return self.lm_head.lowp(x)
         logits = self.lm_head(x)
         if self.logit_divisor is not None:  # before the soft-cap (no family has both)
             logits = logits / self.logit_divisor
