@@ -17,12 +17,13 @@
  * is its own row's products with q, whichever tile row it sits in. The V pass is the vector
  * kernel's: tokens (2m, 2m + 1) by position meet their numerators as one bf16 pair in VDPBF16PS.
  *
- * An item holds at most 16 query heads (the driver splits a sequence's KV heads so), so all of
- * its scores for 16 tokens are one C tile: 16 tokens x 16 query heads, KV head h's slices of the
- * row meeting only h's query heads (the B tiles are block-diagonal: zeros elsewhere). The tile is
- * stored as it is, token-major (S[t][16]), the softmax runs across the heads one lane each, and
- * the numerators are packed in place into the V pass's operand: PP[m][qh] = (bf16 p of token
- * 2m + 1) << 16 | bf16 p of token 2m, one broadcast load per pair and head.
+ * An item holds at most 16 query heads (the driver splits a sequence's KV heads so): its scores
+ * for 16 tokens are one 16 x 16 block, S[t][qh], each KV head's G columns from a C tile of that
+ * head's own products (B tiles hold only its query heads' q, zeros in the other columns, which
+ * are dropped: a non-finite K value of one head never reaches another's scores through a zero).
+ * The block is token-major, so the softmax runs across the heads one lane each, and the
+ * numerators are packed in place into the V pass's operand: PP[m][qh] = (bf16 p of token 2m + 1)
+ * << 16 | bf16 p of token 2m, one broadcast load per pair and head.
  *
  * Measured (docs/benchmarks.md, Sapphire Rapids, SmolLM2's shapes, batch 128, 30 layers from
  * memory): ~5% under the vector kernel. Decode attention there is bound by one core's memory
@@ -39,12 +40,12 @@ static inline int qw_decode_amx_applies(int D, int G, int block_size) {
     return (D == 64 || D == 128) && G >= 1 && G <= 16 && block_size % 2 == 0 && qw_gemm_bf16_amx_ready() == 2;
 }
 
-/* Items here hold at most 16 query heads (the driver picks heads_per_item so), one C tile's
- * columns: S rows are 16 floats. Scratch an item needs besides acc, in floats: S (max_span + 32
- * rows: a tile stores 16 rows whatever the span's end), the q tiles (one of 256 uint32 per
- * 32-channel slice of the item's row), two staging tiles (16 rows of nh * D bf16 each). */
+/* Items here hold at most 16 query heads (the driver picks heads_per_item so): S rows are 16
+ * floats. Scratch an item needs besides acc, in floats: S (max_span + 16 rows: the last group's
+ * copy may run past the span), the q tiles (one of 256 uint32 per 32-channel slice of the item's
+ * row), a staging tile (16 rows of nh * D bf16) and two C tiles' sums (2 x 256). */
 static inline int64_t qw_amx_scratch_floats(int nh, int D, int max_span) {
-    return 16 * ((int64_t)max_span + 32) + (int64_t)nh * (D / 32) * 256 + 2 * 8 * (int64_t)nh * D;
+    return 16 * ((int64_t)max_span + 16) + (int64_t)nh * (D / 32) * 256 + 8 * (int64_t)nh * D + 2 * 256;
 }
 
 /* The item's columns (`cols` bf16 from `col0` in each row) of positions [t, t + 16) as an A
@@ -106,54 +107,54 @@ static inline __attribute__((always_inline)) void qw_amx_acc_heads(const uint32_
 
 /* One item (KV heads [h0, h1) of one sequence, at most 16 query heads, tokens [lo, len)),
  * QW_ATTEND_PARAMS as attend_gqa: `scores` holds qw_amx_scratch_floats(...) floats; the caller
- * configured the tiles (C 0-1, B 2-3, A 4-7). */
+ * configured the tiles (C 0-1, B 2-3, A 4-5). */
 static void qw_attend_amx(QW_ATTEND_PARAMS) {
-    const int nh = h1 - h0, nq = nh * G, span = len - lo, NS = nh * D / 32, ND16 = D / 16, W = 16;
+    const int nh = h1 - h0, nq = nh * G, span = len - lo, ND32 = D / 32, ND16 = D / 16, W = 16;
     float *S = scores;
-    uint32_t *Bq = (uint32_t *)(S + 16 * ((int64_t)span + 32));
-    uint16_t *stage0 = (uint16_t *)(Bq + (int64_t)NS * 256), *stage1 = stage0 + 16 * (int64_t)nh * D;
+    uint32_t *Bq = (uint32_t *)(S + 16 * ((int64_t)span + 16));
+    uint16_t *stage = (uint16_t *)(Bq + (int64_t)nh * ND32 * 256);
+    float *sums = (float *)(stage + 16 * (int64_t)nh * D);
     const int64_t row_bytes = token_stride * 2;
-    /* q scaled and rounded to bf16 as the B tiles, block-diagonal: slice s (channels [32 s', 32 s' + 32)
-     * of KV head s / (D / 32), s' = s % (D / 32)) holds in row r, column qh, the pair of channels
-     * (32 s' + 2r, 32 s' + 2r + 1) of query head qh when qh reads that KV head, else 0 */
-    memset(Bq, 0, sizeof(uint32_t) * (size_t)NS * 256);
+    /* q scaled and rounded to bf16 as B tiles: KV head hh's slice kk (channels [32 kk, 32 kk + 32))
+     * holds in row r, column g, the pair of channels (32 kk + 2r, 32 kk + 2r + 1) of its query head g */
+    memset(Bq, 0, sizeof(uint32_t) * (size_t)nh * ND32 * 256);
     for (int qh = 0; qh < nq; qh++) {
         const float *qrow = qs + (int64_t)qh * D;
-        uint32_t *slices = Bq + (int64_t)(qh / G) * (D / 32) * 256;
+        uint32_t *slices = Bq + (int64_t)(qh / G) * ND32 * 256;
         for (int p = 0; p < D / 2; p++)
-            slices[(int64_t)(p / 16) * 256 + (p % 16) * 16 + qh] =
+            slices[(int64_t)(p / 16) * 256 + (p % 16) * 16 + qh % G] =
                 (uint32_t)f32_to_bf16(qrow[2 * p] * scale) | (uint32_t)f32_to_bf16(qrow[2 * p + 1] * scale) << 16;
     }
-    /* pass 1: S[t - lo] = the 16 scores of token t, two 16-token groups at a time (C tiles 0 and
-     * 1), each slice's B tile used for both: B 2/3, A 4/5 and 6/7 alternate, so that a load never
-     * waits for the product still reading its tile */
-    for (int t = lo; t < len; t += 32) {
-        int64_t sa, sb = 0;
-        const int two = t + 16 < len;
-        const uint16_t *a = qw_amx_rows(k_cache, table, block_size, token_stride, (int64_t)h0 * D, nh * D, t, len, stage0, &sa);
-        const uint16_t *b = two ? qw_amx_rows(k_cache, table, block_size, token_stride, (int64_t)h0 * D, nh * D, t + 16, len, stage1, &sb) : NULL;
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int s = 0; s < NS; s += 2) { /* NS is even: D / 32 is 2 or 4 */
-            _tile_loadd(2, Bq + (int64_t)s * 256, 64);
-            _tile_loadd(4, a + 32 * s, sa);
-            _tile_dpbf16ps(0, 4, 2);
-            if (two) {
-                _tile_loadd(6, b + 32 * s, sb);
-                _tile_dpbf16ps(1, 6, 2);
-            }
-            _tile_loadd(3, Bq + (int64_t)(s + 1) * 256, 64);
-            _tile_loadd(5, a + 32 * (s + 1), sa);
-            _tile_dpbf16ps(0, 5, 3);
-            if (two) {
-                _tile_loadd(7, b + 32 * (s + 1), sb);
-                _tile_dpbf16ps(1, 7, 3);
-            }
+    const __mmask16 gmask = (__mmask16)((1u << G) - 1u);
+    /* pass 1: S[t - lo][qh], 16 tokens at a time; a KV head's products in C tile 0 or 1 in turn
+     * (B 2/3 and A 4/5 alternate along the slices), so one head's sums are copied out while the
+     * next head's products run */
+#define QW_HEAD_SCORES(C)                                                                             \
+    do {                                                                                              \
+        _tile_zero(C);                                                                                \
+        for (int kk = 0; kk < ND32; kk += 2) { /* ND32 is 2 or 4 */                                   \
+            _tile_loadd(2, Bq + (int64_t)(hh * ND32 + kk) * 256, 64);                                 \
+            _tile_loadd(4, a + (int64_t)hh * D + 32 * kk, sa);                                        \
+            _tile_dpbf16ps(C, 4, 2);                                                                  \
+            _tile_loadd(3, Bq + (int64_t)(hh * ND32 + kk + 1) * 256, 64);                             \
+            _tile_loadd(5, a + (int64_t)hh * D + 32 * (kk + 1), sa);                                  \
+            _tile_dpbf16ps(C, 5, 3);                                                                  \
+        }                                                                                             \
+        _tile_stored(C, sums + (C) * 256, 64);                                                        \
+    } while (0)
+    for (int t = lo; t < len; t += 16) {
+        int64_t sa;
+        const int m = len - t < 16 ? len - t : 16;
+        const uint16_t *a = qw_amx_rows(k_cache, table, block_size, token_stride, (int64_t)h0 * D, nh * D, t, len, stage, &sa);
+        for (int hh = 0; hh < nh; hh++) {
+            if (hh & 1) QW_HEAD_SCORES(1);
+            else QW_HEAD_SCORES(0);
+            TILES_STORED();
+            const float *c = sums + (hh & 1) * 256;
+            for (int r = 0; r < m; r++) _mm512_mask_storeu_ps(S + (int64_t)(t - lo + r) * W + hh * G, gmask, _mm512_loadu_ps(c + 16 * r));
         }
-        _tile_stored(0, S + (int64_t)(t - lo) * W, W * 4);
-        if (two) _tile_stored(1, S + (int64_t)(t - lo + 16) * W, W * 4);
     }
-    TILES_STORED();
+#undef QW_HEAD_SCORES
     /* softmax numerators across the query heads (one lane each), rounded to bf16; then packed in
      * place into pairs by position: PP row k = pair m0 + k (tokens 2m, 2m + 1), m0 = lo / 2 (a
      * row is written only after the rows it packs were read) */
@@ -163,7 +164,12 @@ static void qw_attend_amx(QW_ATTEND_PARAMS) {
             for (int qh = 0; qh < nq; qh++) S[(int64_t)t * W + qh] = qw_softcap(S[(int64_t)t * W + qh], softcap);
     const __m512 sink = sinks ? _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, sinks) : _mm512_set1_ps(-INFINITY);
     __m512 mx = sink;
-    for (int t = 0; t < span; t++) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(lanes, S + (int64_t)t * W));
+    __mmask16 nan = 0; /* a NaN score makes its head's output NaN, as in the vector kernel */
+    for (int t = 0; t < span; t++) {
+        const __m512 x = _mm512_maskz_loadu_ps(lanes, S + (int64_t)t * W);
+        nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, x);
+    }
     /* the sink's numerator joins the sum unrounded (it multiplies no value) */
     const __mmask16 has_sink = _mm512_cmp_ps_mask(sink, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
     __m512 sum = _mm512_maskz_mov_ps(has_sink, exp_nonpositive16(_mm512_sub_ps(sink, mx)));
@@ -173,7 +179,7 @@ static void qw_attend_amx(QW_ATTEND_PARAMS) {
         _mm512_storeu_si512(S + (int64_t)t * W, p);
     }
     float inv_sum[16];
-    _mm512_storeu_ps(inv_sum, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+    _mm512_storeu_ps(inv_sum, _mm512_mask_mov_ps(_mm512_div_ps(_mm512_set1_ps(1.0f), sum), nan, _mm512_set1_ps(NAN)));
     const int m0 = lo / 2, m1 = (len - 1) / 2; /* the pairs [m0, m1] */
     for (int mm = m0; mm <= m1; mm++) {
         const int t0 = 2 * mm, t1 = 2 * mm + 1;

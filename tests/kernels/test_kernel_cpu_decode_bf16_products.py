@@ -161,3 +161,28 @@ def test_the_bits_do_not_depend_on_where_the_pages_lie(seed, isa, bs, window):
     a = paged_decode_attention_cpu(q, k, v, runs, lens_t, 0.125, bf16_products=True, **opts)
     b = paged_decode_attention_cpu(q, k2, v2, shuffled, lens_t, 0.125, bf16_products=True, **opts)
     assert torch.equal(a, b), f"bs={bs} window={window}: {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("many", [True, False], ids=["10-seqs", "1-seq"])
+def test_a_non_finite_key_stays_in_its_own_kv_head(seed, isa, bad, many):
+    """helper-126: with the scores on AMX tiles, an item holding several KV heads multiplied each
+    head's K by the zeros of the other heads' q columns, so an Inf in one head's K (Inf * 0 = NaN)
+    reached every head's scores, and only when the batch was large enough for whole-sequence items.
+    Every other KV head's output must be exactly what it is without the bad value; a NaN score
+    makes its own head's output NaN."""
+    gen = generator(seed)
+    hkv, g, d, bs = 3, 2, 64, 16
+    lens = ([int(x) for x in torch.randint(20, 90, (10,), generator=gen)] if many else [57])
+    batch = _batch(gen, lens, bs, hkv, g, d, torch.bfloat16)
+    clean = paged_decode_attention_cpu(*batch.decode_args(), bf16_products=True)
+    k = batch.k_cache.clone()
+    tok = 11  # a live token of sequence 0, KV head 1
+    k[batch.tables[0][tok // bs], tok % bs, 1, 5] = bad
+    spoiled = type(batch)(**{**batch.__dict__, "k_cache": k})
+    out = paged_decode_attention_cpu(*spoiled.decode_args(), bf16_products=True)
+    others = [h for h in range(hkv * g) if h // g != 1]
+    assert torch.equal(out[:, others], clean[:, others])
+    assert torch.equal(out[1:], clean[1:])  # the other sequences
+    if bad != bad:  # NaN
+        assert torch.isnan(out[0, g : 2 * g]).all()
