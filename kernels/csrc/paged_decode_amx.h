@@ -26,7 +26,7 @@
  * << 16 | bf16 p of token 2m, one broadcast load per pair and head.
  *
  * Measured (docs/benchmarks.md, Sapphire Rapids, SmolLM2's shapes, batch 128, 30 layers from
- * memory): ~5% under the vector kernel. Decode attention there is bound by one core's memory
+ * memory): 3-5% under the vector kernel. Decode attention there is bound by one core's memory
  * stream (~12 GB/s) plus the arithmetic, which does not overlap it; the score pass was about a
  * third of that arithmetic. */
 
