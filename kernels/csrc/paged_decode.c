@@ -163,6 +163,25 @@ static inline float qw_softmax_numerators_bf16(float *restrict s, int span, floa
     return 1.0f / sum;
 }
 
+/* The V step of the bf16-product decode kernels: a[g][2i], a[g][2i + 1] += the rows v0 and v1
+ * (tokens 2m and 2m + 1; NULL: a row of zeros) interleaved 16 bits at a time (unpacklo/hi within
+ * each 128-bit lane) times NH query heads' broadcast numerator pairs pj[g], one VDPBF16PS each,
+ * over the ND16 / 2 64-byte slices of a row. */
+static inline __attribute__((always_inline)) void qw_dp_pair_step(__m512 a[3][8], const uint16_t *v0, const uint16_t *v1,
+                                                                  const __m512bh pj[3], const int ND16, const int NH) {
+#pragma GCC unroll 4
+    for (int i = 0; i < ND16 / 2; i++) {
+        const __m512i r0 = v0 ? _mm512_loadu_si512((const void *)(v0 + 32 * i)) : _mm512_setzero_si512();
+        const __m512i r1 = v1 ? _mm512_loadu_si512((const void *)(v1 + 32 * i)) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1), hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+#pragma GCC unroll 3
+        for (int g = 0; g < NH; g++) {
+            a[g][2 * i] = _mm512_dpbf16_ps(a[g][2 * i], lo, pj[g]);
+            a[g][2 * i + 1] = _mm512_dpbf16_ps(a[g][2 * i + 1], hi, pj[g]);
+        }
+    }
+}
+
 /* dst = src * scale in natural order from acc_heads_dp's unpack order: in each 32-channel group,
  * lane l of the first 16 holds channel 8 (l / 4) + l % 4, of the second 16 channel 8 (l / 4) + 4 + l % 4 */
 static inline void qw_dp_join(const float *restrict src, float *restrict dst, int n, float scale) {

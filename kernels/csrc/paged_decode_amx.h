@@ -90,17 +90,7 @@ static inline __attribute__((always_inline)) void qw_amx_acc_heads(const uint32_
         __m512bh pj[3];
 #pragma GCC unroll 3
         for (int g = 0; g < NH; g++) pj[g] = (__m512bh)_mm512_set1_epi32((int)pp[g]);
-#pragma GCC unroll 4
-        for (int i = 0; i < ND16 / 2; i++) {
-            const __m512i v0 = has0 ? _mm512_loadu_si512((const void *)(v + 32 * i)) : _mm512_setzero_si512();
-            const __m512i v1 = has1 ? _mm512_loadu_si512((const void *)(v + token_stride + 32 * i)) : _mm512_setzero_si512();
-            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1), hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
-#pragma GCC unroll 3
-            for (int g = 0; g < NH; g++) {
-                a[g][2 * i] = _mm512_dpbf16_ps(a[g][2 * i], lo, pj[g]);
-                a[g][2 * i + 1] = _mm512_dpbf16_ps(a[g][2 * i + 1], hi, pj[g]);
-            }
-        }
+        qw_dp_pair_step(a, has0 ? v : NULL, has1 ? v + token_stride : NULL, pj, ND16, NH);
     }
     qw_acc_io(a, acc, NH, ND16, 0);
 }
