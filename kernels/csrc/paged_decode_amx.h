@@ -41,11 +41,11 @@ static inline int qw_decode_amx_applies(int D, int G, int block_size) {
 }
 
 /* Items here hold at most 16 query heads (the driver picks heads_per_item so): S rows are 16
- * floats. Scratch an item needs besides acc, in floats: S (max_span + 16 rows: the last group's
- * copy may run past the span), the q tiles (one of 256 uint32 per 32-channel slice of the item's
- * row), a staging tile (16 rows of nh * D bf16) and two C tiles' sums (2 x 256). */
+ * floats. Scratch an item needs besides acc, in floats: S (max_span rows), the q tiles (one of
+ * 256 uint32 per 32-channel slice of the item's row), a staging tile (16 rows of nh * D bf16) and
+ * two C tiles' sums (2 x 256). */
 static inline int64_t qw_amx_scratch_floats(int nh, int D, int max_span) {
-    return 16 * ((int64_t)max_span + 16) + (int64_t)nh * (D / 32) * 256 + 8 * (int64_t)nh * D + 2 * 256;
+    return 16 * (int64_t)max_span + (int64_t)nh * (D / 32) * 256 + 8 * (int64_t)nh * D + 2 * 256;
 }
 
 /* The item's columns (`cols` bf16 from `col0` in each row) of positions [t, t + 16) as an A
@@ -101,7 +101,7 @@ static inline __attribute__((always_inline)) void qw_amx_acc_heads(const uint32_
 static void qw_attend_amx(QW_ATTEND_PARAMS) {
     const int nh = h1 - h0, nq = nh * G, span = len - lo, ND32 = D / 32, ND16 = D / 16, W = 16;
     float *S = scores;
-    uint32_t *Bq = (uint32_t *)(S + 16 * ((int64_t)span + 16));
+    uint32_t *Bq = (uint32_t *)(S + 16 * (int64_t)span);
     uint16_t *stage = (uint16_t *)(Bq + (int64_t)nh * ND32 * 256);
     float *sums = (float *)(stage + 16 * (int64_t)nh * D);
     const int64_t row_bytes = token_stride * 2;
