@@ -138,6 +138,17 @@ static inline __attribute__((always_inline)) void qw_acc_io(__m512 a[3][8], floa
         }
 }
 
+/* CALL(ND16, NH) with both as constants (the GQA kernels are instantiated for D = 64 or 128 and
+ * 1-3 query heads at a time); ND16 and nh are the caller's variables */
+#define QW_HEADS_SWITCH(CALL)                                                                                         \
+    do {                                                                                                              \
+        if (ND16 == 4) {                                                                                              \
+            if (nh == 3) CALL(4, 3); else if (nh == 2) CALL(4, 2); else CALL(4, 1);                                   \
+        } else {                                                                                                      \
+            if (nh == 3) CALL(8, 3); else if (nh == 2) CALL(8, 2); else CALL(8, 1);                                   \
+        }                                                                                                             \
+    } while (0)
+
 /* The pair-split order of the bf16 GQA kernels (see LOADV below), n a multiple of 32: in each run
  * of 32 values, the 16 at even offsets, then the 16 at odd ones. */
 static inline void qw_pair_split(const float *restrict src, float *restrict dst, int n) {
@@ -399,6 +410,9 @@ static inline float qw_bf16_to_f32(uint16_t h) {
  * qw_paged_decode_bf16's fp32 products inside the same call, as does a build without AVX512_BF16
  * (the whole call). */
 #if defined(QW_AVX512) && defined(__AVX512BF16__) && !defined(QW_NO_DECODE_DP) /* -D for A/B runs */
+#define QW_DECODE_DP 1
+#endif
+#ifdef QW_DECODE_DP
 /* the scores on AMX tiles where the build has them (paged_decode_amx.h): the avx512 build of an
  * AMX CPU, or of an AVX512_BF16 one with the tiles emulated (QW_AMX_EMULATE, tests only) */
 #if defined(QW_GEMM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(QW_NO_DECODE_AMX)
@@ -421,24 +435,7 @@ int qw_gemm_bf16_amx_ready(void);
 #undef LOAD1
 #undef FN
 #undef QW_DP
-#endif
-
-/* Which products qw_paged_decode_bf16_dp's items of this shape run: 2 scores on AMX tiles
- * (paged_decode_amx.h), 1 AVX512_BF16 dot products, 0 neither (the fp32-product kernel). */
-int qw_paged_decode_bf16_dp_kernel(int D, int G, int block_size) {
-#ifdef QW_DECODE_AMX
-    if (qw_decode_amx_applies(D, G, block_size)) return 2;
-#endif
-#if defined(QW_AVX512) && defined(__AVX512BF16__) && !defined(QW_NO_DECODE_DP)
-    (void)G, (void)block_size;
-    return D == 64 || D == 128;
 #else
-    (void)D, (void)G, (void)block_size;
-    return 0;
-#endif
-}
-
-#if !(defined(QW_AVX512) && defined(__AVX512BF16__) && !defined(QW_NO_DECODE_DP))
 int qw_paged_decode_bf16_dp(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
                             int64_t out_stride, int B, int Hq, int Hkv, int D, int block_size, float scale, int num_threads,
@@ -447,3 +444,19 @@ int qw_paged_decode_bf16_dp(const float *q, int64_t q_stride, const uint16_t *k_
                                 Hq, Hkv, D, block_size, scale, num_threads, num_blocks, window, softcap, sinks);
 }
 #endif
+
+/* Which products qw_paged_decode_bf16_dp's items of this shape run: 2 scores on AMX tiles
+ * (paged_decode_amx.h), 1 AVX512_BF16 dot products, 0 neither (the fp32-product kernel). */
+int qw_paged_decode_bf16_dp_kernel(int D, int G, int block_size) {
+#ifdef QW_DECODE_AMX
+    if (qw_decode_amx_applies(D, G, block_size)) return 2;
+#endif
+#ifdef QW_DECODE_DP
+    (void)G, (void)block_size;
+    return D == 64 || D == 128;
+#else
+    (void)D, (void)G, (void)block_size;
+    return 0;
+#endif
+}
+

@@ -99,15 +99,15 @@ static inline __attribute__((always_inline)) void qw_amx_acc_heads(const uint32_
  * QW_ATTEND_PARAMS as attend_gqa: `scores` holds qw_amx_scratch_floats(...) floats; the caller
  * configured the tiles (C 0-1, B 2-3, A 4-5). */
 static void qw_attend_amx(QW_ATTEND_PARAMS) {
-    const int nh = h1 - h0, nq = nh * G, span = len - lo, ND32 = D / 32, ND16 = D / 16, W = 16;
+    const int nkv = h1 - h0, nq = nkv * G, span = len - lo, ND32 = D / 32, ND16 = D / 16, W = 16;
     float *S = scores;
     uint32_t *Bq = (uint32_t *)(S + 16 * (int64_t)span);
-    uint16_t *stage = (uint16_t *)(Bq + (int64_t)nh * ND32 * 256);
-    float *sums = (float *)(stage + 16 * (int64_t)nh * D);
+    uint16_t *stage = (uint16_t *)(Bq + (int64_t)nkv * ND32 * 256);
+    float *sums = (float *)(stage + 16 * (int64_t)nkv * D);
     const int64_t row_bytes = token_stride * 2;
     /* q scaled and rounded to bf16 as B tiles: KV head hh's slice kk (channels [32 kk, 32 kk + 32))
      * holds in row r, column g, the pair of channels (32 kk + 2r, 32 kk + 2r + 1) of its query head g */
-    memset(Bq, 0, sizeof(uint32_t) * (size_t)nh * ND32 * 256);
+    memset(Bq, 0, sizeof(uint32_t) * (size_t)nkv * ND32 * 256);
     for (int qh = 0; qh < nq; qh++) {
         const float *qrow = qs + (int64_t)qh * D;
         uint32_t *slices = Bq + (int64_t)(qh / G) * ND32 * 256;
@@ -135,8 +135,8 @@ static void qw_attend_amx(QW_ATTEND_PARAMS) {
     for (int t = lo; t < len; t += 16) {
         int64_t sa;
         const int m = len - t < 16 ? len - t : 16;
-        const uint16_t *a = qw_amx_rows(k_cache, table, block_size, token_stride, (int64_t)h0 * D, nh * D, t, len, stage, &sa);
-        for (int hh = 0; hh < nh; hh++) {
+        const uint16_t *a = qw_amx_rows(k_cache, table, block_size, token_stride, (int64_t)h0 * D, nkv * D, t, len, stage, &sa);
+        for (int hh = 0; hh < nkv; hh++) {
             if (hh & 1) QW_HEAD_SCORES(1);
             else QW_HEAD_SCORES(0);
             TILES_STORED();
@@ -189,18 +189,14 @@ static void qw_attend_amx(QW_ATTEND_PARAMS) {
         const uint16_t *page = v_cache + ((int64_t)table[blk] * block_size + in_page) * token_stride;
         const int first_alone = t < lo, last_alone = 2 * (mm + n - 1) + 1 >= len;
         qw_touch_rows(page + (first_alone ? token_stride : 0) + (int64_t)h0 * D, 2 * n - first_alone - last_alone, row_bytes,
-                      (int64_t)nh * D * 2);
+                      (int64_t)nkv * D * 2);
         for (int h = h0; h < h1; h++) {
             const uint16_t *v = page + (int64_t)h * D;
             for (int g0 = 0; g0 < G; g0 += 3) {
-                const int nhg = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
+                const int nh = G - g0 < 3 ? G - g0 : 3, qh = (h - h0) * G + g0;
 #define QW_ACC(ND, NHC) qw_amx_acc_heads(PP + (int64_t)(mm - m0) * W + qh, W, v, token_stride, n, first_alone, \
                                          last_alone, ND, NHC, acc + (int64_t)qh * D)
-                if (ND16 == 4) {
-                    if (nhg == 3) QW_ACC(4, 3); else if (nhg == 2) QW_ACC(4, 2); else QW_ACC(4, 1);
-                } else {
-                    if (nhg == 3) QW_ACC(8, 3); else if (nhg == 2) QW_ACC(8, 2); else QW_ACC(8, 1);
-                }
+                QW_HEADS_SWITCH(QW_ACC);
 #undef QW_ACC
             }
         }

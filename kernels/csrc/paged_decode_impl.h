@@ -336,15 +336,6 @@ static inline __attribute__((always_inline)) void FN(acc_heads)(const float *res
 
 #endif /* QW_DP */
 
-#define QW_HEADS_SWITCH(CALL)                                                                                         \
-    do {                                                                                                              \
-        if (ND16 == 4) {                                                                                              \
-            if (nh == 3) CALL(4, 3); else if (nh == 2) CALL(4, 2); else CALL(4, 1);                                   \
-        } else {                                                                                                      \
-            if (nh == 3) CALL(8, 3); else if (nh == 2) CALL(8, 2); else CALL(8, 1);                                   \
-        }                                                                                                             \
-    } while (0)
-
 /* attend() with the GQA kernels above (D = 64 or 128): KV heads [h0, h1), each page read for all of
  * them before the next (one contiguous run), each K/V row for 3 query heads at a time. */
 static inline __attribute__((always_inline)) void FN(attend_gqa_body)(QW_ATTEND_PARAMS, const int stream) {
@@ -435,7 +426,6 @@ static inline __attribute__((always_inline)) void FN(attend_gqa_body)(QW_ATTEND_
         for (int d = 0; d < D; d++) outs[(int64_t)qh * D + d] = acc[(int64_t)qh * D + d] * inv_sum[qh];
 #endif
 }
-#undef QW_HEADS_SWITCH
 
 /* attend_gqa_body without and with qw_stream, as attend */
 static void FN(attend_gqa)(QW_ATTEND_PARAMS) { FN(attend_gqa_body)(QW_ATTEND_ARGS, 0); }
