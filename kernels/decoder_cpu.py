@@ -54,7 +54,7 @@ class _Step(ctypes.Structure):
         ("tables", _P), ("seq_lens", _P), ("query_start_loc", _P), ("table_stride", _I64),
         ("num_decodes", _I32), ("num_seqs", _I32), ("gemm", _P),
         ("emb", _P), ("res", _P * 2), ("qkv", _P), ("attn", _P), ("h", _P), ("x", _P), ("gu", _P), ("act", _P),
-        ("attn_bf16", _P), ("bf16_products", _I32),
+        ("attn_bf16", _P), ("bf16_products", _I32), ("swiglu", _P),
     ]
 
 
@@ -154,6 +154,8 @@ class DecoderLayers:
         gemm = getattr(gemm_lib, gemm_name, None) if gemm_lib is not None and gemm_name else None
         if self.amx and not gemm_cpu.amx_layout_usable(gemm_lib):
             gemm = None
+        # the gate/up GEMM with SwiGLU in its epilogue (the same bits; it declines where AMX is absent)
+        swiglu = getattr(gemm_lib, "qw_gemm_bf16_amx_swiglu", None) if self.amx and gemm is not None else None
         T = h.shape[0] if h.dim() == 2 else 0
         if fn is None or gemm is None or not self.ok or T == 0 or not _cpu.EXTEND_KERNEL or len(kv_caches) != len(self._weights):
             return None
@@ -192,7 +194,8 @@ class DecoderLayers:
                   table_stride=block_tables.stride(0) if B else 0, num_decodes=num_decodes, num_seqs=B,
                   gemm=ctypes.cast(gemm, _P).value, emb=h.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
                   h=out_h.data_ptr(), x=x.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr(),
-                  attn_bf16=attn_bf16.data_ptr() if bf16 else None, bf16_products=int(self.bf16_products))
+                  attn_bf16=attn_bf16.data_ptr() if bf16 else None, bf16_products=int(self.bf16_products),
+                  swiglu=ctypes.cast(swiglu, _P).value if swiglu is not None else None)
         s.res[0], s.res[1] = res0.data_ptr(), res1.data_ptr()
         rc = fn(self._layer_array(kv_caches), len(self._weights), ctypes.byref(s))
         if rc == -1:

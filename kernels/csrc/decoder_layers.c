@@ -9,7 +9,8 @@
  * same arguments and thread count, so its results are bit for bit that loop's:
  *   qw_decoder_layers_f32   fp32 weights and activations (qworker/model/decoder.py forward)
  *   qw_decoder_layers_bf16  the CPU bf16 mode (_forward_cpu_bf16): bf16 weights, bf16 GEMM inputs
- *                           and outputs, an fp32 residual stream, fp32 rotary and attention
+ *                           and outputs, an fp32 residual stream, fp32 rotary and attention; on AMX
+ *                           the gate/up GEMM and SwiGLU are one call (csrc/gemm_amx.c, the same bits)
  * The GEMM comes in as a function pointer: the build whose micro-kernel runs (kernels/gemm_cpu.py
  * gemm_isa) need not be this library's.
  *
@@ -35,6 +36,10 @@ typedef int (*qw_gemm_fn)(const float *x, int64_t ldx, const float *wp, const fl
 typedef int (*qw_gemm_bf16_fn)(const void *x, int64_t ldx, int x_bf16, const void *wp, const void *bias, int bias_bf16,
                                void *y, int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads,
                                int64_t mc, int64_t group, int64_t kc);
+/* csrc/gemm_amx.c's qw_gemm_bf16_amx_swiglu: act = silu(x Wg^T) * (x Wu^T), bit for bit the gate/up
+ * GEMM's bf16 output followed by qw_silu_mul_bf16; -3 where it does not apply (then the two calls) */
+typedef int (*qw_swiglu_fn)(const void *x, int64_t ldx, const void *wp, uint16_t *act, int64_t ldy, int64_t M,
+                            int64_t I, int64_t K, int num_threads);
 
 /* One layer's tensors: fp32 norms, the projections packed in panels (kernels/gemm_cpu.py; fp32 in
  * the fp32 form, bf16 in the bf16 form), their biases (fp32, or in the bf16 form fp32 or bf16 as
@@ -66,6 +71,7 @@ typedef struct {
     void *h, *x, *gu, *act;
     uint16_t *attn_bf16; /* the bf16 form's o input [T, Q] */
     int bf16_products;   /* a bf16 cache's attention multiplies in bf16 (csrc/paged_extend_bf16_products.c) */
+    void *swiglu;        /* the bf16 form's gate/up GEMM with SwiGLU fused (qw_swiglu_fn), or NULL */
 } qw_step;
 
 /* the kernels of this library (elementwise.c, paged_decode.c, paged_extend.c) */
@@ -226,8 +232,13 @@ int qw_decoder_layers_bf16(const qw_layer *layers, int num_layers, const qw_step
         to_bf16(s->attn, s->attn_bf16, T * Q, nt);
         if (gemm(s->attn_bf16, Q, 1, l->o, l->o_bias, l->o_bias_bf16, h, H, 1, T, H, Q, nt, 0, 0, 0) != 0) return -3;
         qw_add_rms_norm_bf16out(h, 1, s->res[0], l->post_norm, s->res[1], x, T, H, s->eps, nt);
-        if (gemm(x, H, 1, l->gate_up, 0, 0, gu, 2 * I, 1, T, 2 * I, H, nt, 0, 0, 0) != 0) return -3;
-        qw_silu_mul_bf16(gu, act, T, I, nt);
+        const int fused = s->swiglu ? ((qw_swiglu_fn)s->swiglu)(x, H, l->gate_up, act, I, T, I, H, nt) : -3;
+        if (fused == -3) {
+            if (gemm(x, H, 1, l->gate_up, 0, 0, gu, 2 * I, 1, T, 2 * I, H, nt, 0, 0, 0) != 0) return -3;
+            qw_silu_mul_bf16(gu, act, T, I, nt);
+        } else if (fused != 0) {
+            return -3;
+        }
         if (gemm(act, I, 1, l->down, 0, 0, h, H, 1, T, H, I, nt, 0, 0, 0) != 0) return -3;
         residual = s->res[1];
     }

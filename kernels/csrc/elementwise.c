@@ -10,6 +10,7 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "silu.h"
 #include "wide.h"
 
 /* Parallel from this many elements per call: below it a fork/join (~1-2 us with libgomp's
@@ -94,23 +95,11 @@ int qw_store_kv_f32(const float *key, const float *value, int64_t key_stride, in
     return 0;
 }
 
-/* sigmoid(x) from e = e^-|x| and r = 1 / (1 + e): e * r for x < 0, and 0 below -87, where
- * exp_nonpositive stops at e^-87 (a finite gate of -3e38 would otherwise give about -5, and -inf
- * a -inf where x * sigmoid(x) is NaN, as torch has it). */
-static inline float sigmoid_from(float x, float e, float r) {
-    return x < 0.0f ? (x < -87.0f ? 0.0f : e * r) : r;
-}
-
 /* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU activation of a fused
  * gate/up projection [T, 2I]; out is [T, I]. silu(x) = x * sigmoid(x), with the exponential
  * always taken of a non-positive argument so that it cannot overflow. */
 static void silu_mul_row(const float *restrict g, const float *restrict u, float *restrict o, int I) {
-    for (int i = 0; i < I; i++) {
-        const float x = g[i];
-        const float e = exp_nonpositive(-fabsf(x)); /* e^-|x| */
-        const float r = 1.0f / (1.0f + e);          /* sigmoid(|x|) */
-        o[i] = x * sigmoid_from(x, e, r) * u[i];
-    }
+    for (int i = 0; i < I; i++) o[i] = silu_mul(g[i], u[i]);
 }
 
 /* One row of qw_silu_mul_f32 (gate g, up u), for kernels that run it inside their own parallel region. */
@@ -168,12 +157,7 @@ QW_WIDE void qw_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t T,
         const uint16_t *restrict g = gate_up + t * 2 * I, *restrict u = g + I;
         uint16_t *restrict o = out + t * I;
 #pragma omp simd
-        for (int i = 0; i < I; i++) {
-            const float x = bf16_to_f32(g[i]);
-            const float e = exp_nonpositive(-fabsf(x));
-            const float r = 1.0f / (1.0f + e);
-            o[i] = f32_to_bf16(x * sigmoid_from(x, e, r) * bf16_to_f32(u[i]));
-        }
+        for (int i = 0; i < I; i++) o[i] = f32_to_bf16(silu_mul(bf16_to_f32(g[i]), bf16_to_f32(u[i])));
     }
 }
 

@@ -41,6 +41,8 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "silu.h"
+#include "wide.h"
 
 #if defined(QW_GEMM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define QW_AMX 1
@@ -87,12 +89,11 @@ static void store_tile(const float *c, const float *bias, void *y, int64_t ldy, 
         store16_f32_or_bf16((char *)y + i * ldy * (ybf ? 2 : 4), ybf, _mm512_add_ps(_mm512_loadu_ps(c + i * NR), b), m);
 }
 
-/* One row tile (16 rows at a, lda elements apart) by NP (1-3) panels from p: C tiles 0..NP-1,
- * A tile 4, B 5..7. */
+/* One row tile (16 rows at a, lda elements apart) by NP (1-3) panels, the first at b and each next
+ * pd elements on (K * NR for neighbours; the gate/up product's pairs are further apart): C tiles
+ * 0..NP-1, A tile 4, B 5..7. */
 #define ROW_TILE_BY_PANELS(NP)                                                                                      \
-    static void rows16_by_##NP(const uint16_t *a, int64_t lda, int64_t K, const uint16_t *wp, int64_t p, float *c) { \
-        const int64_t pstride = K * NR; /* bf16 elements per panel */                                               \
-        const uint16_t *b = wp + p * pstride;                                                                       \
+    static void rows16_by_##NP(const uint16_t *a, int64_t lda, int64_t K, const uint16_t *b, int64_t pd, float *c) { \
         _tile_zero(0);                                                                                              \
         if (NP > 1) _tile_zero(1);                                                                                  \
         if (NP > 2) _tile_zero(2);                                                                                  \
@@ -101,11 +102,11 @@ static void store_tile(const float *c, const float *bias, void *y, int64_t ldy, 
             _tile_loadd(5, b, 64);                                                                                  \
             _tile_dpbf16ps(0, 4, 5);                                                                                \
             if (NP > 1) {                                                                                           \
-                _tile_loadd(6, b + pstride, 64);                                                                    \
+                _tile_loadd(6, b + pd, 64);                                                                         \
                 _tile_dpbf16ps(1, 4, 6);                                                                            \
             }                                                                                                       \
             if (NP > 2) {                                                                                           \
-                _tile_loadd(7, b + 2 * pstride, 64);                                                                \
+                _tile_loadd(7, b + 2 * pd, 64);                                                                     \
                 _tile_dpbf16ps(2, 4, 7);                                                                            \
             }                                                                                                       \
         }                                                                                                           \
@@ -118,12 +119,10 @@ ROW_TILE_BY_PANELS(1)
 ROW_TILE_BY_PANELS(2)
 ROW_TILE_BY_PANELS(3)
 
-/* Two row tiles (16 rows at a0, 16 at a1, lda0 / lda1 elements apart) by two panels: C tiles 0-3
- * (row tile r, panel j at 2r + j), A tiles 4-5, B tiles 6-7. */
+/* Two row tiles (16 rows at a0, 16 at a1, lda0 / lda1 elements apart) by two panels (at b and
+ * b + pd): C tiles 0-3 (row tile r, panel j at 2r + j), A tiles 4-5, B tiles 6-7. */
 static void rows32_by_2(const uint16_t *a0, int64_t lda0, const uint16_t *a1, int64_t lda1, int64_t K,
-                        const uint16_t *wp, int64_t p, float *c) {
-    const int64_t pstride = K * NR;
-    const uint16_t *b = wp + p * pstride;
+                        const uint16_t *b, int64_t pd, float *c) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -133,7 +132,7 @@ static void rows32_by_2(const uint16_t *a0, int64_t lda0, const uint16_t *a1, in
         _tile_loadd(4, a0 + k, lda0 * 2);
         _tile_loadd(6, b, 64);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b + pstride, 64);
+        _tile_loadd(7, b + pd, 64);
         _tile_dpbf16ps(1, 4, 7);
         _tile_loadd(5, a1 + k, lda1 * 2);
         _tile_dpbf16ps(2, 5, 6);
@@ -144,6 +143,19 @@ static void rows32_by_2(const uint16_t *a0, int64_t lda0, const uint16_t *a1, in
     _tile_stored(2, c + 2 * MT * NR, 64);
     _tile_stored(3, c + 3 * MT * NR, 64);
     TILES_STORED();
+}
+
+/* The gate/up product's epilogue: gate sums cg and up sums cu (16 x 16 each) -> rows [0, rows) of
+ * act (16 bf16 columns, ldy apart): each sum rounded to bf16 as the GEMM's bf16 output is, then
+ * SiLU-and-multiply as qw_silu_mul_bf16 computes it (the same bits as the two calls). */
+QW_WIDE static void store_swiglu_tile(const float *cg, const float *cu, uint16_t *act, int64_t ldy, int rows) {
+    /* the tile's sums are contiguous: one loop over all of them (512-bit vectors, which a loop of 16
+     * bf16 results could not fill), then the rows copied out */
+    uint16_t o[MT * NR] __attribute__((aligned(64)));
+#pragma omp simd
+    for (int e = 0; e < rows * NR; e++)
+        o[e] = f32_to_bf16(silu_mul(bf16_to_f32(f32_to_bf16(cg[e])), bf16_to_f32(f32_to_bf16(cu[e]))));
+    for (int i = 0; i < rows; i++) memcpy(act + i * ldy, o + i * NR, NR * 2);
 }
 
 /* Where row tile t's 16 rows are: in x, or (a last tile of fewer than 16 rows) in the padded tail. */
@@ -161,20 +173,29 @@ static inline const uint16_t *tile_rows(const row_tiles *a, int64_t t, int64_t *
     return a->tail;
 }
 
-/* panels [p0, p1) of y for all M rows (Mp: M rounded up to whole row tiles); bias padded fp32 or NULL */
+/* panels [p0, p1) of y for all M rows (Mp: M rounded up to whole row tiles); bias padded fp32 or
+ * NULL. up > 0: the gate/up product (qw_gemm_bf16_amx_swiglu): [p0, p1) are gate panels, each
+ * paired with the up panel `up` panels on, and y is the bf16 activation [M, up * NR]. */
 static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, const uint16_t *wp, const float *bias,
-                      void *y, int64_t ldy, int ybf, int64_t N, int64_t p0, int64_t p1) {
+                      void *y, int64_t ldy, int ybf, int64_t N, int64_t p0, int64_t p1, int64_t up) {
     const int esz = ybf ? 2 : 4;
+    const int64_t ps = K * NR, pd = (up ? up : 1) * ps; /* elements per panel; from a pair's first panel to its second */
     float c[4 * MT * NR] __attribute__((aligned(64)));
     int64_t lda, lda1;
     qw_configure_tiles();
-    if (Mp == MT) { /* one row tile: three panels at a time */
+    if (Mp == MT && up) { /* one row tile of the gate/up product: a gate and an up panel at a time */
+        const uint16_t *a0 = tile_rows(a, 0, &lda);
+        for (int64_t p = p0; p < p1; p++) {
+            rows16_by_2(a0, lda, K, wp + p * ps, pd, c);
+            store_swiglu_tile(c, c + MT * NR, (uint16_t *)y + p * NR, ldy, (int)M);
+        }
+    } else if (Mp == MT) { /* one row tile: three panels at a time */
         const uint16_t *a0 = tile_rows(a, 0, &lda);
         for (int64_t p = p0; p < p1; p += 3) {
             const int np = (int)(p1 - p < 3 ? p1 - p : 3);
-            if (np == 3) rows16_by_3(a0, lda, K, wp, p, c);
-            else if (np == 2) rows16_by_2(a0, lda, K, wp, p, c);
-            else rows16_by_1(a0, lda, K, wp, p, c);
+            if (np == 3) rows16_by_3(a0, lda, K, wp + p * ps, ps, c);
+            else if (np == 2) rows16_by_2(a0, lda, K, wp + p * ps, ps, c);
+            else rows16_by_1(a0, lda, K, wp + p * ps, ps, c);
             for (int j = 0; j < np; j++) {
                 const int64_t c0 = (p + j) * NR;
                 const int ncols = (int)(N - c0 < NR ? N - c0 : NR);
@@ -188,26 +209,31 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
          * the same tiles' in the same order. 25% faster at 2048 rows, ~5% at 1024 (docs/benchmarks.md) */
         const int64_t fit = QW_MC_BYTES / (K * 2) / (2 * MT) * (2 * MT), mc = fit > 2 * MT ? fit : 2 * MT;
         for (int64_t rb = 0; rb < Mp; rb += mc) {
-            for (int64_t p = p0; p < p1; p += 2) {
-                const int np = (int)(p1 - p < 2 ? p1 - p : 2);
+            for (int64_t p = p0; p < p1; p += up ? 1 : 2) {
+                const int np = up || p1 - p >= 2 ? 2 : 1;
                 for (int64_t r = rb; r < Mp && r < rb + mc; r += 2 * MT) {
                     const int nr = Mp - r >= 2 * MT ? 2 : 1;
                     const uint16_t *a0 = tile_rows(a, r / MT, &lda);
                     if (nr == 2 && np == 2) {
                         const uint16_t *a1 = tile_rows(a, r / MT + 1, &lda1);
-                        rows32_by_2(a0, lda, a1, lda1, K, wp, p, c);
+                        rows32_by_2(a0, lda, a1, lda1, K, wp + p * ps, pd, c);
                     } else { /* an odd last row tile or panel: one row tile at a time */
                         for (int t = 0; t < nr; t++) {
                             const uint16_t *at = tile_rows(a, r / MT + t, &lda1);
-                            if (np == 2) rows16_by_2(at, lda1, K, wp, p, c + 2 * t * MT * NR);
-                            else rows16_by_1(at, lda1, K, wp, p, c + 2 * t * MT * NR);
+                            if (np == 2) rows16_by_2(at, lda1, K, wp + p * ps, pd, c + 2 * t * MT * NR);
+                            else rows16_by_1(at, lda1, K, wp + p * ps, pd, c + 2 * t * MT * NR);
                         }
                     }
-                    /* c holds tile (row tile t, panel j) at 2t + j */
+                    /* c holds tile (row tile t, panel j of the pair) at 2t + j */
                     for (int t = 0; t < nr; t++) {
                         const int64_t r0 = r + t * MT;
                         if (r0 >= M) break;
                         const int rows = (int)(M - r0 < MT ? M - r0 : MT);
+                        if (up) {
+                            store_swiglu_tile(c + 2 * t * MT * NR, c + (2 * t + 1) * MT * NR,
+                                              (uint16_t *)y + r0 * ldy + p * NR, ldy, rows);
+                            continue;
+                        }
                         for (int j = 0; j < np; j++) {
                             const int64_t c0 = (p + j) * NR;
                             const int ncols = (int)(N - c0 < NR ? N - c0 : NR);
@@ -222,9 +248,10 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
     _tile_release();
 }
 
-/* qw_gemm_bf16_amx on AMX tiles (the OS granted them) */
+/* qw_gemm_bf16_amx on AMX tiles (the OS granted them); up > 0: qw_gemm_bf16_amx_swiglu's gate/up
+ * product (N = 2 * up * NR, no bias, K > 0), y the bf16 activation */
 static int amx_gemm(const void *x, int64_t ldx, const uint16_t *wp, const void *bias, int bias_bf16, void *y,
-                    int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+                    int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads, int64_t up) {
     if (M == 0 || N == 0) return 0;
     if (K == 0) { /* no products: the bias (or zeros), before any scratch is allocated */
         for (int64_t i = 0; i < M; i++)
@@ -235,7 +262,7 @@ static int amx_gemm(const void *x, int64_t ldx, const uint16_t *wp, const void *
             }
         return 0;
     }
-    const int64_t P = (N + NR - 1) / NR, Mp = (M + MT - 1) / MT * MT, full = M / MT, left = M - full * MT;
+    const int64_t P = up ? up : (N + NR - 1) / NR, Mp = (M + MT - 1) / MT * MT, full = M / MT, left = M - full * MT;
     uint16_t *tail = left ? malloc((size_t)(MT * K * 2)) : NULL;
     float *bp = bias ? calloc((size_t)(P * NR), sizeof(float)) : NULL;
     if ((left && !tail) || (bias && !bp)) {
@@ -252,14 +279,15 @@ static int amx_gemm(const void *x, int64_t ldx, const uint16_t *wp, const void *
     int nt = num_threads < 1 ? 1 : num_threads;
     if (nt > P) nt = (int)P;
     if ((double)M * (double)N * (double)K < 65536.0) nt = 1; /* fork/join would cost more */
-    /* panel shares in whole blocks of the row-tile kernel's width, so no thread gets a ragged one */
-    const int width = Mp == MT ? 3 : 2;
+    /* panel shares in whole blocks of the row-tile kernel's width, so no thread gets a ragged one
+     * (the gate/up product's unit is a gate panel, which brings its up panel) */
+    const int width = up ? 1 : Mp == MT ? 3 : 2;
     const int64_t units = (P + width - 1) / width;
     if (nt > units) nt = (int)units;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     for (int t = omp_get_thread_num(), team = omp_get_num_threads(); t < nt; t += team) {
         const int64_t p0 = units * t / nt * width, p1e = units * (t + 1) / nt * width;
-        amx_range(&a, M, Mp, K, wp, bp, y, ldy, y_bf16 != 0, N, p0, p1e < P ? p1e : P);
+        amx_range(&a, M, Mp, K, wp, bp, y, ldy, y_bf16 != 0, N, p0, p1e < P ? p1e : P, up);
     }
     free(tail), free(bp);
     return 0;
@@ -282,7 +310,7 @@ int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp,
                      int64_t group, int64_t kc) {
     if (M < 0 || N < 0 || K < 0 || K % KT || !x_bf16 || (M > 0 && (ldx < K || ldy < N))) return -1;
 #if QW_AMX
-    if (amx_ready()) return amx_gemm(x, ldx, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads);
+    if (amx_ready()) return amx_gemm(x, ldx, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads, 0);
 #endif
     return qw_gemm_bf16_pairs(x, ldx, x_bf16, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads, mc, group, kc);
 }
@@ -294,4 +322,24 @@ int qw_gemm_bf16_amx_ready(void) {
     if (amx_ready()) return 2;
 #endif
     return qw_gemm_bf16_pairs_built();
+}
+
+/*
+ * act[M, I] = silu(x Wg^T) * (x Wu^T) for a gate/up projection W = [Wg; Wu] ([2I, K], packed as
+ * above): the GEMM with SwiGLU's activation in its epilogue, the same bits as qw_gemm_bf16_amx
+ * with bf16 y followed by csrc/elementwise.c's qw_silu_mul_bf16, without writing the [M, 2I]
+ * product and reading it back (7% of a bf16 prefill step, docs/benchmarks.md). Each gate panel is
+ * paired with its up panel I / 16 panels on, so I must be a multiple of 16 (no panel holds both).
+ * x bf16 [M, K] rows ldx apart, act rows ldy apart. Returns 0; -1 for invalid sizes; -2 when
+ * scratch memory cannot be allocated; -3 where this kernel does not apply (no AMX tiles here,
+ * I % 16, K = 0): the caller then makes the two calls.
+ */
+int qw_gemm_bf16_amx_swiglu(const void *x, int64_t ldx, const uint16_t *wp, uint16_t *act, int64_t ldy, int64_t M,
+                            int64_t I, int64_t K, int num_threads) {
+    if (M < 0 || I < 0 || K < 0 || K % KT || (M > 0 && (ldx < K || ldy < I))) return -1;
+    if (I % NR || K == 0) return -3;
+#if QW_AMX
+    if (amx_ready()) return amx_gemm(x, ldx, wp, NULL, 0, act, ldy, 1, M, 2 * I, K, num_threads, I / NR);
+#endif
+    return -3;
 }
