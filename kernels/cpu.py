@@ -165,6 +165,8 @@ _SIGNATURES = {
     "qw_gemm_bf16_amx_ready": ([], ctypes.c_int),
     # x, ldx, packed gate/up w, act, ld act, M, I, K, threads (csrc/gemm_amx.c)
     "qw_gemm_bf16_amx_swiglu": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32], ctypes.c_int),
+    # x, ldx, packed w, M, N, K, out (int64 [M]), threads (csrc/gemm_amx.c)
+    "qw_gemm_bf16_amx_argmax": ([_P, _I64, _P, _I64, _I64, _I64, _P, _I32], ctypes.c_int),
     # layers (qw_layer[]), num_layers, step (qw_step *) (csrc/decoder_layers.c, kernels/decoder_cpu.py)
     "qw_decoder_layers_f32": ([_P, _I32, _P], ctypes.c_int),
     "qw_decoder_layers_bf16": ([_P, _I32, _P], ctypes.c_int),

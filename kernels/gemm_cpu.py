@@ -281,6 +281,37 @@ def _gemm_bf16(x, packed, bias, n_out, K, out, out_dtype, threads, mc, group, kc
     return y if out is not None or x.dim() == 2 else y.reshape(*lead, n_out)
 
 
+def argmax_bf16(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Tensor | None:
+    """``gemm(x, packed, None, n_out).argmax(dim=-1)`` (int64 ``[rows]``) for amx-packed bf16 weights without
+    bias, without the ``[rows, out]`` product: torch.argmax's answer on the bf16 output (the first
+    index of each row's maximum, or of its first NaN). On AMX tiles only (``csrc/gemm_amx.c``
+    ``qw_gemm_bf16_amx_argmax``); None where it does not run (the caller takes the product)."""
+    if not (is_amx_packed(packed) and packed.is_cpu and packed.is_contiguous() and x.dim() == 2 and x.is_cpu):
+        return None
+    lib = _gemm_library(torch.bfloat16)
+    fn = getattr(lib, "qw_gemm_bf16_amx_argmax", None) if lib is not None else None
+    if fn is None or not amx_layout_usable(lib):
+        return None
+    K = packed_k(packed)
+    if x.shape[1] != K:
+        raise ValueError(f"x has {x.shape[1]} columns, the weight {K}")
+    x = x.to(torch.bfloat16)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    M, N = x.shape[0], n_out
+    if not 0 < N <= packed.shape[0] * NR:
+        raise ValueError(f"n_out {N} does not fit the {packed.shape[0]} packed panels")
+    out = torch.empty(M, dtype=torch.int64)
+    rc = fn(x.data_ptr(), x.stride(0) if M > 1 else K, packed.data_ptr(), M, N, K, out.data_ptr(), torch.get_num_threads())
+    if rc == -3:
+        return None
+    if rc == -2:
+        raise MemoryError(f"qw_gemm_bf16_amx_argmax: no scratch memory for M={M} N={N} K={K}")
+    if rc != 0:
+        raise ValueError(f"qw_gemm_bf16_amx_argmax rejected M={M} N={N} K={K} (rc {rc})")
+    return out
+
+
 def _unalias(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` and ``bias``, copied where their memory overlaps the destination ``y`` (``out=x``, or
     views of one buffer): the kernels write y's tiles while later tiles still read x, so an aliased

@@ -34,6 +34,7 @@
  * the weights in L1 moved the many-row figures by more than the noise; the loads' order in the
  * 2 x 2 kernel (each product as soon as its operands are in) gave ~5%.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,6 +120,34 @@ ROW_TILE_BY_PANELS(1)
 ROW_TILE_BY_PANELS(2)
 ROW_TILE_BY_PANELS(3)
 
+/* A thread's running argmax of each row over the columns it has seen (qw_gemm_bf16_amx_argmax):
+ * per row, each of 16 lanes keeps the largest bf16-rounded value of the columns = lane (mod 16)
+ * and the first column that held it (panels come in increasing order, and only a strictly
+ * greater value replaces), plus the row's first NaN column (-1: none yet). */
+typedef struct {
+    float *vmax;        /* [M][16] */
+    int32_t *vidx;      /* [M][16] */
+    int64_t *nan_first; /* [M] */
+} argmax_acc;
+
+/* rows [0, rows) of a tile of sums c (16 floats a row) for columns [c0, c0 + ncols) into am from
+ * row r0; each sum rounded to bf16 first, as the logits the argmax would otherwise read */
+static inline void argmax_tile_rows(argmax_acc *am, int64_t r0, const float *c, int64_t c0, int ncols, int i0,
+                                    int rows) {
+    const __mmask16 m = (__mmask16)((1u << ncols) - 1u);
+    const __m512i col = _mm512_add_epi32(_mm512_set1_epi32((int)c0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    for (int i = i0; i < rows; i++) {
+        const int64_t r = r0 + i;
+        const __m512 raw = _mm512_loadu_ps(c + i * NR);
+        const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, raw, raw, _CMP_UNORD_Q);
+        if (nan && am->nan_first[r] < 0) am->nan_first[r] = c0 + __builtin_ctz(nan);
+        const __m512 v = _mm512_castsi512_ps(round_bf16_16(raw)), best = _mm512_loadu_ps(am->vmax + r * NR);
+        const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);
+        _mm512_storeu_ps(am->vmax + r * NR, _mm512_mask_mov_ps(best, gt, v));
+        _mm512_storeu_si512(am->vidx + r * NR, _mm512_mask_mov_epi32(_mm512_loadu_si512(am->vidx + r * NR), gt, col));
+    }
+}
+
 /* A finished block of sums waiting for its epilogue: up to 2 row tiles x 2 panels of fp32 sums at c
  * (tile (row tile t, panel j of the pair) at 2t + j), each tile's valid rows and columns, where
  * they go (y: tile (t, j) at y + t * 16 rows + j * 16 columns, or the gate/up product's activation)
@@ -132,6 +161,8 @@ typedef struct {
     int64_t ldy;
     int ybf, up;
     const float *bias;     /* the pair's 32 padded bias values, or NULL */
+    argmax_acc *am;        /* argmax instead of y: the block's first row and column */
+    int64_t r0, c0;
 } pending;
 
 #define SLOTS 32 /* two-row slots of a block's four tiles */
@@ -157,6 +188,11 @@ static inline void epilogue_slots(const pending *e, int s0, int s1) {
     for (int s = s0; s < s1 && s < SLOTS; s++) { /* slot s: rows 2 (s % 8), + 1 of tile s / 8 = 2t + j */
         const int tile = s / 8, t = tile / 2, j = tile % 2, i = 2 * (s % 8);
         if (i >= e->rows[t] || !e->ncols[j]) continue;
+        if (e->am) {
+            argmax_tile_rows(e->am, e->r0 + t * MT, e->c + tile * MT * NR, e->c0 + j * NR, e->ncols[j], i,
+                             i + 2 < e->rows[t] ? i + 2 : e->rows[t]);
+            continue;
+        }
         const __mmask16 m = (__mmask16)((1u << e->ncols[j]) - 1u);
         const __m512 b = e->bias ? _mm512_loadu_ps(e->bias + j * NR) : _mm512_setzero_ps();
         for (int r = i; r < i + 2 && r < e->rows[t]; r++)
@@ -232,7 +268,7 @@ static inline const uint16_t *tile_rows(const row_tiles *a, int64_t t, int64_t *
  * NULL. up > 0: the gate/up product (qw_gemm_bf16_amx_swiglu): [p0, p1) are gate panels, each
  * paired with the up panel `up` panels on, and y is the bf16 activation [M, up * NR]. */
 static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, const uint16_t *wp, const float *bias,
-                      void *y, int64_t ldy, int ybf, int64_t N, int64_t p0, int64_t p1, int64_t up) {
+                      void *y, int64_t ldy, int ybf, int64_t N, int64_t p0, int64_t p1, int64_t up, argmax_acc *am) {
     const int esz = ybf ? 2 : 4;
     const int64_t ps = K * NR, pd = (up ? up : 1) * ps; /* elements per panel; from a pair's first panel to its second */
     float c[4 * MT * NR] __attribute__((aligned(64)));
@@ -254,7 +290,8 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
             for (int j = 0; j < np; j++) {
                 const int64_t c0 = (p + j) * NR;
                 const int ncols = (int)(N - c0 < NR ? N - c0 : NR);
-                store_tile(c + j * MT * NR, bias ? bias + c0 : NULL, (char *)y + c0 * esz, ldy, ybf, (int)M, ncols);
+                if (am) argmax_tile_rows(am, 0, c + j * MT * NR, c0, ncols, 0, (int)M);
+                else store_tile(c + j * MT * NR, bias ? bias + c0 : NULL, (char *)y + c0 * esz, ldy, ybf, (int)M, ncols);
             }
         }
     } else {
@@ -286,12 +323,14 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
                         }
                     }
                     pending *n = &e[cur];
-                    n->c = cb, n->ldy = ldy, n->ybf = ybf, n->up = up != 0;
+                    n->c = cb, n->ldy = ldy, n->ybf = ybf, n->up = up != 0, n->am = am, n->r0 = r, n->c0 = p * NR;
                     for (int t = 0; t < 2; t++) {
                         const int64_t r0 = r + t * MT;
                         n->rows[t] = t < nr && r0 < M ? (int)(M - r0 < MT ? M - r0 : MT) : 0;
                     }
-                    if (up) {
+                    if (am) {
+                        for (int j = 0; j < 2; j++) n->ncols[j] = j < np ? (int)(N - (p + j) * NR < NR ? N - (p + j) * NR : NR) : 0;
+                    } else if (up) {
                         n->y = (char *)((uint16_t *)y + r * ldy + p * NR);
                         n->bias = NULL;
                     } else {
@@ -312,10 +351,29 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
     _tile_release();
 }
 
+/* A row's argmax from the threads' accumulators (thread t's columns all before thread t + 1's): the
+ * first NaN, else the first column of the largest value (torch.argmax's answer) */
+static int64_t argmax_merge(const argmax_acc *acc, int nt, int64_t r) {
+    int64_t nan = -1, best = 0;
+    float m = 0.0f;
+    for (int t = 0; t < nt; t++)
+        if (acc[t].nan_first[r] >= 0 && (nan < 0 || acc[t].nan_first[r] < nan)) nan = acc[t].nan_first[r];
+    if (nan >= 0) return nan;
+    for (int t = 0; t < nt; t++)
+        for (int l = 0; l < NR; l++) {
+            const float v = acc[t].vmax[r * NR + l];
+            const int64_t i = acc[t].vidx[r * NR + l];
+            if ((t == 0 && l == 0) || v > m || (v == m && i < best)) m = v, best = i;
+        }
+    return best;
+}
+
 /* qw_gemm_bf16_amx on AMX tiles (the OS granted them); up > 0: qw_gemm_bf16_amx_swiglu's gate/up
- * product (N = 2 * up * NR, no bias, K > 0), y the bf16 activation */
+ * product (N = 2 * up * NR, no bias, K > 0), y the bf16 activation; argmax != NULL:
+ * qw_gemm_bf16_amx_argmax (no bias, K > 0, y unused), each row's argmax there */
 static int amx_gemm(const void *x, int64_t ldx, const uint16_t *wp, const void *bias, int bias_bf16, void *y,
-                    int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads, int64_t up) {
+                    int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads, int64_t up,
+                    int64_t *argmax) {
     if (M == 0 || N == 0) return 0;
     if (K == 0) { /* no products: the bias (or zeros), before any scratch is allocated */
         for (int64_t i = 0; i < M; i++)
@@ -348,12 +406,37 @@ static int amx_gemm(const void *x, int64_t ldx, const uint16_t *wp, const void *
     const int width = up ? 1 : Mp == MT ? 3 : 2;
     const int64_t units = (P + width - 1) / width;
     if (nt > units) nt = (int)units;
+    argmax_acc acc[nt];
+    char *scratch = NULL;
+    if (argmax) { /* each thread's accumulators, (M x 16 floats, M x 16 ints, M ints) */
+        const size_t per = (size_t)M * (NR * 8 + 8);
+        scratch = aligned_alloc(64, ((size_t)nt * per + 63) / 64 * 64);
+        if (!scratch) {
+            free(tail), free(bp);
+            return -2;
+        }
+        for (int t = 0; t < nt; t++) {
+            char *at = scratch + t * per;
+            acc[t] = (argmax_acc){(float *)at, (int32_t *)(at + (size_t)M * NR * 4), (int64_t *)(at + (size_t)M * NR * 8)};
+        }
+    }
 #pragma omp parallel num_threads(nt) if (nt > 1)
     for (int t = omp_get_thread_num(), team = omp_get_num_threads(); t < nt; t += team) {
         const int64_t p0 = units * t / nt * width, p1e = units * (t + 1) / nt * width;
-        amx_range(&a, M, Mp, K, wp, bp, y, ldy, y_bf16 != 0, N, p0, p1e < P ? p1e : P, up);
+        if (argmax) { /* -inf in every lane, at the range's first columns (a lane that never sees more keeps one) */
+            for (int64_t r = 0; r < M; r++) {
+                for (int l = 0; l < NR; l++) {
+                    acc[t].vmax[r * NR + l] = -INFINITY;
+                    acc[t].vidx[r * NR + l] = (int32_t)(p0 * NR + l);
+                }
+                acc[t].nan_first[r] = -1;
+            }
+        }
+        amx_range(&a, M, Mp, K, wp, bp, y, ldy, y_bf16 != 0, N, p0, p1e < P ? p1e : P, up, argmax ? &acc[t] : NULL);
     }
-    free(tail), free(bp);
+    if (argmax)
+        for (int64_t r = 0; r < M; r++) argmax[r] = argmax_merge(acc, nt, r);
+    free(tail), free(bp), free(scratch);
     return 0;
 }
 #endif
@@ -374,7 +457,7 @@ int qw_gemm_bf16_amx(const void *x, int64_t ldx, int x_bf16, const uint16_t *wp,
                      int64_t group, int64_t kc) {
     if (M < 0 || N < 0 || K < 0 || K % KT || !x_bf16 || (M > 0 && (ldx < K || ldy < N))) return -1;
 #if QW_AMX
-    if (amx_ready()) return amx_gemm(x, ldx, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads, 0);
+    if (amx_ready()) return amx_gemm(x, ldx, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads, 0, NULL);
 #endif
     return qw_gemm_bf16_pairs(x, ldx, x_bf16, wp, bias, bias_bf16, y, ldy, y_bf16, M, N, K, num_threads, mc, group, kc);
 }
@@ -403,7 +486,26 @@ int qw_gemm_bf16_amx_swiglu(const void *x, int64_t ldx, const uint16_t *wp, uint
     if (M < 0 || I < 0 || K < 0 || K % KT || (M > 0 && (ldx < K || ldy < I))) return -1;
     if (I % NR || K == 0) return -3;
 #if QW_AMX
-    if (amx_ready()) return amx_gemm(x, ldx, wp, NULL, 0, act, ldy, 1, M, 2 * I, K, num_threads, I / NR);
+    if (amx_ready()) return amx_gemm(x, ldx, wp, NULL, 0, act, ldy, 1, M, 2 * I, K, num_threads, I / NR, NULL);
+#endif
+    return -3;
+}
+
+/*
+ * out[r] = argmax_n (x W^T)[r, n] for a packed W [N, K] (no bias): the index torch.argmax gives on
+ * the bf16 output of qw_gemm_bf16_amx (each sum rounded to bf16; the first index of the maximum,
+ * or of the first NaN), without writing the [M, N] product or reading it back. For a bf16 LM head
+ * whose rows want only their greedy token: at 128 rows of a 49,152-token vocabulary that output is
+ * 12 MiB a step. x bf16 [M, K] rows ldx apart. Returns 0; -1 for invalid sizes; -2 when scratch
+ * memory cannot be allocated; -3 where this kernel does not apply (no AMX tiles here, K = 0, N
+ * past int32): the caller then takes the GEMM's logits.
+ */
+int qw_gemm_bf16_amx_argmax(const void *x, int64_t ldx, const uint16_t *wp, int64_t M, int64_t N, int64_t K,
+                            int64_t *out, int num_threads) {
+    if (M < 0 || N < 1 || K < 0 || K % KT || (M > 0 && ldx < K)) return -1;
+    if (K == 0 || N > INT32_MAX - NR) return -3;
+#if QW_AMX
+    if (amx_ready()) return M == 0 ? 0 : amx_gemm(x, ldx, wp, NULL, 0, NULL, 0, 1, M, N, K, num_threads, 0, out);
 #endif
     return -3;
 }

@@ -38,7 +38,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: set[int], 
 
     ``bitmask``: masks the rows of sequences with a structured state in place first
     (``constrained``: those ``(row, state)`` pairs, computed here when None; ``filled``: a
-    ``bitmask.start_fill`` made for the same rows)."""
+    ``bitmask.start_fill`` made for the same rows). 1-D ``logits`` are the rows' greedy tokens
+    already (the model's answer when every row is :func:`argmax_only`, ``ModelRunner.execute``)."""
+    if logits.dim() == 1:
+        return logits.tolist(), [None] * len(seqs)
     if logits.dtype != torch.float32 and not all(map(argmax_only, seqs)):
         logits = logits.float()  # bf16 logits come only for argmax-only rows (ModelRunner.execute)
     if bitmask is not None:

@@ -333,7 +333,13 @@ class DecoderModel:
         (0 at the greedy token, -inf elsewhere): the argmax of the full row, exactly, without the
         fp32 head's GEMM. Elsewhere every row gets its full logits (the same argmax); when every
         row is argmax-only they stay in the model's dtype (a bf16 model's bf16 logits: the values
-        an fp32 copy would hold, without the copy, which is read only for an argmax)."""
+        an fp32 copy would hold, without the copy, which is read only for an argmax), or, where a
+        bf16 head runs on AMX, only their argmax comes back: the tokens, int64 ``[rows]`` (1-D,
+        which :func:`qworker.engine.sampler.sample` takes as the rows' tokens)."""
+        if argmax_rows is not None and bool(argmax_rows.all()):
+            tokens = self._greedy_tokens(x)
+            if tokens is not None:
+                return tokens
         head = self.greedy_head
         if (argmax_rows is None or head is None or type(self.lm_head) is not Linear
                 or self.lm_head.weight is not head.exact or not bool(argmax_rows.any())):
@@ -345,6 +351,16 @@ class DecoderModel:
         fast = torch.nonzero(argmax_rows).flatten()
         out[fast, head.argmax(x[fast])] = 0.0
         return out
+
+    def _greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's greedy token (int64 ``[rows]``) straight from a plain bf16 head's GEMM on AMX
+        (:func:`kernels.gemm_cpu.argmax_bf16`: the argmax of the bf16 logits ``_logits(x,
+        keep_dtype=True)`` returns, without writing them), or None where that does not apply."""
+        head = self.lm_head
+        if (type(head) is not Linear or head.backend != "panels" or head.bias is not None or head.weight.dtype != torch.bfloat16
+                or self.logit_divisor is not None or self.logit_scale is not None or self.final_softcap is not None):
+            return None
+        return gemm_cpu.argmax_bf16(x, head.weight, head.out_features)
 
     def _logits(self, x: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """fp32 logits; ``keep_dtype``: the plain head's output in its weight's dtype instead (the

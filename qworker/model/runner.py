@@ -97,7 +97,8 @@ class ModelRunner:
         ``needs_logits``, ``1 + num_draft`` rows (one per position) for a verify chunk. An
         ``argmax_only`` chunk's row may come back as the one-hot log-distribution of its greedy
         token (0 there, -inf elsewhere; see ``DecoderModel._head``); when every row is
-        ``argmax_only`` the logits may be the model's dtype (bf16), read only for their argmax."""
+        ``argmax_only`` the logits may be the model's dtype (bf16), read only for their argmax, or
+        just those argmaxes: the rows' greedy tokens, int64 ``[rows]`` (a 1-D tensor)."""
         assert self.kv is not None
         self.kv.apply(batch.swap_out, batch.swap_in, batch.copy)
         input_ids, positions, meta, logits_indices, argmax_rows = self._prepare(batch)

@@ -1,7 +1,9 @@
 """A bf16 model's logits stay bf16 when every row of a step is argmax-only (DecoderModel._head):
 the sampler takes their argmax as they are (kernels.argmax_rows_cpu reads bf16), skipping the fp32
-copy; a step with any row that needs more than an argmax gets fp32 logits as before. Tokens and
-logprobs are the same as an engine whose logits are always copied to fp32."""
+copy; on AMX such a step gets only the tokens (the LM head's GEMM takes each row's argmax itself,
+kernels.gemm_cpu.argmax_bf16); a step with any row that needs more than an argmax gets fp32 logits
+as before. Tokens and logprobs are the same as an engine whose logits are always full and copied
+to fp32."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import random
 import pytest
 import torch
 
-from kernels import argmax_rows_cpu
+from kernels import argmax_rows_cpu, gemm_cpu
 from qworker.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.engine_support import greedy, rand_ids, run
 
@@ -21,11 +23,14 @@ def _engine(model_dir) -> LLMEngine:
 
 class Dtypes:
     """Wraps ``runner.execute``: the logits' dtype per step, and whether every row was argmax-only;
-    ``widen``: hand the sampler an fp32 copy, as the engine did before."""
+    ``widen``: full logits always (no tokens-only head), handed to the sampler as an fp32 copy, as
+    the engine did before."""
 
     def __init__(self, e: LLMEngine, widen: bool = False):
         self.real, self.widen, self.steps = e.runner.execute, widen, []
         e.runner.execute = self
+        if widen:
+            e.runner.model._greedy_tokens = lambda x: None
 
     def __call__(self, batch):
         logits = self.real(batch)
@@ -59,8 +64,10 @@ def test_bf16_logits_for_argmax_only_steps_decide_the_same_tokens(model_dir, mix
     want = run(ref)
     assert all(r.error_code is None for r in got.values())
     assert _results(got) == _results(want)
-    # bf16 exactly in the steps whose rows are all argmax-only, fp32 in every other step
-    assert all((dtype == torch.bfloat16) == all_argmax for dtype, all_argmax in seen.steps)
+    # bf16 (on AMX: the tokens) exactly in the steps whose rows are all argmax-only, fp32 in every other step
+    short = torch.int64 if gemm_cpu.amx_kernel() == "amx" else torch.bfloat16
+    assert all((dtype == short) == all_argmax for dtype, all_argmax in seen.steps)
+    assert all(dtype in (short, torch.float32) for dtype, _ in seen.steps)
     assert any(all_argmax for _, all_argmax in seen.steps)
     if mixed:
         assert any(not all_argmax for _, all_argmax in seen.steps)

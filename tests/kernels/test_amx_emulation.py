@@ -169,7 +169,7 @@ def test_amx_kernel_tests_pass_on_emulated_tiles():
     """The AMX GEMM's, extend kernel's and decode kernel's own tests (against float64 oracles,
     across tile combinations, threads, batches, windows and sinks) and the bf16 model's logits
     against fp32, on AMX."""
-    tests = ["tests/kernels/test_gemm_cpu_amx.py", "tests/kernels/test_gemm_cpu_amx_attack.py", "tests/kernels/test_gemm_swiglu_amx.py",
+    tests = ["tests/kernels/test_gemm_cpu_amx.py", "tests/kernels/test_gemm_cpu_amx_attack.py", "tests/kernels/test_gemm_amx_epilogues.py",
              "tests/kernels/test_kernel_cpu_extend_bf16_products.py", "tests/kernels/test_kernel_cpu_decode_bf16_products.py",
              "tests/kernels/test_kernel_sinks.py",
              "tests/kernels/test_cpu_bf16.py::test_bf16_logits_follow_fp32"]
