@@ -10,6 +10,7 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "rope.h"
 #include "silu.h"
 #include "wide.h"
 
@@ -64,11 +65,7 @@ void qw_rope_f32(float *q, float *k, int64_t row_stride, const int64_t *position
         for (int h = 0; h < Hq + Hk; h++) {
             float *restrict x = h < Hq ? q + t * row_stride + (int64_t)h * D : k + t * row_stride + (int64_t)(h - Hq) * D;
 #pragma omp simd
-            for (int i = 0; i < half; i++) {
-                const float x1 = x[i], x2 = x[i + half];
-                x[i] = x1 * c[i] - x2 * s[i];
-                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-            }
+            for (int i = 0; i < half; i++) rope_pair(x[i], x[i + half], c, s, i, half, &x[i], &x[i + half]);
         }
     }
 }
