@@ -31,10 +31,16 @@ needs_amx = pytest.mark.skipif(gemm_cpu.amx_kernel() != "amx", reason="needs AMX
 needs_lib = pytest.mark.skipif(_libs()[1] is None, reason="the C GEMM library does not build here")
 
 
+def _product(lib, x, wp, M, N, K, threads):
+    """The GEMM's bf16 output [M, N]."""
+    y = torch.empty(M, N, dtype=BF)
+    assert lib.qw_gemm_bf16_amx(x.data_ptr(), x.stride(0), 1, wp.data_ptr(), None, 0, y.data_ptr(), N, 1,
+                                M, N, K, threads, 0, 0, 0) == 0
+    return y
+
+
 def _two_calls(lib, x, wp, M, I, K, threads):
-    gu = torch.empty(M, 2 * I, dtype=BF)
-    assert lib.qw_gemm_bf16_amx(x.data_ptr(), x.stride(0), 1, wp.data_ptr(), None, 0, gu.data_ptr(), 2 * I, 1,
-                                M, 2 * I, K, threads, 0, 0, 0) == 0
+    gu = _product(lib, x, wp, M, 2 * I, K, threads)
     act = torch.empty(M, I, dtype=BF)
     kcpu._library().qw_silu_mul_bf16(gu.data_ptr(), act.data_ptr(), M, I, threads)
     return act
@@ -100,13 +106,6 @@ def test_fused_declines_what_it_does_not_cover():
     assert fused(x.data_ptr(), 64, wp.data_ptr(), act.data_ptr(), 32, -1, 16, 64, 1) == -1
     rc = fused(x.data_ptr(), 64, wp.data_ptr(), act.data_ptr(), 32, 4, 16, 64, 1)
     assert rc == (0 if gemm_cpu.amx_kernel() == "amx" else -3)
-
-
-def _product(lib, x, wp, M, N, K, threads):
-    y = torch.empty(M, N, dtype=BF)
-    assert lib.qw_gemm_bf16_amx(x.data_ptr(), x.stride(0), 1, wp.data_ptr(), None, 0, y.data_ptr(), N, 1,
-                                M, N, K, threads, 0, 0, 0) == 0
-    return y
 
 
 def _argmax(lib, x, wp, M, N, K, threads):
