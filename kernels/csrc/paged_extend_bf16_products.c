@@ -351,7 +351,9 @@ static void extend_item(const float *q, int64_t q_stride, const uint16_t *k_cach
             const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16), ninf = _mm512_set1_ps(-INFINITY);
             const float cm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, k0, s0), _mm512_mask_mov_ps(ninf, k1, s1)));
             const float mn = cm > w->m[r] ? cm : w->m[r];
-            w->alpha[r] = exp_nonpositive(w->m[r] - mn); /* m = -inf at first: alpha ~ 0 scales zeros */
+            /* m = -inf at first: alpha ~ 0 scales zeros; an unchanged finite max: exactly e^0 = 1
+             * without the scalar exponential (most rows after their first chunks) */
+            w->alpha[r] = mn == w->m[r] && mn > -INFINITY ? 1.0f : exp_nonpositive(w->m[r] - mn);
             w->m[r] = mn;
             const __m512 mv = _mm512_set1_ps(mn);
             const __m512i p0 = round_bf16_16(_mm512_maskz_mov_ps(k0, exp_nonpositive16(_mm512_sub_ps(s0, mv))));
