@@ -25,9 +25,15 @@
  * rows are independent; threads split the columns).
  *
  * Blocking (8 tile registers): up to 16 rows, one A tile and three panels (3 C + 1 A + 3 B);
- * more rows, two A tiles by two panels (4 C + 2 A + 2 B). Threads take contiguous panel ranges;
- * each configures its tiles and releases them when done. The process asks the kernel for AMX
- * state once (arch_prctl ARCH_REQ_XCOMP_PERM): qw_gemm_bf16_amx_ready() says whether that worked.
+ * more rows, two A tiles by two panels (4 C + 2 A + 2 B), each block's epilogue run a few rows at a
+ * time between the next block's products. Threads take contiguous panel ranges; each configures
+ * its tiles and releases them when done. The process asks the kernel for AMX state once
+ * (arch_prctl ARCH_REQ_XCOMP_PERM): qw_gemm_bf16_amx_ready() says whether that worked.
+ *
+ * Two more entry points change only the epilogue: qw_gemm_bf16_amx_swiglu (a gate/up projection's
+ * SwiGLU activation instead of its product) and qw_gemm_bf16_amx_argmax (each row's argmax, for an
+ * LM head whose rows want only the greedy token), each the same answer as the plain GEMM's bf16
+ * output followed by the separate kernel.
  *
  * Against oneDNN's packed AMX linear (docs/benchmarks.md, `bench/gemm_paths.py --dtype bfloat16`):
  * ahead at 1-48 rows, 0.75-0.82x at 128-512. Neither contiguous A tiles nor K chunks that keep
