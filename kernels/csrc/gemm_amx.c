@@ -334,9 +334,7 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
                         const int64_t r0 = r + t * MT;
                         n->rows[t] = t < nr && r0 < M ? (int)(M - r0 < MT ? M - r0 : MT) : 0;
                     }
-                    if (am) {
-                        for (int j = 0; j < 2; j++) n->ncols[j] = j < np ? (int)(N - (p + j) * NR < NR ? N - (p + j) * NR : NR) : 0;
-                    } else if (up) {
+                    if (up) {
                         n->y = (char *)((uint16_t *)y + r * ldy + p * NR);
                         n->bias = NULL;
                     } else {
@@ -344,7 +342,7 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
                             const int64_t c0 = (p + j) * NR;
                             n->ncols[j] = j < np ? (int)(N - c0 < NR ? N - c0 : NR) : 0;
                         }
-                        n->y = (char *)y + (r * ldy + p * NR) * esz;
+                        n->y = am ? NULL : (char *)y + (r * ldy + p * NR) * esz; /* the argmax writes no y */
                         n->bias = bias ? bias + p * NR : NULL;
                     }
                     waiting = 1;
