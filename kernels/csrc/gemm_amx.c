@@ -242,19 +242,6 @@ QW_WIDE static void rows32_by_2(const uint16_t *a0, int64_t lda0, const uint16_t
     TILES_STORED();
 }
 
-/* The gate/up product's epilogue: gate sums cg and up sums cu (16 x 16 each) -> rows [0, rows) of
- * act (16 bf16 columns, ldy apart): each sum rounded to bf16 as the GEMM's bf16 output is, then
- * SiLU-and-multiply as qw_silu_mul_bf16 computes it (the same bits as the two calls). */
-QW_WIDE static void store_swiglu_tile(const float *cg, const float *cu, uint16_t *act, int64_t ldy, int rows) {
-    /* the tile's sums are contiguous: one loop over all of them (512-bit vectors, which a loop of 16
-     * bf16 results could not fill), then the rows copied out */
-    uint16_t o[MT * NR] __attribute__((aligned(64)));
-#pragma omp simd
-    for (int e = 0; e < rows * NR; e++)
-        o[e] = f32_to_bf16(silu_mul(bf16_to_f32(f32_to_bf16(cg[e])), bf16_to_f32(f32_to_bf16(cu[e]))));
-    for (int i = 0; i < rows; i++) memcpy(act + i * ldy, o + i * NR, NR * 2);
-}
-
 /* Where row tile t's 16 rows are: in x, or (a last tile of fewer than 16 rows) in the padded tail. */
 typedef struct {
     const uint16_t *x, *tail;
@@ -273,7 +260,7 @@ static inline const uint16_t *tile_rows(const row_tiles *a, int64_t t, int64_t *
 /* panels [p0, p1) of y for all M rows (Mp: M rounded up to whole row tiles); bias padded fp32 or
  * NULL. up > 0: the gate/up product (qw_gemm_bf16_amx_swiglu): [p0, p1) are gate panels, each
  * paired with the up panel `up` panels on, and y is the bf16 activation [M, up * NR]. */
-static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, const uint16_t *wp, const float *bias,
+QW_WIDE static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, const uint16_t *wp, const float *bias,
                       void *y, int64_t ldy, int ybf, int64_t N, int64_t p0, int64_t p1, int64_t up, argmax_acc *am) {
     const int esz = ybf ? 2 : 4;
     const int64_t ps = K * NR, pd = (up ? up : 1) * ps; /* elements per panel; from a pair's first panel to its second */
@@ -283,8 +270,9 @@ static void amx_range(const row_tiles *a, int64_t M, int64_t Mp, int64_t K, cons
     if (Mp == MT && up) { /* one row tile of the gate/up product: a gate and an up panel at a time */
         const uint16_t *a0 = tile_rows(a, 0, &lda);
         for (int64_t p = p0; p < p1; p++) {
-            rows16_by_2(a0, lda, K, wp + p * ps, pd, c);
-            store_swiglu_tile(c, c + MT * NR, (uint16_t *)y + p * NR, ldy, (int)M);
+            rows16_by_2(a0, lda, K, wp + p * ps, pd, c); /* gate tile at c, up tile next: a pending block's layout */
+            const pending e = {.c = c, .rows = {(int)M, 0}, .y = (char *)((uint16_t *)y + p * NR), .ldy = ldy, .ybf = 1, .up = 1};
+            epilogue_slots(&e, 0, SLOTS);
         }
     } else if (Mp == MT) { /* one row tile: three panels at a time */
         const uint16_t *a0 = tile_rows(a, 0, &lda);

@@ -336,14 +336,15 @@ class DecoderModel:
         an fp32 copy would hold, without the copy, which is read only for an argmax), or, where a
         bf16 head runs on AMX, only their argmax comes back: the tokens, int64 ``[rows]`` (1-D,
         which :func:`qworker.engine.sampler.sample` takes as the rows' tokens)."""
-        if argmax_rows is not None and bool(argmax_rows.all()):
+        all_argmax = argmax_rows is not None and bool(argmax_rows.all())
+        if all_argmax:
             tokens = self._greedy_tokens(x)
             if tokens is not None:
                 return tokens
         head = self.greedy_head
         if (argmax_rows is None or head is None or type(self.lm_head) is not Linear
                 or self.lm_head.weight is not head.exact or not bool(argmax_rows.any())):
-            return self._logits(x, keep_dtype=argmax_rows is not None and bool(argmax_rows.all()))
+            return self._logits(x, keep_dtype=all_argmax)
         out = torch.full((x.shape[0], self.lm_head.out_features), -math.inf)
         rest = torch.nonzero(~argmax_rows).flatten()
         if rest.numel():
@@ -357,16 +358,21 @@ class DecoderModel:
         (:func:`kernels.gemm_cpu.argmax_bf16`: the argmax of the bf16 logits ``_logits(x,
         keep_dtype=True)`` returns, without writing them), or None where that does not apply."""
         head = self.lm_head
-        if (type(head) is not Linear or head.backend != "panels" or head.bias is not None or head.weight.dtype != torch.bfloat16
-                or self.logit_divisor is not None or self.logit_scale is not None or self.final_softcap is not None):
+        if (not self._plain_head() or head.backend != "panels" or head.bias is not None
+                or head.weight.dtype != torch.bfloat16):
             return None
         return gemm_cpu.argmax_bf16(x, head.weight, head.out_features)
+
+    def _plain_head(self) -> bool:
+        """Whether the logits are the LM head's output as it is: a plain Linear, no divisor, scale
+        or soft-cap after it."""
+        return (type(self.lm_head) is Linear and self.logit_divisor is None and self.logit_scale is None
+                and self.final_softcap is None)
 
     def _logits(self, x: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
         """fp32 logits; ``keep_dtype``: the plain head's output in its weight's dtype instead (the
         same values: the GEMM rounds to that dtype either way, see ``Linear.lowp``)."""
-        if (keep_dtype and type(self.lm_head) is Linear and self.logit_divisor is None and self.logit_scale is None
-                and self.final_softcap is None):
+        if keep_dtype and self._plain_head():
             return self.lm_head.lowp(x)
         logits = self.lm_head(x)
         if self.logit_divisor is not None:  # before the soft-cap (no family has both)
